@@ -1,0 +1,1 @@
+"""hf_selfspec: exact self-speculative decoding for Hugging Face generate()."""

@@ -1,0 +1,133 @@
+"""A layered view of a Hugging Face Llama-family causal LM.
+
+The view holds references to the HF model's own parameters (never copies) and the
+maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
+so the engine can run any row range through any layer range. Supported: Llama, Mistral,
+Qwen2, Qwen3 (q/k norm), SmolLM (a Llama); GQA and MHA; tied or untied LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one the engine implements."""
+
+
+@dataclass
+class LayerWeights:
+    """Parameters of one decoder layer, shared with the HF module (no copies)."""
+
+    input_norm: torch.Tensor  # [H]
+    q: torch.nn.Linear
+    k: torch.nn.Linear
+    v: torch.nn.Linear
+    o: torch.nn.Linear
+    q_norm: torch.Tensor | None  # [d] (Qwen3) or None
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate: torch.nn.Linear
+    up: torch.nn.Linear
+    down: torch.nn.Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LayeredModel:
+    """Embedding, decoder layers, final norm, LM head and RoPE tables of an HF causal LM."""
+
+    def __init__(self, model: torch.nn.Module, max_positions: int):
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
+                f"got model_type={model_type!r} ({type(model).__name__}). "
+                "Use plain model.generate() for this model."
+            )
+        self._check_features(config, max_positions)
+        inner = model.model
+        self.model = model
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.eps = float(config.rms_norm_eps)
+        self.vocab_size = config.vocab_size
+        self.embed = inner.embed_tokens.weight  # [V, H]
+        self.final_norm = inner.norm.weight  # [H]
+        self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not)
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.scaling = self.head_dim**-0.5
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.cos, self.sin = self._rope_tables(inner, max_positions)  # [P, d] each
+
+    @staticmethod
+    def _check_features(config, max_positions: int) -> None:
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", True)
+        if window is not None and uses_window and window < max_positions:
+            raise UnsupportedModelError(
+                f"sliding-window attention (window {window}) is not implemented by the engine; "
+                f"use a capacity <= {window} or plain model.generate()."
+            )
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu').")
+
+    def _layer(self, layer) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight,
+            q=attn.q_proj,
+            k=attn.k_proj,
+            v=attn.v_proj,
+            o=attn.o_proj,
+            q_norm=None if q_norm is None else q_norm.weight,
+            k_norm=None if k_norm is None else k_norm.weight,
+            post_norm=layer.post_attention_layernorm.weight,
+            gate=mlp.gate_proj,
+            up=mlp.up_proj,
+            down=mlp.down_proj,
+        )
+
+    def _rope_tables(self, inner, max_positions: int):
+        """cos/sin for positions [0, max_positions) from the HF rotary module itself, so
+        every RoPE variant the HF model supports gives the same tables."""
+        positions = torch.arange(max_positions, device=self.device)[None]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(probe, positions)
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    # ---- maths on a block of rows -------------------------------------------------------
+
+    def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [W] -> hidden [W, H]."""
+        return F.embedding(token_ids, self.embed)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [W, H] after the last layer -> logits [W, V]."""
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.eps))

@@ -1,0 +1,11 @@
+"""Kernels for exact self-speculative decoding.
+
+``row_attention`` (Triton) and ``row_attention_reference`` (PyTorch) compute decode
+attention whose per-row result does not depend on how many rows share the call. Importing
+this package does not import Triton; the launcher does so on first use.
+"""
+
+from .attention import row_attention
+from .reference import row_attention_reference
+
+__all__ = ["row_attention", "row_attention_reference"]

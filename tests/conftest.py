@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random-weight HF models built in the test, and the real default."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run on CPU tensors through the interpreter when there is no GPU; this
+# must be set before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: int = 2,
+               vocab: int = 256, hidden: int = 64, tie: bool = False):
+    """A random-weight Llama or Qwen3 causal LM small enough for exhaustive tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
+                  max_position_embeddings=2048, tie_word_embeddings=tie,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """HF's own greedy generate(): the reference everything is compared against."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from hf_selfspec.defaults import load_default_model_and_tokenizer
+
+    return load_default_model_and_tokenizer()

@@ -1,0 +1,94 @@
+"""Engine AR == HF greedy; the fixed-width row invariant bit for bit; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, tiny_model
+
+from hf_selfspec.engine.layered import UnsupportedModelError
+from hf_selfspec.engine.programs import Engine, EngineConfig
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed):
+    model = tiny_model(kind, seed=seed, kv_heads=kv_heads)
+    engine = Engine(model, EngineConfig(width=8, capacity=512))
+    gen = torch.Generator().manual_seed(100 + seed)
+    for prompt_len in (1, 5, 8, 9, 77, 300):  # chunk edges and a second key block
+        prompt = torch.randint(3, 256, (prompt_len,), generator=gen).tolist()
+        assert engine.generate_ar(prompt, 24) == hf_greedy(model, prompt, 24), prompt_len
+
+
+def test_engine_ar_stops_at_eos():
+    model = tiny_model("llama", seed=3)
+    engine = Engine(model, EngineConfig(width=4, capacity=256))
+    prompt = list(range(3, 20))
+    free = engine.generate_ar(prompt, 30)
+    eos = free[5]
+    stopped = engine.generate_ar(prompt, 30, eos_token_ids=[eos])
+    assert stopped == free[: free.index(eos) + 1]
+    assert stopped == hf_greedy(model, prompt, 30, eos_token_id=eos)
+
+
+def _block_rows(engine, tokens, positions):
+    meta = engine.make_meta(positions)
+    return engine.embed(tokens), meta
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_rows_are_invariant_to_the_other_rows(kind):
+    """Row i of a step with n real rows == the same row computed alone (same width), for
+    seg and verify: hidden states and logits bit for bit."""
+    model = tiny_model(kind, seed=5)
+    width = 8
+    engine = Engine(model, EngineConfig(width=width, capacity=600))
+    prompt = torch.randint(3, 256, (290,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.prefill(prompt)
+    start = len(prompt)
+    block = torch.randint(3, 256, (width,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    # all rows together: seg over layers [0, 2), then verify from layer 2
+    h, meta = _block_rows(engine, block, range(start, start + width))
+    h_seg = engine.seg(h, 0, 2, meta)
+    logits_all, _, _ = engine.verify(h_seg.clone(), 2, meta)
+
+    # row i alone: the rows before it must already be in the KV cache (they are: the
+    # joint step wrote them with identical values), so run row i as a 1-row step
+    for i in (0, 3, width - 1):
+        h1, meta1 = _block_rows(engine, [block[i]], [start + i])
+        h1_seg = engine.seg(h1, 0, 2, meta1)
+        assert torch.equal(h1_seg[0], h_seg[i]), f"seg row {i}"
+        logits1, _, _ = engine.verify(h1_seg, 2, meta1)
+        assert torch.equal(logits1[0], logits_all[i]), f"verify row {i}"
+
+
+def test_over_capacity_prompt_is_refused_before_work():
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(width=8, capacity=64))
+    with pytest.raises(ValueError, match="exceeds the engine's KV capacity"):
+        engine.generate_ar(list(range(3, 53)), max_new_tokens=10)
+    assert engine.k_cache.abs().sum() == 0  # nothing was computed
+
+
+def test_empty_prompt_is_refused():
+    engine = Engine(tiny_model("llama"), EngineConfig(width=8, capacity=64))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate_ar([], max_new_tokens=4)
+
+
+def test_unsupported_architecture_names_it():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        Engine(model)
+
+
+def test_bad_engine_config():
+    with pytest.raises(ValueError, match="width"):
+        EngineConfig(width=0)
+    with pytest.raises(ValueError, match="capacity"):
+        EngineConfig(width=8, capacity=4)
