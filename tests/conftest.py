@@ -12,11 +12,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(int(os.environ.get("HF_SELFSPEC_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: int = 2,
-               vocab: int = 256, hidden: int = 64, tie: bool = False):
+               vocab: int = 256, hidden: int = 128, tie: bool = False):
     """A random-weight Llama or Qwen3 causal LM small enough for exhaustive tests."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 

@@ -10,12 +10,13 @@ from hf_selfspec.engine.layered import UnsupportedModelError
 from hf_selfspec.engine.programs import Engine, EngineConfig
 
 
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine")])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
 @pytest.mark.parametrize("seed", [0, 1])
-def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed):
+def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
     model = tiny_model(kind, seed=seed, kv_heads=kv_heads)
-    engine = Engine(model, EngineConfig(width=8, capacity=512))
+    engine = Engine(model, EngineConfig(width=8, capacity=512, row_layout=layout, prefill=prefill))
     gen = torch.Generator().manual_seed(100 + seed)
     for prompt_len in (1, 5, 8, 9, 77, 300):  # chunk edges and a second key block
         prompt = torch.randint(3, 256, (prompt_len,), generator=gen).tolist()
@@ -38,13 +39,15 @@ def _block_rows(engine, tokens, positions):
     return engine.embed(tokens), meta
 
 
+@pytest.mark.parametrize("layout", ["fixed", "micro"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_rows_are_invariant_to_the_other_rows(kind):
+def test_rows_are_invariant_to_the_other_rows(kind, layout):
     """Row i of a step with n real rows == the same row computed alone (same width), for
     seg and verify: hidden states and logits bit for bit."""
     model = tiny_model(kind, seed=5)
     width = 8
-    engine = Engine(model, EngineConfig(width=width, capacity=600))
+    engine = Engine(model, EngineConfig(width=width, capacity=600, row_layout=layout))
+    assert engine.layout.name == layout
     prompt = torch.randint(3, 256, (290,), generator=torch.Generator().manual_seed(0)).tolist()
     engine.prefill(prompt)
     start = len(prompt)
@@ -57,7 +60,7 @@ def test_rows_are_invariant_to_the_other_rows(kind):
 
     # row i alone: the rows before it must already be in the KV cache (they are: the
     # joint step wrote them with identical values), so run row i as a 1-row step
-    for i in (0, 3, width - 1):
+    for i in range(width):
         h1, meta1 = _block_rows(engine, [block[i]], [start + i])
         h1_seg = engine.seg(h1, 0, 2, meta1)
         assert torch.equal(h1_seg[0], h_seg[i]), f"seg row {i}"

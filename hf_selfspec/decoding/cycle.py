@@ -104,10 +104,8 @@ class _Block:
         """One seg pass: rows [first, last), all at the same depth, to layer `end`."""
         start = self.depth[first]
         rows = slice(first, last)
-        x = torch.zeros_like(self.hidden)
-        x[: last - first] = self.hidden[rows]
         meta = self.engine.make_meta(range(self.position + first, self.position + last))
-        self.hidden[rows] = self.engine.seg(x, start, end, meta)[: last - first]
+        self.hidden[rows] = self.engine.seg(self.hidden[rows], start, end, meta)
         for r in range(first, last):
             self.depth[r] = end
 
@@ -221,11 +219,9 @@ class SelfSpecDecoder:
         depth = block.max_depth
         block.climb(depth)
         n = len(block)
-        x = torch.zeros_like(block.hidden)
-        x[:n] = block.hidden[:n]
         meta = self.engine.make_meta(range(block.position, block.position + n))
-        _, argmax, _ = self.engine.verify(x, depth, meta)
-        return argmax[:n].tolist()
+        _, argmax, _ = self.engine.verify(block.hidden[:n], depth, meta)
+        return argmax.tolist()
 
     @staticmethod
     def accepted_tokens(block: _Block, model_tokens: list[int]) -> tuple[list[int], list[str]]:

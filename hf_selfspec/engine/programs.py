@@ -1,11 +1,20 @@
 """The fixed-width engine: static KV cache and the step programs `ar`, `seg`, `verify`.
 
-Every GEMM, norm and elementwise op of a step runs on exactly `width` rows: real rows
-first, padding after (pad rows reuse row 0's position and write their KV to a trash slot
-no real row can see). Only KV writes and attention treat rows individually, and attention
-is row-invariant (see attention.py). So a token's row is computed bit for bit the same
-whether it is an AR step (1 real row), a catch-up of m rows or a verification of n rows:
-this is what makes speculative greedy output identical to the engine's own AR output.
+A token's row must be computed bit for bit the same whether it is an AR step (1 real
+row), a catch-up of m rows or a verification of n rows: this is what makes speculative
+greedy output identical to the engine's own AR output. Libraries choose GEMM kernels by
+shape, so the engine fixes the shapes. Two row layouts, chosen per machine by a bitwise
+self-test at start-up (`RowLayout`):
+
+  fixed   every GEMM, norm and elementwise op runs on exactly `width` rows (real rows
+          first, padding after). Works with any BLAS; the CUDA-graph layout.
+  micro   GEMMs run on chunks of 2 or 3 rows. On MKL (this CPU) the 2- and 3-row GEMM
+          path computes each row independently of the others (checked bit for bit on the
+          model's own weight shapes at start-up), so a step costs what its real rows cost:
+          1-2 rows ~ a GEMV, 8 rows ~ 2x. A 1-row step is padded to 2 rows.
+
+Pad rows reuse row 0's position and write their KV to a trash slot no real row can see.
+Attention always runs on `width` query rows and is row-invariant (see attention.py).
 
 Programs (all share `run_layers`):
   ar          1 row, all layers, LM head, argmax
@@ -17,8 +26,9 @@ limits) lives in one buffer written by one copy, as the CUDA-graph runner will n
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +36,14 @@ import torch.nn.functional as F
 from .attention import KEY_BLOCK, block_attention, visible_bias
 from .layered import LayeredModel, rms_norm, rotate_half
 
-# Rows per step on this CPU. Measured with scripts/bench_engine.py --widths (SmolLM2-135M,
-# fp32, 2 threads): see README "Width". 8 rows cost ~1.2x one row, 16 rows ~1.8x.
+# Most rows one step takes (row 0 + drafts). Measured with scripts/bench_engine.py
+# (SmolLM2-135M, fp32, 2 threads, see README "Width"): in the micro layout a step costs
+# ~1.0x (1-3 rows), ~1.5x (6 rows), ~1.9x (8 rows) an AR step.
 DEFAULT_WIDTH = 8
 DEFAULT_CAPACITY = 2048
+
+RowLayoutName = Literal["auto", "fixed", "micro"]
+PrefillName = Literal["hf", "engine"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +53,18 @@ class EngineConfig:
 
     width: int = DEFAULT_WIDTH
     capacity: int = DEFAULT_CAPACITY
+    row_layout: RowLayoutName = "auto"  # auto: micro where the self-test passes, else fixed
+    # "hf": the prompt goes through the HF model's own forward (wide GEMMs, one pass) and
+    # its KV is copied into the engine's cache, so the prompt KV and the first new token
+    # are exactly those of HF's generate(); "engine": W-row chunks through the decode
+    # programs. Speculative and AR decoding always share the prefill, so either is exact.
+    prefill: PrefillName = "hf"
 
     def __post_init__(self):
+        if self.prefill not in ("hf", "engine"):
+            raise ValueError(f"prefill must be 'hf' or 'engine', got {self.prefill!r}")
+        if self.row_layout not in ("auto", "fixed", "micro"):
+            raise ValueError(f"row_layout must be 'auto', 'fixed' or 'micro', got {self.row_layout!r}")
         if not isinstance(self.width, int) or not 1 <= self.width <= 64:
             raise ValueError(f"width must be an int in [1, 64], got {self.width!r}")
         if not isinstance(self.capacity, int) or self.capacity < 2 * self.width:
@@ -49,19 +73,67 @@ class EngineConfig:
 
 @dataclass
 class StepMeta:
-    """Per-step row metadata, device tensors of shape [W] (views of one buffer)."""
+    """Per-step row metadata. positions/slots/key_limit are device tensors [W] (views of
+    one buffer); `rows` is how many rows the GEMMs of this step compute."""
 
     positions: torch.Tensor  # RoPE position of each row
     slots: torch.Tensor  # KV slot each row writes (pad rows: the trash slot)
     key_limit: torch.Tensor  # last slot each row may attend to
     num_real: int
+    rows: int
     bias: torch.Tensor  # [G*W, nb*KEY_BLOCK] additive attention mask
-    cos: torch.Tensor  # [W, d]
+    cos: torch.Tensor  # [rows, d]
     sin: torch.Tensor
 
 
+def row_chunks(rows: int) -> list[tuple[int, int]]:
+    """Split `rows` (>= 2) into consecutive chunks of 3 rows and at most two of 2 rows."""
+    chunks, lo = [], 0
+    while rows - lo > 0:
+        left = rows - lo
+        size = 2 if left in (2, 4) else 3
+        chunks.append((lo, lo + size))
+        lo += size
+    return chunks
+
+
+class RowLayout:
+    """How many rows a step's GEMMs compute, and in which chunks (see module docstring)."""
+
+    def __init__(self, name: str, width: int):
+        self.name = name
+        self.width = width
+
+    def rows(self, num_real: int) -> int:
+        return self.width if self.name == "fixed" else max(num_real, 2)
+
+    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+        """x [rows, in] -> [rows, out], the row-invariant way."""
+        if self.name == "fixed" or x.shape[0] <= 3:
+            return layer(x)
+        return torch.cat([layer(x[lo:hi]) for lo, hi in row_chunks(x.shape[0])])
+
+    @staticmethod
+    def micro_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
+        """Bitwise self-test on the model's own weight shapes: a row's product must not
+        depend on its chunk size (2 or 3), its place in the chunk, or its neighbours."""
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        for layer in layers:
+            w = layer.weight
+            x = torch.randn(4, w.shape[1], generator=gen).to(w.device, w.dtype)
+            with torch.no_grad():
+                ref = layer(x[:2])[0]
+                for size in (2, 3):
+                    for place in range(size):
+                        block = torch.randn(size, w.shape[1], generator=gen).to(w.device, w.dtype)
+                        block[place] = x[0]
+                        if not torch.equal(layer(block)[place], ref):
+                            return False
+        return True
+
+
 class Engine:
-    """Fixed-width engine over an HF model (weights shared, KV cache owned)."""
+    """Fixed-shape engine over an HF model (weights shared, KV cache owned)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
@@ -78,6 +150,25 @@ class Engine:
         self.v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
         self._meta_host = torch.zeros(3, self.width, dtype=torch.long)
         self._meta = torch.zeros(3, self.width, dtype=torch.long, device=v.device)
+        self.layout = RowLayout(self._choose_layout(), self.width)
+        # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
+        params = inspect.signature(model.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _choose_layout(self) -> str:
+        wanted = self.config.row_layout
+        if wanted == "fixed" or (wanted == "auto" and self.view.device.type != "cpu"):
+            return "fixed"
+        lw = self.view.layers[0]
+        shapes = [lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down, self.view.lm_head]
+        if RowLayout.micro_is_row_invariant(shapes):
+            return "micro"
+        if wanted == "micro":
+            raise ValueError(
+                "row_layout='micro' was asked for, but this BLAS does not compute 2- and 3-row "
+                "GEMMs row-invariantly; use row_layout='fixed' (or 'auto')."
+            )
+        return "fixed"
 
     # ---- capacity -----------------------------------------------------------------------
 
@@ -114,77 +205,119 @@ class Engine:
         positions_t, slots_t, limit_t = self._meta[0], self._meta[1], self._meta[2]
         num_blocks = max(limits) // KEY_BLOCK + 1
         bias = visible_bias(limit_t, num_blocks * KEY_BLOCK, self.group)
+        rows = self.layout.rows(n)
         v = self.view
         return StepMeta(
-            positions_t, slots_t, limit_t, n, bias, v.cos[positions_t], v.sin[positions_t]
+            positions_t, slots_t, limit_t, n, rows, bias,
+            v.cos[positions_t[:rows]], v.sin[positions_t[:rows]],
         )
 
     # ---- the maths of a step --------------------------------------------------------------
 
+    def _pad(self, h: torch.Tensor, rows: int) -> torch.Tensor:
+        if h.shape[0] == rows:
+            return h
+        x = torch.zeros(rows, h.shape[1], dtype=h.dtype, device=h.device)
+        x[: h.shape[0]] = h
+        return x
+
     def run_layers(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
-        """h [W, H] after `start` layers -> [W, H] after `end` layers; writes KV of layers
-        [start, end) at meta.slots."""
+        """h [n, H] (the step's real rows) after `start` layers -> [n, H] after `end`
+        layers; writes the KV of layers [start, end) at meta.slots."""
         v = self.view
-        W, Hq, Hkv, d = self.width, v.num_heads, v.num_kv_heads, v.head_dim
-        cos, sin = meta.cos[None], meta.sin[None]  # [1, W, d]
+        R, W, Hq, Hkv, d = meta.rows, self.width, v.num_heads, v.num_kv_heads, v.head_dim
+        n = h.shape[0]
+        lin = self.layout.linear
+        h = self._pad(h, R)
+        cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
+        slots = meta.slots[:R]
+        q_all = torch.zeros(Hq, W, d, dtype=torch.float32, device=h.device) if R < W else None
         for li in range(start, end):
             lw = v.layers[li]
             x = rms_norm(h, lw.input_norm, v.eps)
-            q = lw.q(x).view(W, Hq, d)
-            k = lw.k(x).view(W, Hkv, d)
-            val = lw.v(x).view(W, Hkv, d)
+            q = lin(x, lw.q).view(R, Hq, d)
+            k = lin(x, lw.k).view(R, Hkv, d)
+            val = lin(x, lw.v).view(R, Hkv, d)
             if lw.q_norm is not None:
                 q = rms_norm(q, lw.q_norm, v.eps)
                 k = rms_norm(k, lw.k_norm, v.eps)
-            q = q.transpose(0, 1)  # [Hq, W, d]
-            k = k.transpose(0, 1)  # [Hkv, W, d]
+            q = q.transpose(0, 1)  # [Hq, R, d]
+            k = k.transpose(0, 1)  # [Hkv, R, d]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            self.k_cache[li].index_copy_(1, meta.slots, k)
-            self.v_cache[li].index_copy_(1, meta.slots, val.transpose(0, 1))
-            qg = (q.float() * v.scaling).reshape(Hkv, self.group * W, d)  # [Hkv, G*W, d]
-            o = block_attention(qg, self.k_cache[li], self.v_cache[li], meta.bias)
-            o = o.to(h.dtype).view(Hq, W, d).transpose(0, 1).reshape(W, Hq * d)
-            h = h + lw.o(o)
+            self.k_cache[li].index_copy_(1, slots, k)
+            self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
+            # attention always sees W query rows (fixed shapes)
+            if q_all is None:
+                qw = q.float() * v.scaling
+            else:
+                q_all[:, :R] = q.float() * v.scaling
+                qw = q_all
+            o = block_attention(qw.reshape(Hkv, self.group * W, d), self.k_cache[li],
+                                self.v_cache[li], meta.bias)
+            o = o.view(Hq, W, d)[:, :R].to(h.dtype).transpose(0, 1).reshape(R, Hq * d)
+            h = h + lin(o, lw.o)
             x = rms_norm(h, lw.post_norm, v.eps)
-            h = h + lw.down(F.silu(lw.gate(x)) * lw.up(x))
-        return h
+            h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
+        return h[:n]
+
+    def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream after the last layer [n, H] -> (logits [n, V], final hidden
+        state after the final norm [n, H]), row-invariantly."""
+        v = self.view
+        n = h.shape[0]
+        x = rms_norm(self._pad(h, self.layout.rows(n)), v.final_norm, v.eps)
+        return self.layout.linear(x, v.lm_head)[:n], x[:n]
 
     def embed(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Up to W token ids -> hidden [W, H] (pad rows embed token 0)."""
-        ids = torch.zeros(self.width, dtype=torch.long)
-        ids[: len(token_ids)] = torch.as_tensor(token_ids)
-        return self.view.embed_rows(ids.to(self.view.device))
+        """Token ids -> hidden [n, H]."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.view.device)
+        return self.view.embed_rows(ids)
 
     # ---- programs ------------------------------------------------------------------------
 
     @torch.no_grad()
     def seg(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
-        """seg[start, end, m]: advance the block's rows from layer `start` to `end`."""
+        """seg[start, end, m]: advance the step's m rows from layer `start` to `end`."""
         return self.run_layers(h, start, end, meta)
 
     @torch.no_grad()
     def verify(self, h: torch.Tensor, start: int, meta: StepMeta):
         """verify[start, n]: rows from layer `start` to the end.
-        Returns (logits [W, V], argmax [W], final hidden [W, H])."""
+        Returns (logits [n, V], argmax [n], final hidden after the final norm [n, H])."""
         h = self.run_layers(h, start, self.view.num_layers, meta)
-        logits = self.view.logits(h)
-        return logits, logits.argmax(-1), h
+        logits, final = self.logits(h)
+        return logits, logits.argmax(-1), final
 
     @torch.no_grad()
     def prefill(self, prompt_ids: Sequence[int]):
-        """Run the prompt through the same fixed-width programs, W rows per chunk, so the
-        prompt's KV is computed with exactly the decode operators.
-        Returns (logits [V], final hidden [H]) of the last prompt row."""
+        """Fill the KV cache with the prompt (see EngineConfig.prefill).
+        Returns (logits [V], final hidden after the final norm [H]) of the last prompt row."""
+        if self.config.prefill == "hf":
+            return self._prefill_hf(prompt_ids)
+        return self._prefill_engine(prompt_ids)
+
+    def _prefill_hf(self, prompt_ids: Sequence[int]):
+        from transformers import DynamicCache
+
+        n = len(prompt_ids)
+        ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=self.view.device)
+        cache = DynamicCache(config=self.view.config)
+        out = self.view.model.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+        for li, layer in enumerate(cache.layers):
+            self.k_cache[li, :, :n] = layer.keys[0]
+            self.v_cache[li, :, :n] = layer.values[0]
+        last = out.last_hidden_state[0, -1]  # after the final norm
+        return self.view.lm_head(last[None])[0], last
+
+    def _prefill_engine(self, prompt_ids: Sequence[int]):
         n = len(prompt_ids)
         for lo in range(0, n, self.width):
             chunk = list(prompt_ids[lo : lo + self.width])
             meta = self.make_meta(range(lo, lo + len(chunk)))
             h = self.run_layers(self.embed(chunk), 0, self.view.num_layers, meta)
-        last = (n - 1) % self.width
-        # logits of the whole block (fixed width), then the last real row
-        logits = self.view.logits(h)
-        return logits[last], h[last]
+        logits, final = self.logits(h[-1:])
+        return logits[0], final[0]
 
     @torch.no_grad()
     def ar_step(self, token: int, position: int):
@@ -201,6 +334,8 @@ class Engine:
         """The engine's own greedy AR decoding: the reference every speculative path must
         match token for token. Stops after an EOS id (included) or max_new_tokens."""
         self.check_capacity(len(prompt_ids), max_new_tokens)
+        if max_new_tokens <= 0:
+            return []
         eos = set(eos_token_ids)
         logits, _ = self.prefill(prompt_ids)
         token = int(logits.argmax())
@@ -210,4 +345,4 @@ class Engine:
             _, token, _ = self.ar_step(token, position)
             out.append(token)
             position += 1
-        return out[:max_new_tokens] if max_new_tokens > 0 else []
+        return out
