@@ -139,7 +139,9 @@ class SelfSpecDecoder:
         self.engine = engine
         self.heads = heads
         self.config = config or DecodeConfig()
-        self.head_list = list(heads.heads) if heads is not None else []
+        # lookup "only" is exact PLD: the heads are not consulted
+        use_heads = heads is not None and self.config.lookup != "only"
+        self.head_list = list(heads.heads) if use_heads else []
         for head in self.head_list:
             if not 1 <= head.layer < engine.view.num_layers:
                 raise ValueError(
@@ -164,7 +166,13 @@ class SelfSpecDecoder:
         if given is None:
             if n == 0:
                 return []
-            return [float(t) for t in self.heads.calibration.thresholds]
+            calibration = getattr(self.heads, "calibration", None)
+            if calibration is None:
+                raise ValueError(
+                    "these heads carry no calibration: pass thresholds=... in DecodeConfig "
+                    "(or calibrate them with hf_selfspec.heads.Calibration.fit)"
+                )
+            return [float(t) for t in calibration.thresholds]
         if isinstance(given, tuple):
             if len(given) != n:
                 raise ValueError(f"{len(given)} thresholds given for {n} heads")

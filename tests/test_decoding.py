@@ -1,0 +1,150 @@
+"""Speculative output == the engine's AR output exactly, on every branch of the loop.
+
+Tiny random models with random exit heads; extreme thresholds force each branch: always
+draft (drafts rejected at every position), never draft, climbing to the deepest head,
+EOS inside a draft, max_new_tokens hit mid-cycle, stop callbacks, prompt lookup hits and
+misses in every mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, tiny_model
+
+from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.heads import ExitHeads
+
+NEVER = 2.0  # a confidence threshold no head reaches
+ALWAYS = 0.0
+
+
+def random_heads(model, layers, seed=0):
+    """Exit heads whose shallow heads have random adapters (confident, mostly wrong) and
+    whose deepest head is the untrained logit lens one layer below the top (often right)."""
+    heads = ExitHeads.create(model, layers, torch.arange(model.config.vocab_size), adapter_dims=32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for head in heads.heads:
+            if head is not heads.heads[-1]:
+                for p in (head.down.weight, head.up.weight):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            if head.reject is not None:
+                head.reject.bias.fill_(-20.0)  # never reject: every evaluation can draft
+    return heads
+
+
+def prompt(seed, length, alphabet=256):
+    return torch.randint(3, alphabet, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["fixed", "micro"])
+def setup(request):
+    model = tiny_model("llama", seed=0, layers=4)
+    engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout=request.param))
+    heads = random_heads(model, [1, 3])
+    return model, engine, heads
+
+
+CASES = {
+    "always_draft": dict(thresholds=(ALWAYS, ALWAYS), lookup="off"),
+    "never_draft": dict(thresholds=(NEVER, NEVER), lookup="off"),
+    "deep_head_only": dict(thresholds=(NEVER, ALWAYS), lookup="off"),
+    "shallow_then_deep": dict(thresholds=(0.9, ALWAYS), lookup="off"),
+    "short_chains": dict(thresholds=(ALWAYS, ALWAYS), lookup="off", max_draft=2),
+    "lookup_only": dict(lookup="only"),
+    "lookup_first": dict(thresholds=(ALWAYS, ALWAYS), lookup="first"),
+    "lookup_fallback": dict(thresholds=(NEVER, 0.5), lookup="fallback"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_equals_engine_ar(setup, case):
+    model, engine, heads = setup
+    decoder = SelfSpecDecoder(engine, heads, DecodeConfig(**CASES[case]))
+    for seed, (length, alphabet) in enumerate([(1, 256), (13, 256), (40, 12), (120, 256)]):
+        p = prompt(seed, length, alphabet)
+        expected = engine.generate_ar(p, 48)
+        result = decoder.generate(p, 48)
+        assert result.tokens == expected, (case, seed)
+        stats = result.stats
+        assert stats.new_tokens == len(expected) == len(stats.sources)
+        assert stats.accepted <= stats.drafted
+        assert stats.new_tokens == stats.accepted + stats.cycles + 1  # +1: the prefill token
+    if case == "never_draft":
+        assert stats.drafted == 0
+    if case in ("always_draft", "short_chains"):
+        assert stats.drafted > 0 and stats.head_evaluations > 0
+
+
+def test_branches_are_really_taken(setup):
+    """The cases above must exercise acceptance by heads and by copies, and rejection."""
+    model, engine, heads = setup
+    totals = {"head": 0, "copy": 0, "rejected": 0}
+    for case in ("always_draft", "deep_head_only", "lookup_first"):
+        decoder = SelfSpecDecoder(engine, heads, DecodeConfig(**CASES[case]))
+        for seed in range(4):
+            r = decoder.generate(prompt(seed, 40, 12), 48)
+            totals["head"] += sum(s.startswith("head") for s in r.stats.sources)
+            totals["copy"] += r.stats.sources.count("copy")
+            totals["rejected"] += r.stats.drafted - r.stats.accepted
+    assert all(v > 0 for v in totals.values()), totals
+
+
+def test_speculative_equals_hf_greedy(setup):
+    model, engine, heads = setup
+    decoder = SelfSpecDecoder(engine, heads, DecodeConfig(thresholds=ALWAYS, lookup="first"))
+    for seed in range(3):
+        p = prompt(seed, 30, 40)
+        assert decoder.generate(p, 40).tokens == hf_greedy(model, p, 40)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 5, 8, 13])
+def test_max_new_tokens_mid_cycle(setup, max_new):
+    model, engine, heads = setup
+    decoder = SelfSpecDecoder(engine, heads, DecodeConfig(thresholds=ALWAYS, lookup="first"))
+    p = prompt(7, 40, 12)
+    assert decoder.generate(p, max_new).tokens == engine.generate_ar(p, 40)[:max_new]
+
+
+def test_eos_inside_a_draft(setup):
+    """Every EOS choice from the AR output: stop exactly after its first occurrence, even
+    when it is drafted in the middle of an accepted chunk."""
+    model, engine, heads = setup
+    p = prompt(3, 40, 12)
+    free = engine.generate_ar(p, 40)
+    for cfg in (DecodeConfig(lookup="only"), DecodeConfig(thresholds=ALWAYS, lookup="first")):
+        decoder = SelfSpecDecoder(engine, heads, cfg)
+        for eos in sorted(set(free))[:6]:
+            expected = free[: free.index(eos) + 1]
+            assert decoder.generate(p, 40, eos_token_ids=[eos, 10_000]).tokens == expected
+            assert engine.generate_ar(p, 40, [eos]) == expected
+
+
+def test_stop_callback_and_commit_chunks(setup):
+    model, engine, heads = setup
+    p = prompt(4, 40, 12)
+    free = engine.generate_ar(p, 40)
+    decoder = SelfSpecDecoder(engine, heads, DecodeConfig(lookup="first", thresholds=ALWAYS))
+    for k in (1, 4, 9):
+        chunks = []
+        r = decoder.generate(p, 40, stop=lambda out, k=k: len(out) >= k, on_commit=chunks.append)
+        assert r.tokens == free[:k]
+        assert [t for c in chunks for t in c] == free[:k]
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="lookup"):
+        DecodeConfig(lookup="sometimes")
+    with pytest.raises(ValueError, match="gamma"):
+        DecodeConfig(gamma=2.0)
+    model = tiny_model("llama", layers=4)
+    engine = Engine(model, EngineConfig(width=4, capacity=128))
+    heads = random_heads(model, [1, 2])
+    with pytest.raises(ValueError, match="max_draft"):
+        SelfSpecDecoder(engine, heads, DecodeConfig(max_draft=9, thresholds=0.5))
+    with pytest.raises(ValueError, match="thresholds"):
+        SelfSpecDecoder(engine, heads, DecodeConfig(thresholds=(0.5,)))
+    with pytest.raises(ValueError, match="calibration"):
+        SelfSpecDecoder(engine, heads, DecodeConfig())
