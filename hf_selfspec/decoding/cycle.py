@@ -72,6 +72,8 @@ class DecodeConfig:
 class DecodeResult:
     tokens: list[int]  # new tokens only
     stats: DecodeStats
+    logits: list[torch.Tensor] | None = None  # [V] raw logits behind each new token
+    scores: list[torch.Tensor] | None = None  # [V] the same after min_new_tokens masking
 
 
 StopFn = Callable[[list[int]], bool]  # new tokens so far -> stop after the last one?
@@ -222,14 +224,20 @@ class SelfSpecDecoder:
                 break
         stats.drafted += len(block) - 1
 
-    def verify_block(self, block: _Block) -> list[int]:
-        """Model argmax after every row of the block ([n] host ints)."""
+    def verify_block(self, block: _Block, masked_rows: int, eos: list[int]):
+        """The model's token after every row of the block: (argmax [n] host ints, logits
+        [n, V]). The first `masked_rows` rows may not end the text (min_new_tokens): their
+        EOS logits are -inf before the argmax, as HF's MinNewTokensLengthLogitsProcessor does."""
         depth = block.max_depth
         block.climb(depth)
         n = len(block)
         meta = self.engine.make_meta(range(block.position, block.position + n))
-        _, argmax, _ = self.engine.verify(block.hidden[:n], depth, meta)
-        return argmax.tolist()
+        logits, argmax, _ = self.engine.verify(block.hidden[:n], depth, meta)
+        if masked_rows > 0 and eos:
+            scores = logits.clone()
+            scores[:masked_rows, eos] = float("-inf")
+            return scores.argmax(-1).tolist(), logits, scores
+        return argmax.tolist(), logits, logits
 
     @staticmethod
     def accepted_tokens(block: _Block, model_tokens: list[int]) -> tuple[list[int], list[str]]:
@@ -254,9 +262,12 @@ class SelfSpecDecoder:
         eos_token_ids: Sequence[int] = (),
         stop: StopFn | None = None,
         on_commit: CommitFn | None = None,
+        min_new_tokens: int = 0,
+        collect_logits: bool = False,
     ) -> DecodeResult:
         """Greedy decoding; returns exactly `Engine.generate_ar`'s tokens (truncated after
-        the first EOS, at max_new_tokens, or after the token where `stop` returns True)."""
+        the first EOS, at max_new_tokens, or after the token where `stop` returns True).
+        EOS cannot be produced before `min_new_tokens` new tokens (HF semantics)."""
         engine = self.engine
         prompt_ids = list(prompt_ids)
         engine.check_capacity(len(prompt_ids), max_new_tokens)
@@ -266,8 +277,15 @@ class SelfSpecDecoder:
         if max_new_tokens <= 0:
             return DecodeResult(out, stats)
         eos = set(int(e) for e in eos_token_ids)
+        eos_list = sorted(eos)
         logits, _ = engine.prefill(prompt_ids)
-        first = int(logits.argmax())
+        scores = logits
+        if min_new_tokens > 0 and eos_list:
+            scores = logits.clone()
+            scores[eos_list] = float("-inf")
+        first = int(scores.argmax())
+        kept_logits = [logits] if collect_logits else None
+        kept_scores = [scores] if collect_logits else None
         stats.prefill_time = time.perf_counter() - t_start
         if self.lookup is not None:
             self.lookup.reset(prompt_ids)
@@ -279,17 +297,23 @@ class SelfSpecDecoder:
             t0 = time.perf_counter()
             self.draft_block(block, budget, eos, stats)
             t1 = time.perf_counter()
-            model_tokens = self.verify_block(block)
+            masked_rows = max(0, min_new_tokens - len(out))
+            model_tokens, logits, scores = self.verify_block(block, masked_rows, eos_list)
             stats.verify_time += time.perf_counter() - t1
             stats.draft_time += t1 - t0
             stats.cycles += 1
             tokens, sources = self.accepted_tokens(block, model_tokens)
             stats.accepted += len(tokens) - 1
             position += len(tokens)
+            before = len(out)
             done = self._commit(out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit)
+            if collect_logits:
+                kept = len(out) - before
+                kept_logits.extend(logits[:kept])
+                kept_scores.extend(scores[:kept])
         stats.new_tokens = len(out)
         stats.total_time = time.perf_counter() - t_start
-        return DecodeResult(out, stats)
+        return DecodeResult(out, stats, kept_logits, kept_scores)
 
     def _commit(self, out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit) -> bool:
         """Append tokens one by one, stopping exactly where AR would. True when done."""
