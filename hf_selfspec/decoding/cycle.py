@@ -31,6 +31,7 @@ import torch
 from ..engine.programs import Engine
 from ..stats import SOURCE_COPY, SOURCE_MODEL, DecodeStats, head_source
 from .lookup import PromptLookup
+from .policy import DraftBudget
 
 LookupMode = Literal["off", "only", "first", "fallback"]
 LOOKUP_MODES = ("off", "only", "first", "fallback")
@@ -209,15 +210,19 @@ class SelfSpecDecoder:
             if not drafted or block.tokens[-1] in eos:
                 return
 
-    def draft_block(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats) -> None:
+    def draft_block(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats,
+                    policy: DraftBudget) -> None:
+        """Fill the block with drafts: copies from prompt lookup and/or head drafts, at
+        most `budget`, and at most what the policy expects to pay for each drafter."""
         mode = self.config.lookup
         copies: list[int] = []
-        if self.lookup is not None and budget > 0 and mode in ("only", "first"):
-            copies = self.lookup.propose(budget)
+        copy_budget = min(budget, policy.budget(SOURCE_COPY))
+        if self.lookup is not None and copy_budget > 0 and mode in ("only", "first"):
+            copies = self.lookup.propose(copy_budget)
         if not copies and self.head_list and mode != "only":
-            self._draft_from_heads(block, budget, eos, stats)
-        if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and budget > 0:
-            copies = self.lookup.propose(budget)
+            self._draft_from_heads(block, min(budget, max(policy.budget("head"), 1)), eos, stats)
+        if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0:
+            copies = self.lookup.propose(copy_budget)
         for token in copies:
             block.add(token, SOURCE_COPY)
             if token in eos:
@@ -291,11 +296,12 @@ class SelfSpecDecoder:
             self.lookup.reset(prompt_ids)
         done = self._commit(out, stats, [first], [SOURCE_MODEL], max_new_tokens, eos, stop, on_commit)
         position = len(prompt_ids)
+        policy = DraftBudget(engine.layout.name, self.max_draft)
         while not done:
             block = _Block(engine, out[-1], position)
             budget = min(self.max_draft, max_new_tokens - len(out) - 1)
             t0 = time.perf_counter()
-            self.draft_block(block, budget, eos, stats)
+            self.draft_block(block, budget, eos, stats, policy)
             t1 = time.perf_counter()
             masked_rows = max(0, min_new_tokens - len(out))
             model_tokens, logits, scores = self.verify_block(block, masked_rows, eos_list)
@@ -304,6 +310,9 @@ class SelfSpecDecoder:
             stats.cycles += 1
             tokens, sources = self.accepted_tokens(block, model_tokens)
             stats.accepted += len(tokens) - 1
+            if len(block) > 1:
+                drafter = SOURCE_COPY if block.sources[1] == SOURCE_COPY else "head"
+                policy.update(drafter, len(block) - 1, len(tokens) - 1)
             position += len(tokens)
             before = len(out)
             done = self._commit(out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit)

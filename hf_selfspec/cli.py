@@ -1,0 +1,156 @@
+"""The `hf-selfspec` command: generate (streaming, tokens coloured by source), bench,
+train-heads, push-heads."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# ANSI colour of accepted drafts in the terminal
+DRAFT = "\033[36m"
+_RESET = "\033[0m"
+
+
+def _load(args):
+    import hf_selfspec
+    from hf_selfspec import DecodeConfig
+
+    if args.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32").eval()
+        heads = False if args.heads == "none" else args.heads
+        decode = DecodeConfig(lookup=args.lookup) if args.lookup else None
+        return hf_selfspec.attach_heads(model, heads, decode=decode), tokenizer
+    from hf_selfspec.defaults import load_default_model_and_tokenizer
+
+    model, tokenizer = load_default_model_and_tokenizer()
+    heads = False if args.heads == "none" else args.heads
+    decode = DecodeConfig(lookup=args.lookup) if args.lookup else None
+    return hf_selfspec.attach_heads(model, heads, decode=decode), tokenizer
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = _load(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    colour = sys.stdout.isatty() and not args.no_colour
+
+    class ChunkStreamer:
+        """Prints each committed chunk as it arrives. A chunk is the drafts the model
+        accepted (coloured) followed by the model's own token (plain)."""
+
+        def __init__(self):
+            self.seen_prompt = False
+            self.tokens: list[int] = []
+            self.text = ""
+
+        def _emit(self, token: int, draft: bool):
+            self.tokens.append(token)
+            text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+            piece = text[len(self.text):]
+            self.text = text
+            sys.stdout.write((DRAFT + piece + _RESET) if (draft and colour) else piece)
+
+        def put(self, value):
+            if not self.seen_prompt:  # generate() streams the prompt first
+                self.seen_prompt = True
+                return
+            chunk = value.reshape(-1).tolist()
+            for i, token in enumerate(chunk):
+                self._emit(token, draft=i < len(chunk) - 1)
+            sys.stdout.flush()
+
+        def end(self):
+            sys.stdout.write("\n")
+
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                         assistant="self", streamer=ChunkStreamer())
+    elapsed = time.perf_counter() - t0
+    stats = model.selfspec_stats
+    if colour:
+        print(f"{DRAFT}coloured{_RESET}: accepted drafts (heads or prompt lookup); plain: the model's own tokens")
+    print(f"[hf-selfspec] {stats.summary()} | wall {elapsed:.2f} s")
+    if args.compare:
+        t0 = time.perf_counter()
+        ref = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        t_ref = time.perf_counter() - t0
+        same = torch.equal(ref, out)
+        n = ref.shape[1] - ids.shape[1]
+        print(f"[hf greedy] {n} tokens in {t_ref:.2f} s ({n / t_ref:.1f} tok/s) | identical: {same} "
+              f"| speed-up {t_ref / elapsed:.2f}x")
+    return 0
+
+
+def _run_script(name: str, rest: list[str]) -> int:
+    script = Path(__file__).resolve().parent.parent / "scripts" / name
+    if not script.is_file():
+        print(f"{script} not found: this command needs a source checkout of hf_selfspec", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
+
+
+def cmd_push_heads(args) -> int:
+    from hf_selfspec.heads import push_heads
+
+    url = push_heads(args.folder, args.repo_id, token=args.token, private=args.private)
+    print(f"pushed {args.folder} to {url}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-selfspec",
+        description="Exact self-speculative decoding for Hugging Face models: exit heads on early "
+                    "layers draft, the rest of the model verifies; same tokens as greedy, faster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a reply, coloured by token source, then a stats line")
+    g.add_argument("prompt", help="the user message (the model's chat template is applied)")
+    g.add_argument("--model", default=None, help="HF model folder or id (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--heads", default=None, help="heads folder or Hub id; 'none' for prompt lookup only "
+                   "(default: the shipped heads of the default model)")
+    g.add_argument("--lookup", choices=["off", "only", "first", "fallback"], default=None,
+                   help="prompt lookup mode (default: first with heads, only without)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    g.add_argument("--compare", action="store_true", help="also run plain HF greedy and compare")
+    g.add_argument("--no-colour", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark vs HF greedy / prompt lookup / early exit (scripts/bench.py)")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of scripts/bench.py (see --help there)")
+    b.set_defaults(func=lambda a: _run_script("bench.py", a.rest))
+
+    t = sub.add_parser("train-heads", help="train exit heads by self-distillation (scripts/train_heads.py)")
+    t.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of scripts/train_heads.py")
+    t.set_defaults(func=lambda a: _run_script("train_heads.py", a.rest))
+
+    p = sub.add_parser("push-heads", help="upload a heads folder to the Hub")
+    p.add_argument("folder")
+    p.add_argument("repo_id")
+    p.add_argument("--token", default=None)
+    p.add_argument("--private", action="store_true")
+    p.set_defaults(func=cmd_push_heads)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

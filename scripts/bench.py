@@ -1,0 +1,206 @@
+"""Benchmark: hf_selfspec vs Hugging Face decoding on the embedded default model.
+
+    python scripts/bench.py                       # all categories, all methods
+    python scripts/bench.py --per-category 2 --max-new-tokens 64 --methods hf_greedy,self
+    python scripts/bench.py --widths               # also the cost of a step vs its rows
+
+Every method runs on the same prompt side by side in one process (methods rotated per
+prompt, so drift in machine speed hits all alike); the table gives per category the median
+tokens/s, the ratio of total time to HF greedy, tau (tokens per verification), how many
+outputs are identical to HF greedy, and where self-spec time goes. Results are saved as
+JSON (and a PNG plot when matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_selfspec import DecodeConfig, attach_heads  # noqa: E402
+from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
+from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
+
+METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_heads",
+           "self_lookup", "self")
+SELF_DECODE = {
+    "self_heads": DecodeConfig(lookup="off"),
+    "self_lookup": DecodeConfig(lookup="only"),
+    "self": None,  # the shipped default policy
+}
+
+
+def run_method(method, model, ids, max_new, state):
+    """-> (new token ids, seconds, stats dict or None)."""
+    mask = torch.ones_like(ids)
+    greedy = dict(do_sample=False, max_new_tokens=max_new, attention_mask=mask)
+    t0 = time.perf_counter()
+    stats = None
+    if method == "hf_greedy":
+        out = model.generate(ids, **greedy)
+    elif method == "hf_prompt_lookup":
+        out = model.generate(ids, prompt_lookup_num_tokens=10, **greedy)
+    elif method == "hf_early_exit":
+        out = model.generate(ids, assistant_early_exit=state["early_exit_layer"], **greedy)
+    elif method == "engine_ar":
+        engine = model._selfspec.engine_for(model, ids.shape[1] + max_new + 16)
+        tokens = engine.generate_ar(ids[0].tolist(), max_new, state["eos"])
+        return tokens, time.perf_counter() - t0, None
+    else:
+        model._selfspec.decode_config = state["decode"][method]
+        out = model.generate(ids, assistant="self", **greedy)
+        stats = model.selfspec_stats.as_dict()
+    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0, stats
+
+
+def width_curve(model, widths, reps=9):
+    """ms of a verify step over all layers vs its number of rows."""
+    engine = model._selfspec.engine_for(model, 1024)
+    prompt = list(range(100, 300))
+    engine.prefill(prompt)
+    rows = []
+    for n in widths:
+        if n > engine.width:
+            continue
+        times = []
+        for r in range(reps):
+            meta = engine.make_meta(range(200, 200 + n))
+            h = engine.embed(prompt[:n])
+            t0 = time.perf_counter()
+            engine.verify(h, 0, meta)
+            times.append(time.perf_counter() - t0)
+        rows.append((n, statistics.median(times) * 1000))
+    base = rows[0][1]
+    print("\nStep cost vs rows (verify over all layers, median of %d):" % reps)
+    print(f"{'rows':>5} {'ms':>8} {'x 1 row':>8}")
+    for n, ms in rows:
+        print(f"{n:>5} {ms:>8.1f} {ms / base:>8.2f}")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--per-category", type=int, default=3)
+    ap.add_argument("--categories", default="chat,code,summarize,adversarial")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--early-exit-layer", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--widths", action="store_true", help="also print the step cost vs rows")
+    ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
+    ap.add_argument("--out", default="docs/bench.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}; choose from {METHODS}")
+
+    model, tokenizer = load_default_model_and_tokenizer()
+    heads = args.heads
+    try:
+        attach_heads(model, heads)
+    except FileNotFoundError:
+        print("no shipped heads found: self-spec runs with prompt lookup only")
+        attach_heads(model, False)
+        methods = [m for m in methods if m != "self_heads"]
+    state = {"eos": [tokenizer.eos_token_id], "early_exit_layer": args.early_exit_layer,
+             "decode": {k: (v or model._selfspec.decode_config) for k, v in SELF_DECODE.items()}}
+    sets = prompt_sets(tokenizer, per_category=args.per_category)
+    categories = [c for c in args.categories.split(",") if c]
+
+    records = []
+    for cat in categories:
+        for i, messages in enumerate(sets[cat][: args.per_category]):
+            ids = torch.tensor([render_prompt(tokenizer, messages)])
+            order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate
+            outs = {}
+            for m in order:
+                tokens, seconds, stats = run_method(m, model, ids, args.max_new_tokens, state)
+                outs[m] = (tokens, seconds, stats)
+            ref = outs.get("hf_greedy", (None,))[0]
+            for m, (tokens, seconds, stats) in outs.items():
+                records.append({"category": cat, "prompt": i, "method": m, "prompt_tokens": ids.shape[1],
+                                "new_tokens": len(tokens), "seconds": seconds,
+                                "identical": None if ref is None else tokens == ref, "stats": stats})
+            line = " ".join(f"{m}={len(t) / s:.1f}" for m, (t, s, _) in outs.items())
+            print(f"[{cat} {i}] prompt {ids.shape[1]} tok | tok/s {line}", flush=True)
+
+    print_table(records, categories, methods)
+    widths = width_curve(model, [1, 2, 3, 4, 6, 8]) if args.widths else None
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+            "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
+            "engine_layout": model._selfspec.engine.layout.name if model._selfspec.engine else None}
+    out.write_text(json.dumps({"meta": meta, "records": records, "width_curve": widths}, indent=1))
+    print(f"\nsaved {out}")
+    plot(records, categories, methods, out.with_suffix(".png"))
+
+
+def summarize(records, cat, method):
+    rows = [r for r in records if r["method"] == method and (cat == "all" or r["category"] == cat)]
+    if not rows:
+        return None
+    ref = [r for r in records if r["method"] == "hf_greedy" and (cat == "all" or r["category"] == cat)]
+    tokens = sum(r["new_tokens"] for r in rows)
+    secs = sum(r["seconds"] for r in rows)
+    ratio = (sum(r["seconds"] for r in ref) / sum(r["new_tokens"] for r in ref)) / (secs / tokens) if ref else None
+    stats = [r["stats"] for r in rows if r["stats"]]
+    tau = sum(s["new_tokens"] for s in stats) / max(sum(s["cycles"] for s in stats), 1) if stats else None
+    identical = sum(bool(r["identical"]) for r in rows)
+    split = None
+    if stats:
+        total = sum(s["total_time"] for s in stats)
+        split = {k: sum(s[k] for s in stats) / total for k in ("prefill_time", "draft_time", "verify_time", "host_time")}
+    return {"tok_s": statistics.median(r["new_tokens"] / r["seconds"] for r in rows), "ratio": ratio,
+            "tau": tau, "identical": f"{identical}/{len(rows)}", "split": split}
+
+
+def print_table(records, categories, methods):
+    for cat in categories + ["all"]:
+        print(f"\n== {cat} ==")
+        print(f"{'method':<18}{'tok/s':>7}{'x HF':>7}{'tau':>6}{'same':>7}   time: prefill/draft/verify/host")
+        for m in methods:
+            s = summarize(records, cat, m)
+            if s is None:
+                continue
+            ratio = f"{s['ratio']:.2f}" if s["ratio"] else "-"
+            tau = f"{s['tau']:.2f}" if s["tau"] else "-"
+            split = " / ".join(f"{v:.0%}" for v in s["split"].values()) if s["split"] else ""
+            print(f"{m:<18}{s['tok_s']:>7.1f}{ratio:>7}{tau:>6}{s['identical']:>7}   {split}")
+
+
+def plot(records, categories, methods, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        vals = [(summarize(records, c, m) or {}).get("ratio") or 0 for c in categories + ["all"]]
+        ax.bar([i + j * width for i in range(len(vals))], vals, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories) + 1)], categories + ["all"])
+    ax.set_ylabel("speed vs HF greedy (x)")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
