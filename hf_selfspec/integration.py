@@ -168,10 +168,36 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
     if kwargs.get("custom_generate") is not None or kwargs.get("assistant_model") is not None:
         raise ValueError("assistant='self' cannot be combined with custom_generate or assistant_model")
     streamer = kwargs.pop("streamer", None)
+    generation_config, kwargs = _stop_strings_as_criteria(self, generation_config, kwargs)
     state: SelfSpecState = self._selfspec
     with state.lock:  # one engine (one KV cache) per model: serialise concurrent calls
         return base_generate(inputs, generation_config, custom_generate=_decode_loop,
                              selfspec_streamer=streamer, **kwargs)
+
+
+def _stop_strings_as_criteria(model, generation_config, kwargs):
+    """HF drops `tokenizer` for custom decoding loops, so stop strings become an explicit
+    StopStringCriteria here (same class HF would build, same stopping token)."""
+    import copy
+
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    tokenizer = kwargs.pop("tokenizer", None)
+    stop_strings = kwargs.pop("stop_strings", None)
+    config = generation_config if generation_config is not None else model.generation_config
+    if stop_strings is None and getattr(config, "stop_strings", None):
+        stop_strings = config.stop_strings
+        generation_config = copy.deepcopy(config)
+        generation_config.stop_strings = None
+    if stop_strings is None:
+        return generation_config, kwargs
+    if tokenizer is None:
+        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate()")
+    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    return generation_config, kwargs
 
 
 def _check_request(generation_config, logits_processor) -> None:

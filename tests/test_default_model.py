@@ -1,0 +1,79 @@
+"""The real embedded default model (SmolLM2-135M-Instruct): engine AR and self-speculative
+decoding produce HF greedy's tokens on real prompts of each category."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+
+from hf_selfspec import DecodeConfig, attach_heads, detach_heads
+from hf_selfspec.data import prompt_sets, render_prompt
+from hf_selfspec.engine.programs import Engine, EngineConfig
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts(default_model):
+    model, tokenizer = default_model
+    sets = prompt_sets(tokenizer, per_category=1)
+    prompts = {cat: render_prompt(tokenizer, sets[cat][0]) for cat in ("chat", "code", "summarize")}
+    refs = {}
+    for cat, p in prompts.items():
+        ids = torch.tensor([p])
+        refs[cat] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                   do_sample=False)[0, len(p):].tolist()
+    return model, tokenizer, prompts, refs
+
+
+def test_engine_ar_matches_hf_greedy(model_and_prompts):
+    model, tokenizer, prompts, refs = model_and_prompts
+    engine = Engine(model, EngineConfig(width=8, capacity=1024))
+    assert engine.layout.name == "micro"  # MKL: the fast layout passes its self-test here
+    for cat, p in prompts.items():
+        assert engine.generate_ar(p, NEW_TOKENS, [tokenizer.eos_token_id]) == refs[cat], cat
+
+
+def test_engine_prefill_path_matches_hf_greedy(model_and_prompts):
+    model, tokenizer, prompts, refs = model_and_prompts
+    engine = Engine(model, EngineConfig(width=8, capacity=1024, prefill="engine"))
+    p = prompts["chat"]
+    assert engine.generate_ar(p, NEW_TOKENS, [tokenizer.eos_token_id]) == refs["chat"]
+
+
+def test_generate_assistant_self_matches_hf_greedy(model_and_prompts):
+    model, tokenizer, prompts, refs = model_and_prompts
+    attach_heads(model, heads=False, decode=DecodeConfig(lookup="only"))
+    try:
+        for cat, p in prompts.items():
+            ids = torch.tensor([p])
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant="self")
+            assert out[0, len(p):].tolist() == refs[cat], cat
+            assert model.selfspec_stats.new_tokens == len(refs[cat])
+    finally:
+        detach_heads(model)
+
+
+def test_streamer_and_stop_strings_on_real_text(model_and_prompts):
+    model, tokenizer, prompts, refs = model_and_prompts
+    attach_heads(model, heads=False)
+    try:
+        p = prompts["summarize"]
+        ids = torch.tensor([p])
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant="self",
+                             streamer=streamer)
+        streamed = "".join(streamer)
+        assert streamed == tokenizer.decode(out[0, len(p):])
+        # stop at a word that occurs in the reply: HF greedy and self-spec stop at the same token
+        text = tokenizer.decode(refs["summarize"])
+        word = text.split()[len(text.split()) // 2]
+        kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, stop_strings=[word], tokenizer=tokenizer)
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        got = model.generate(ids, assistant="self", **kw)
+        assert torch.equal(expected, got)
+        assert got.shape[1] < ids.shape[1] + NEW_TOKENS
+    finally:
+        detach_heads(model)
