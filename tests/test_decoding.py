@@ -35,6 +35,25 @@ def random_heads(model, layers, seed=0):
     return heads
 
 
+def random_top_heads(model, depth=2, seed=0):
+    """Top-layer draft heads with random chain steps (confident, mostly wrong)."""
+    from hf_selfspec.heads.repo import fingerprint
+    from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
+
+    cfg = model.config
+    config = TopHeadsConfig(base_model="tiny", base_fingerprint=fingerprint(model),
+                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=16,
+                            reduced_vocab=cfg.vocab_size)
+    heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for step in heads.steps[1:]:  # step 0 stays the logit lens of the final state: often right
+            for p in (step.down.weight, step.up.weight):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return heads
+
+
 def prompt(seed, length, alphabet=256):
     return torch.randint(3, alphabet, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -76,6 +95,23 @@ def test_speculative_equals_engine_ar(setup, case):
         assert stats.drafted == 0
     if case in ("always_draft", "short_chains"):
         assert stats.drafted > 0 and stats.head_evaluations > 0
+
+
+@pytest.mark.parametrize("lookup", ["off", "first"])
+@pytest.mark.parametrize("thresholds", [(ALWAYS, ALWAYS), (ALWAYS, NEVER), (NEVER, NEVER)])
+def test_top_draft_heads_equal_engine_ar(setup, lookup, thresholds):
+    model, engine, _ = setup
+    top = random_top_heads(model, depth=2)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=thresholds, lookup=lookup))
+    drafted = accepted = 0
+    for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (40, 12)]):
+        p = prompt(seed, length, alphabet)
+        r = decoder.generate(p, 40)
+        assert r.tokens == engine.generate_ar(p, 40), seed
+        drafted += r.stats.drafted
+        accepted += sum(s.startswith("head") for s in r.stats.sources)
+    if thresholds[0] == ALWAYS and lookup == "off":
+        assert drafted > 0 and accepted > 0  # both accept and reject branches taken
 
 
 def test_branches_are_really_taken(setup):

@@ -93,6 +93,7 @@ class _Block:
                                   device=engine.view.device)
         self.hidden[0] = engine.view.embed[first_token]
         self.depth = [0]  # layers computed for each row (never increasing with the row)
+        self.final_before: torch.Tensor | None = None  # [H] final hidden of the row before row 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -144,7 +145,10 @@ class SelfSpecDecoder:
         self.config = config or DecodeConfig()
         # lookup "only" is exact PLD: the heads are not consulted
         use_heads = heads is not None and self.config.lookup != "only"
-        self.head_list = list(heads.heads) if use_heads else []
+        # top-layer draft heads draft from the last final hidden state (no layer passes)
+        self.top = heads if use_heads and getattr(heads, "kind", None) == "top_draft" else None
+        self.head_list = list(heads.heads) if use_heads and self.top is None else []
+        self.num_sources = self.top.config.depth if self.top is not None else len(self.head_list)
         for head in self.head_list:
             if not 1 <= head.layer < engine.view.num_layers:
                 raise ValueError(
@@ -164,7 +168,7 @@ class SelfSpecDecoder:
         )
 
     def _resolve_thresholds(self) -> list[float]:
-        n = len(self.head_list)
+        n = self.num_sources
         given = self.config.thresholds
         if given is None:
             if n == 0:
@@ -219,8 +223,17 @@ class SelfSpecDecoder:
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
         if self.lookup is not None and copy_budget > 0 and mode in ("only", "first"):
             copies = self.lookup.propose(copy_budget)
+        head_budget = min(budget, max(policy.budget("head"), 1))
         if not copies and self.head_list and mode != "only":
-            self._draft_from_heads(block, min(budget, max(policy.budget("head"), 1)), eos, stats)
+            self._draft_from_heads(block, head_budget, eos, stats)
+        if not copies and self.top is not None and budget > 0:
+            for token, _conf, step in self.top.draft(block.final_before, block.tokens[0],
+                                                     head_budget, self.thresholds):
+                block.add(token, head_source(step))
+                stats.exits_per_head[step] += 1
+                if token in eos:
+                    break
+            stats.head_evaluations += 1
         if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0:
             copies = self.lookup.propose(copy_budget)
         for token in copies:
@@ -231,18 +244,18 @@ class SelfSpecDecoder:
 
     def verify_block(self, block: _Block, masked_rows: int, eos: list[int]):
         """The model's token after every row of the block: (argmax [n] host ints, logits
-        [n, V]). The first `masked_rows` rows may not end the text (min_new_tokens): their
+        [n, V], scores [n, V], final hidden states [n, H]). The first `masked_rows` rows may not end the text (min_new_tokens): their
         EOS logits are -inf before the argmax, as HF's MinNewTokensLengthLogitsProcessor does."""
         depth = block.max_depth
         block.climb(depth)
         n = len(block)
         meta = self.engine.make_meta(range(block.position, block.position + n))
-        logits, argmax, _ = self.engine.verify(block.hidden[:n], depth, meta)
+        logits, argmax, final = self.engine.verify(block.hidden[:n], depth, meta)
         if masked_rows > 0 and eos:
             scores = logits.clone()
             scores[:masked_rows, eos] = float("-inf")
-            return scores.argmax(-1).tolist(), logits, scores
-        return argmax.tolist(), logits, logits
+            return scores.argmax(-1).tolist(), logits, scores, final
+        return argmax.tolist(), logits, logits, final
 
     @staticmethod
     def accepted_tokens(block: _Block, model_tokens: list[int]) -> tuple[list[int], list[str]]:
@@ -276,14 +289,14 @@ class SelfSpecDecoder:
         engine = self.engine
         prompt_ids = list(prompt_ids)
         engine.check_capacity(len(prompt_ids), max_new_tokens)
-        stats = DecodeStats(prompt_tokens=len(prompt_ids), exits_per_head=[0] * len(self.head_list))
+        stats = DecodeStats(prompt_tokens=len(prompt_ids), exits_per_head=[0] * self.num_sources)
         out: list[int] = []
         t_start = time.perf_counter()
         if max_new_tokens <= 0:
             return DecodeResult(out, stats)
         eos = set(int(e) for e in eos_token_ids)
         eos_list = sorted(eos)
-        logits, _ = engine.prefill(prompt_ids)
+        logits, final_before = engine.prefill(prompt_ids)
         scores = logits
         if min_new_tokens > 0 and eos_list:
             scores = logits.clone()
@@ -299,16 +312,18 @@ class SelfSpecDecoder:
         policy = DraftBudget(engine.layout.name, self.max_draft)
         while not done:
             block = _Block(engine, out[-1], position)
+            block.final_before = final_before  # final hidden of the row that produced out[-1]
             budget = min(self.max_draft, max_new_tokens - len(out) - 1)
             t0 = time.perf_counter()
             self.draft_block(block, budget, eos, stats, policy)
             t1 = time.perf_counter()
             masked_rows = max(0, min_new_tokens - len(out))
-            model_tokens, logits, scores = self.verify_block(block, masked_rows, eos_list)
+            model_tokens, logits, scores, finals = self.verify_block(block, masked_rows, eos_list)
             stats.verify_time += time.perf_counter() - t1
             stats.draft_time += t1 - t0
             stats.cycles += 1
             tokens, sources = self.accepted_tokens(block, model_tokens)
+            final_before = finals[len(tokens) - 1]
             stats.accepted += len(tokens) - 1
             if len(block) > 1:
                 drafter = SOURCE_COPY if block.sources[1] == SOURCE_COPY else "head"

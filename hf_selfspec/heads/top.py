@@ -1,0 +1,159 @@
+"""Top-layer draft heads: draft the next tokens from the last verified final hidden state.
+
+After a verification the engine holds the final hidden state f (after the final norm) of
+the row whose argmax is the token just committed, g. A top draft head chains
+
+    h_0 = f
+    h_{i+1} = h_i + MLP_i([norm(h_i); norm(E[tok_i])])      tok_0 = g, tok_i = draft i
+    draft_{i+1} = argmax over V of LM_rows(norm(h_{i+1}))
+
+so each draft costs one small MLP and a reduced-vocabulary LM head, and no decoder-layer
+pass at all (Medusa's "no extra layers", conditioned on the drafted tokens like EAGLE, but
+position-wise). E (input embedding) and the LM-head rows of V are the base model's, frozen,
+gathered at bind time and never stored. Trained by self-distillation: step i predicts the
+model's own argmax (scripts/head_study.py).
+
+On a CPU whose engine verifies 1-3 rows at the cost of one step (micro row layout), two
+drafts from these heads are nearly free: any acceptance is a gain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TOP_KIND = "top_draft"
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype)
+
+
+@dataclass
+class TopHeadsConfig:
+    """config.json of a top-draft heads repo."""
+
+    base_model: str
+    base_fingerprint: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    depth: int  # drafts per cycle the heads can make
+    adapter_dim: int
+    reduced_vocab: int
+    rms_norm_eps: float = 1e-5
+    kind: str = TOP_KIND
+    format_version: int = 1
+    training: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.kind != TOP_KIND:
+            raise ValueError(f"kind must be {TOP_KIND!r}, got {self.kind!r}")
+        for name in ("num_layers", "hidden_size", "vocab_size", "depth", "adapter_dim", "reduced_vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.reduced_vocab > self.vocab_size:
+            raise ValueError("reduced_vocab exceeds vocab_size")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TopHeadsConfig:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        cfg = cls(**known)
+        cfg.validate()
+        return cfg
+
+
+class TopDraftStep(nn.Module):
+    """One chained step: (state h [n, H], token embedding e [n, H]) -> next state."""
+
+    def __init__(self, hidden: int, adapter: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.h_norm = nn.Parameter(torch.ones(hidden))
+        self.e_norm = nn.Parameter(torch.ones(hidden))
+        self.down = nn.Linear(2 * hidden, adapter, bias=False)
+        self.up = nn.Linear(adapter, hidden, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([_norm(h, self.h_norm, self.eps), _norm(e, self.e_norm, self.eps)], dim=-1)
+        return h + self.up(F.silu(self.down(x)))
+
+
+class TopDraftHeads(nn.Module):
+    """A chain of `depth` top draft steps sharing one output norm and LM-head rows."""
+
+    kind = TOP_KIND
+
+    def __init__(self, config: TopHeadsConfig, vocab_ids: torch.Tensor | None = None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        H, r, eps = config.hidden_size, config.adapter_dim, config.rms_norm_eps
+        self.steps = nn.ModuleList([TopDraftStep(H, r, eps) for _ in range(config.depth)])
+        self.out_norm = nn.Parameter(torch.ones(H))
+        if vocab_ids is None:
+            vocab_ids = torch.zeros(config.reduced_vocab, dtype=torch.long)
+        self.register_buffer("vocab_ids", torch.as_tensor(vocab_ids, dtype=torch.long).clone())
+        self.register_buffer("lm_rows", None, persistent=False)  # [V, H], from the model
+        self.register_buffer("embed", None, persistent=False)  # [vocab, H], the model's
+        self.calibration = None
+        self.heads = []  # no exit heads: the decoder drafts with `draft`
+
+    # ---- binding ---------------------------------------------------------------------
+
+    def bind(self, model) -> TopDraftHeads:
+        lm = model.get_output_embeddings().weight
+        emb = model.get_input_embeddings().weight
+        if lm.shape[1] != self.config.hidden_size:
+            raise ValueError(f"heads have hidden size {self.config.hidden_size}, the model {lm.shape[1]}")
+        if int(self.vocab_ids.max()) >= lm.shape[0]:
+            raise ValueError("heads propose token ids outside the model's vocabulary")
+        self.to(device=lm.device, dtype=lm.dtype)
+        self.lm_rows = lm.detach()[self.vocab_ids.to(lm.device)].contiguous()
+        self.embed = emb.detach()
+        if self.out_norm.device != lm.device:
+            self.to(lm.device)
+        return self
+
+    def init_from_model(self, model) -> TopDraftHeads:
+        norm = model.model.norm.weight.detach()
+        with torch.no_grad():
+            self.out_norm.copy_(norm.to(self.out_norm.dtype))
+        return self.bind(model)
+
+    # ---- maths -----------------------------------------------------------------------
+
+    def step_logits(self, i: int, h: torch.Tensor, tokens: torch.Tensor):
+        """Step i: state h [n, H], previous tokens [n] -> (next state, logits [n, V])."""
+        h = self.steps[i](h, F.embedding(tokens, self.embed))
+        logits = F.linear(_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
+        return h, logits
+
+    @torch.no_grad()
+    def draft(self, final_hidden: torch.Tensor, token: int, max_tokens: int,
+              thresholds: list[float]) -> list[tuple[int, float, int]]:
+        """Chain up to `max_tokens` drafts after `token`, from the final hidden state
+        [H] of the row that produced it; stop at the first step whose confidence is
+        below its threshold. Returns [(token, confidence, step)]."""
+        out = []
+        h = final_hidden.reshape(1, -1)
+        prev = torch.tensor([token], device=h.device)
+        for i in range(min(max_tokens, len(self.steps))):
+            h, logits = self.step_logits(i, h, prev)
+            probs = torch.softmax(logits.float(), dim=-1)
+            conf, index = probs.max(dim=-1)
+            conf_value = float(conf)
+            if conf_value < thresholds[i]:
+                break
+            prev = self.vocab_ids[index]
+            out.append((int(prev), conf_value, i))
+        return out

@@ -1,0 +1,100 @@
+"""Save / load top-draft heads in the same Hub repo layout as exit heads.
+
+    config.json        TopHeadsConfig (kind "top_draft", base model + fingerprint, sizes)
+    heads.safetensors  step weights, out norm and vocab ids (LM-head rows and embeddings
+                       are the base model's, gathered at bind time)
+    calibration.json   per-step confidence thresholds
+    README.md          model card
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .top import TOP_KIND, TopDraftHeads, TopHeadsConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "heads.safetensors"
+CALIBRATION_FILE = "calibration.json"
+
+
+class TopCalibration:
+    """Per-step thresholds: draft step i only when its confidence >= thresholds[i]."""
+
+    def __init__(self, thresholds: list[float]):
+        self.thresholds = [float(t) for t in thresholds]
+
+    def accept_prob(self, index, confidence):
+        return confidence  # uncalibrated: the confidence itself
+
+    def to_dict(self) -> dict:
+        return {"kind": TOP_KIND, "thresholds": self.thresholds,
+                "rule": "draft step i when its confidence >= thresholds[i]"}
+
+
+def read_kind(folder: Path) -> str:
+    path = Path(folder) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text()).get("kind", "exit_head")
+    except (OSError, json.JSONDecodeError):
+        return "exit_head"  # let the exit-head loader report the problem
+
+
+def save_top_heads(heads: TopDraftHeads, folder, thresholds: list[float] | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "kind": TOP_KIND})
+    (folder / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
+    if thresholds is None:
+        thresholds = heads.calibration.thresholds if heads.calibration else [0.0] * heads.config.depth
+    (folder / CALIBRATION_FILE).write_text(json.dumps(TopCalibration(thresholds).to_dict(), indent=2) + "\n")
+    return folder
+
+
+def load_top_heads(folder, model=None) -> TopDraftHeads:
+    from safetensors.torch import load_file
+
+    from .repo import fingerprint
+
+    folder = Path(folder)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} is missing: a heads folder needs "
+                                    f"{CONFIG_FILE}, {WEIGHTS_FILE}, {CALIBRATION_FILE}")
+    try:
+        config = TopHeadsConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
+        calibration = json.loads((folder / CALIBRATION_FILE).read_text())
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{folder}: bad config.json or calibration.json: {e}") from None
+    if model is not None and fingerprint(model) != config.base_fingerprint:
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        raise ValueError(
+            f"These heads are for '{config.base_model}' (fingerprint {config.base_fingerprint[:12]}), "
+            f"but the model '{name}' has other weights (fingerprint {fingerprint(model)[:12]}). "
+            "Load them with the model they were trained for, or train heads for this model "
+            "(python scripts/head_study.py collect/train)."
+        )
+    try:
+        state = load_file(str(folder / WEIGHTS_FILE))
+    except Exception as e:
+        raise ValueError(f"{folder / WEIGHTS_FILE} is corrupt or truncated ({e}); save the heads again") from None
+    heads = TopDraftHeads(config, state.get("vocab_ids"))
+    try:
+        heads.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"{folder / WEIGHTS_FILE} does not match {folder / CONFIG_FILE}: {e}") from None
+    thresholds = calibration.get("thresholds", [0.0] * config.depth)
+    if len(thresholds) != config.depth:
+        raise ValueError(f"{folder / CALIBRATION_FILE} has {len(thresholds)} thresholds for depth {config.depth}")
+    heads.calibration = TopCalibration(thresholds)
+    if model is not None:
+        heads.bind(model)
+    return heads
+
+
+__all__ = ["TopCalibration", "load_top_heads", "read_kind", "save_top_heads"]

@@ -1,0 +1,206 @@
+"""Head-design study and trainer for top-layer draft heads (hf_selfspec/heads/top.py).
+
+    python scripts/head_study.py collect --seconds 600          # teacher-forced ShareGPT features
+    python scripts/head_study.py train --out hf_selfspec/default_heads_top   # train, evaluate, save
+
+`collect` runs the default model over held-out-split ShareGPT conversations (chat
+template, fp32) and stores, per conversation, the token ids, the model's own argmax at every
+position and the final hidden state (after the final norm). `train` fits a chain of top
+draft steps (step i predicts the model's argmax i+1 tokens after the committed token) and
+reports on the EVAL conversations, at positions where the text is the model's own greedy
+continuation (so the inputs are exactly what the decoder sees): per-step top-1 / top-4
+agreement, the chain acceptance and the expected tau with two drafts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_selfspec.data import render_chat, sharegpt_conversations, split_conversations  # noqa: E402
+from hf_selfspec.defaults import cache_dir, load_default_model_and_tokenizer  # noqa: E402
+from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig  # noqa: E402
+
+FEATURES = cache_dir() / "top_features"
+
+
+@torch.no_grad()
+def collect(args):
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_default_model_and_tokenizer()
+    FEATURES.mkdir(parents=True, exist_ok=True)
+    for split, budget in (("eval", args.eval_seconds), ("train", args.seconds)):
+        ids_l, arg_l, fin_l, mask_l = [], [], [], []
+        t0, positions = time.time(), 0
+        for conv in split_conversations(sharegpt_conversations(), split):
+            if time.time() - t0 > budget:
+                break
+            chat = render_chat(tokenizer, conv.messages, max_tokens=args.max_tokens)
+            if sum(chat.assistant_mask) < 16:
+                continue
+            ids = torch.tensor([chat.input_ids])
+            out = model.model(input_ids=ids)
+            final = out.last_hidden_state[0]
+            argmax = model.lm_head(final).argmax(-1)
+            ids_l.append(ids[0].int())
+            arg_l.append(argmax.int())
+            fin_l.append(final.half())
+            mask_l.append(torch.tensor(chat.assistant_mask))
+            positions += int(sum(chat.assistant_mask))
+        torch.save({"ids": ids_l, "argmax": arg_l, "final": fin_l, "mask": mask_l},
+                   FEATURES / f"{split}.pt")
+        print(f"{split}: {len(ids_l)} conversations, {positions} assistant positions, "
+              f"{time.time() - t0:.0f} s", flush=True)
+
+
+def examples(data, depth, agree_only=False):
+    """Per position t in an assistant span: f_t, tokens tok_0..tok_{D-1} = x_{t+1..t+D},
+    targets a_{t+1..t+D}; and whether the text from t on is the model's greedy continuation
+    (x_{t+1+i} == a_{t+i}) for each step."""
+    fs, toks, tgts, agree = [], [], [], []
+    for ids, arg, fin, mask in zip(data["ids"], data["argmax"], data["final"], data["mask"]):
+        T = len(ids)
+        t = torch.nonzero(mask[: T - depth]).reshape(-1)
+        if len(t) == 0:
+            continue
+        fs.append(fin[t])
+        toks.append(torch.stack([ids[t + 1 + i] for i in range(depth)], 1))
+        tgts.append(torch.stack([arg[t + 1 + i] for i in range(depth)], 1))
+        agree.append(torch.stack([ids[t + 1 + i] == arg[t + i] for i in range(depth)], 1))
+    return torch.cat(fs).float(), torch.cat(toks).long(), torch.cat(tgts).long(), torch.cat(agree)
+
+
+def train(args):
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    model, _ = load_default_model_and_tokenizer()
+    from hf_selfspec.heads.repo import fingerprint
+
+    tr = torch.load(FEATURES / "train.pt")
+    ev = torch.load(FEATURES / "eval.pt")
+    D = args.depth
+    f_tr, x_tr, y_tr, _ = examples(tr, D)
+    f_ev, x_ev, y_ev, agree_ev = examples(ev, D)
+    counts = torch.bincount(y_tr.reshape(-1), minlength=model.config.vocab_size)
+    vocab_ids = counts.argsort(descending=True)[: args.vocab].sort().values
+    covered = float(counts[vocab_ids].sum() / counts.sum())
+    remap = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
+    remap[vocab_ids] = torch.arange(len(vocab_ids))
+    cfg = TopHeadsConfig(
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct", base_fingerprint=fingerprint(model),
+        num_layers=model.config.num_hidden_layers, hidden_size=model.config.hidden_size,
+        vocab_size=model.config.vocab_size, depth=D, adapter_dim=args.adapter,
+        reduced_vocab=len(vocab_ids), rms_norm_eps=float(model.config.rms_norm_eps))
+    heads = TopDraftHeads(cfg, vocab_ids).init_from_model(model)
+    params = [p for n, p in heads.named_parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    n = len(f_tr)
+    steps_total = args.epochs * (n // args.batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(steps_total, 1))
+    print(f"train positions {n}, eval {len(f_ev)}, V={len(vocab_ids)} covering {covered:.1%} of targets",
+          flush=True)
+    t0 = time.time()
+    for epoch in range(args.epochs):
+        perm = torch.randperm(n)
+        total = 0.0
+        for b in range(n // args.batch):
+            idx = perm[b * args.batch:(b + 1) * args.batch]
+            h = f_tr[idx]
+            loss = 0.0
+            for i in range(D):
+                h, logits = heads.step_logits(i, h, x_tr[idx, i])
+                loss = loss + F.cross_entropy(logits.float(), remap[y_tr[idx, i]], ignore_index=-100)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += float(loss)
+        print(f"epoch {epoch}: loss {total / max(n // args.batch, 1):.3f}  ({time.time() - t0:.0f} s)",
+              flush=True)
+    report = evaluate(heads, f_ev, x_ev, y_ev, agree_ev)
+    report.update(train_positions=n, eval_positions=len(f_ev), vocab_coverage=round(covered, 4),
+                  train_seconds=round(time.time() - t0, 1), epochs=args.epochs, adapter=args.adapter)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        from hf_selfspec.heads.top_repo import save_top_heads
+
+        cfg.training = report
+        save_top_heads(heads, args.out)
+        print(f"saved {args.out}")
+
+
+@torch.no_grad()
+def evaluate(heads, f, x, y, agree):
+    """Agreement on eval positions where the text is the model's own greedy continuation,
+    with the chain fed its own drafts (exactly the decoder's inputs)."""
+    D = heads.config.depth
+    sel = agree[:, 0]  # x_{t+1} == a_t: the committed token is the model's own
+    f, x, y, agree = f[sel], x[sel], y[sel], agree[sel]
+    h = f
+    prev = x[:, 0]
+    alive = torch.ones(len(f), dtype=torch.bool)
+    report = {"positions": int(len(f))}
+    taus = {}
+    for i in range(D):
+        h, logits = heads.step_logits(i, h, prev)
+        probs = torch.softmax(logits.float(), -1)
+        conf, idx = probs.max(-1)
+        draft = heads.vocab_ids[idx]
+        top4 = heads.vocab_ids[probs.topk(4, -1).indices]
+        right = draft == y[:, i]
+        # a later step is only reached when the previous draft was right; then the text
+        # continues as the model would iff the next dataset token agrees too
+        report[f"step{i}_top1_given_reached"] = round(float(right[alive].float().mean()), 4)
+        report[f"step{i}_top4_given_reached"] = round(float((top4 == y[:, i:i + 1]).any(-1)[alive].float().mean()), 4)
+        for thr in (0.0, 0.2, 0.4, 0.6):
+            key = f"accept_thr{thr}"
+            ok = right & (conf >= thr)
+            prev_alive = taus.get(key, torch.ones(len(f), dtype=torch.bool))
+            taus[key] = prev_alive & ok
+            report.setdefault(f"tau_thr{thr}", 1.0)
+            report[f"tau_thr{thr}"] += float(taus[key].float().mean())
+        alive = alive & right
+        if i + 1 < D:
+            alive = alive & agree[:, i + 1]
+            prev = draft
+    for k in list(report):
+        if k.startswith("tau"):
+            report[k] = round(report[k], 4)
+    return report
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("collect")
+    c.add_argument("--seconds", type=float, default=600)
+    c.add_argument("--eval-seconds", type=float, default=120)
+    c.add_argument("--max-tokens", type=int, default=512)
+    c.add_argument("--threads", type=int, default=2)
+    c.set_defaults(func=collect)
+    t = sub.add_parser("train")
+    t.add_argument("--depth", type=int, default=2)
+    t.add_argument("--adapter", type=int, default=512)
+    t.add_argument("--vocab", type=int, default=8192)
+    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--batch", type=int, default=256)
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--weight-decay", type=float, default=0.05)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default=None)
+    t.set_defaults(func=train)
+    args = ap.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Top-layer draft heads: repo round trip, refusal for another model, generate parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_decoding import random_top_heads
+
+from hf_selfspec import DecodeConfig, attach_heads
+from hf_selfspec.heads.top_repo import load_top_heads, read_kind, save_top_heads
+
+
+def test_round_trip_is_bit_exact(tmp_path):
+    model = tiny_model("llama", seed=0, layers=4)
+    heads = random_top_heads(model)
+    save_top_heads(heads, tmp_path, thresholds=[0.1, 0.2])
+    assert read_kind(tmp_path) == "top_draft"
+    loaded = load_top_heads(tmp_path, model)
+    assert loaded.calibration.thresholds == [0.1, 0.2]
+    f = torch.randn(1, model.config.hidden_size)
+    assert loaded.draft(f[0], 5, 2, [0.0, 0.0]) == heads.draft(f[0], 5, 2, [0.0, 0.0])
+
+
+def test_heads_for_another_model_are_refused(tmp_path):
+    save_top_heads(random_top_heads(tiny_model("llama", seed=0, layers=4)), tmp_path)
+    with pytest.raises(ValueError, match="fingerprint"):
+        attach_heads(tiny_model("llama", seed=1, layers=4), str(tmp_path))
+
+
+def test_corrupt_and_missing_files(tmp_path):
+    model = tiny_model("llama", seed=0, layers=4)
+    save_top_heads(random_top_heads(model), tmp_path)
+    weights = tmp_path / "heads.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="corrupt"):
+        load_top_heads(tmp_path, model)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="heads.safetensors"):
+        load_top_heads(tmp_path, model)
+
+
+def test_generate_with_top_heads_matches_hf_greedy(tmp_path):
+    ref = tiny_model("qwen3", seed=2, layers=4)
+    model = tiny_model("qwen3", seed=2, layers=4)
+    save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
+    attach_heads(model, str(tmp_path), decode=DecodeConfig(lookup="first"))
+    for seed in range(3):
+        ids = torch.randint(3, 40, (1, 25), generator=torch.Generator().manual_seed(seed))
+        kw = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
+        expected = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+        assert torch.equal(model.generate(ids, assistant="self", **kw), expected)
+    assert model.selfspec_stats.drafted > 0
