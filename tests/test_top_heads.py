@@ -45,9 +45,11 @@ def test_generate_with_top_heads_matches_hf_greedy(tmp_path):
     model = tiny_model("qwen3", seed=2, layers=4)
     save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
     attach_heads(model, str(tmp_path), decode=DecodeConfig(lookup="first"))
+    drafted = 0
     for seed in range(3):
         ids = torch.randint(3, 40, (1, 25), generator=torch.Generator().manual_seed(seed))
         kw = dict(max_new_tokens=30, do_sample=False, pad_token_id=0)
         expected = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
         assert torch.equal(model.generate(ids, assistant="self", **kw), expected)
-    assert model.selfspec_stats.drafted > 0
+        drafted += model.selfspec_stats.drafted
+    assert drafted > 0
