@@ -97,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--widths", action="store_true", help="also print the step cost vs rows")
     ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
     ap.add_argument("--out", default="docs/bench.json")
+    ap.add_argument("--report", default=None, help="also write a markdown report here (e.g. docs/benchmarks.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -143,7 +144,10 @@ def main(argv=None):
             "engine_layout": model._selfspec.engine.layout.name if model._selfspec.engine else None}
     out.write_text(json.dumps({"meta": meta, "records": records, "width_curve": widths}, indent=1))
     print(f"\nsaved {out}")
-    plot(records, categories, methods, out.with_suffix(".png"))
+    png = out.with_suffix(".png")
+    plot(records, categories, methods, png)
+    if args.report:
+        write_report(Path(args.report), records, categories, methods, meta, widths, png, argv)
 
 
 def summarize(records, cat, method):
@@ -177,6 +181,49 @@ def print_table(records, categories, methods):
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
             split = " / ".join(f"{v:.0%}" for v in s["split"].values()) if s["split"] else ""
             print(f"{m:<18}{s['tok_s']:>7.1f}{ratio:>7}{tau:>6}{s['identical']:>7}   {split}")
+
+
+def write_report(path, records, categories, methods, meta, widths, png, argv):
+    """docs/benchmarks.md: the tables of print_table, the machine, the command."""
+    import os
+
+    cpu = "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    lines = ["# Benchmarks", "",
+             f"Machine: {cpu}, {os.cpu_count()} cores, torch {meta['torch']} (CPU), "
+             f"{meta['machine'].split(', ')[-1]}; model SmolLM2-135M-Instruct fp32; "
+             f"{meta['max_new_tokens']} new tokens per prompt; engine row layout: {meta['engine_layout']}.",
+             "", "Reproduce: `python scripts/bench.py " + " ".join(argv or sys.argv[1:]) + "`", "",
+             "All methods run on each prompt side by side in one process (order rotated per prompt). "
+             "`x HF` = HF greedy time per token / the method's time per token over the category; "
+             "`tau` = tokens committed per verification; `same` = outputs identical to HF greedy; "
+             "time split of self-spec = prefill / drafting / verification / host.", ""]
+    for cat in categories + ["all"]:
+        lines += [f"## {cat}", "", "| method | tok/s (median) | x HF greedy | tau | identical | prefill / draft / verify / host |",
+                  "|---|---|---|---|---|---|"]
+        for m in methods:
+            s = summarize(records, cat, m)
+            if s is None:
+                continue
+            split = " / ".join(f"{v:.0%}" for v in s["split"].values()) if s["split"] else ""
+            tau = "" if s["tau"] is None else f"{s['tau']:.2f}"
+            lines.append(f"| {m} | {s['tok_s']:.1f} | {s['ratio']:.2f} | {tau} | {s['identical']} | {split} |")
+        lines.append("")
+    if widths:
+        lines += ["## Step cost vs rows", "", "| rows | ms | x 1 row |", "|---|---|---|"]
+        lines += [f"| {n} | {ms:.1f} | {ms / widths[0][1]:.2f} |" for n, ms in widths]
+        lines.append("")
+    if png.exists():
+        lines += [f"![speed vs HF greedy]({os.path.relpath(png, path.parent)})", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+    print(f"saved {path}")
 
 
 def plot(records, categories, methods, path):
