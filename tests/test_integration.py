@@ -210,3 +210,19 @@ def test_auto_class_and_detach(tmp_path):
     detach_heads(model)
     with pytest.raises(ValueError):
         model.generate(ids, max_new_tokens=4, assistant="self")
+
+
+def test_custom_generate_folder_on_a_stock_model():
+    """model.generate(custom_generate=<folder>, trust_remote_code=True) on an untouched
+    HF model gives HF greedy's tokens."""
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parent.parent)  # the repo root holds custom_generate/
+    ref = tiny_model("llama", seed=6, layers=4)
+    stock = tiny_model("llama", seed=6, layers=4)
+    ids = prompt(11)
+    kw = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    expected = ref.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    with pytest.warns(UserWarning, match="prompt lookup only"):
+        got = stock.generate(ids, custom_generate=folder, trust_remote_code=True, **kw)
+    assert torch.equal(got, expected)
