@@ -81,7 +81,7 @@ class StepMeta:
     key_limit: torch.Tensor  # last slot each row may attend to
     num_real: int
     rows: int
-    bias: torch.Tensor  # [G*W, nb*KEY_BLOCK] additive attention mask
+    biases: list[torch.Tensor]  # per attention chunk: [G*A, nb*KEY_BLOCK] additive masks
     cos: torch.Tensor  # [rows, d]
     sin: torch.Tensor
 
@@ -103,9 +103,15 @@ class RowLayout:
     def __init__(self, name: str, width: int):
         self.name = name
         self.width = width
+        # query rows per attention call: fixed shapes, so a row's attention never depends
+        # on how many rows share the step (micro: 3, as cheap as the 1-3 row GEMMs)
+        self.attention_rows = width if name == "fixed" else 3
 
     def rows(self, num_real: int) -> int:
         return self.width if self.name == "fixed" else max(num_real, 2)
+
+    def attention_chunks(self, num_real: int) -> int:
+        return -(-num_real // self.attention_rows)
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         """x [rows, in] -> [rows, out], the row-invariant way."""
@@ -148,9 +154,12 @@ class Engine:
         shape = (v.num_layers, v.num_kv_heads, self.num_slots, v.head_dim)
         self.k_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
         self.v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        self._meta_host = torch.zeros(3, self.width, dtype=torch.long)
-        self._meta = torch.zeros(3, self.width, dtype=torch.long, device=v.device)
         self.layout = RowLayout(self._choose_layout(), self.width)
+        # metadata rows: every GEMM row and every attention query row of the widest step
+        a = self.layout.attention_rows
+        self.meta_rows = max(self.width, -(-self.width // a) * a)
+        self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
+        self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
         # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
         params = inspect.signature(model.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -203,12 +212,14 @@ class Engine:
         host[2, n:] = positions[0]
         self._meta.copy_(host)
         positions_t, slots_t, limit_t = self._meta[0], self._meta[1], self._meta[2]
-        num_blocks = max(limits) // KEY_BLOCK + 1
-        bias = visible_bias(limit_t, num_blocks * KEY_BLOCK, self.group)
+        num_keys = (max(limits) // KEY_BLOCK + 1) * KEY_BLOCK
+        a = self.layout.attention_rows
+        biases = [visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group)
+                  for c in range(self.layout.attention_chunks(n))]
         rows = self.layout.rows(n)
         v = self.view
         return StepMeta(
-            positions_t, slots_t, limit_t, n, rows, bias,
+            positions_t, slots_t, limit_t, n, rows, biases,
             v.cos[positions_t[:rows]], v.sin[positions_t[:rows]],
         )
 
@@ -225,13 +236,16 @@ class Engine:
         """h [n, H] (the step's real rows) after `start` layers -> [n, H] after `end`
         layers; writes the KV of layers [start, end) at meta.slots."""
         v = self.view
-        R, W, Hq, Hkv, d = meta.rows, self.width, v.num_heads, v.num_kv_heads, v.head_dim
+        R, Hq, Hkv, d = meta.rows, v.num_heads, v.num_kv_heads, v.head_dim
         n = h.shape[0]
         lin = self.layout.linear
         h = self._pad(h, R)
         cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
         slots = meta.slots[:R]
-        q_all = torch.zeros(Hq, W, d, dtype=torch.float32, device=h.device) if R < W else None
+        A = self.layout.attention_rows
+        QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
+        q_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
+        o_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
         for li in range(start, end):
             lw = v.layers[li]
             x = rms_norm(h, lw.input_norm, v.eps)
@@ -247,15 +261,13 @@ class Engine:
             k = k * cos + rotate_half(k) * sin
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
-            # attention always sees W query rows (fixed shapes)
-            if q_all is None:
-                qw = q.float() * v.scaling
-            else:
-                q_all[:, :R] = q.float() * v.scaling
-                qw = q_all
-            o = block_attention(qw.reshape(Hkv, self.group * W, d), self.k_cache[li],
-                                self.v_cache[li], meta.bias)
-            o = o.view(Hq, W, d)[:, :R].to(h.dtype).transpose(0, 1).reshape(R, Hq * d)
+            # attention on chunks of A query rows (fixed shapes)
+            q_all[:, :R] = q.float() * v.scaling
+            for c, bias in enumerate(meta.biases):
+                qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, self.group * A, d)
+                oc = block_attention(qc, self.k_cache[li], self.v_cache[li], bias)
+                o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
+            o = o_all[:, :R].to(h.dtype).transpose(0, 1).reshape(R, Hq * d)
             h = h + lin(o, lw.o)
             x = rms_norm(h, lw.post_norm, v.eps)
             h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
