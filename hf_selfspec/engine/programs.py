@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from .attention import KEY_BLOCK, block_attention, visible_bias
 from .layered import LayeredModel, rms_norm, rotate_half
+from .runner import triton_attention, uses_row_attention
 
 # Most rows one step takes (row 0 + drafts). Measured with scripts/bench_engine.py
 # (SmolLM2-135M, fp32, 2 threads, see README "Width"): in the micro layout a step costs
@@ -214,8 +215,10 @@ class Engine:
         positions_t, slots_t, limit_t = self._meta[0], self._meta[1], self._meta[2]
         num_keys = (max(limits) // KEY_BLOCK + 1) * KEY_BLOCK
         a = self.layout.attention_rows
-        biases = [visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group)
-                  for c in range(self.layout.attention_chunks(n))]
+        # CUDA: the Triton kernel reads limit_t itself (runner.triton_attention), no masks
+        biases = [] if uses_row_attention(self) else [
+            visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group)
+            for c in range(self.layout.attention_chunks(n))]
         rows = self.layout.rows(n)
         v = self.view
         return StepMeta(
@@ -243,9 +246,13 @@ class Engine:
         cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
         slots = meta.slots[:R]
         A = self.layout.attention_rows
-        QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
-        q_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
-        o_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
+        # CUDA: the Triton kernel, which reads the key limits from the metadata buffer, so
+        # a captured graph replays at any position (runner.py)
+        attend = triton_attention(self, meta) if uses_row_attention(self) else None
+        if attend is None:
+            QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
+            q_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
+            o_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
         for li in range(start, end):
             lw = v.layers[li]
             x = rms_norm(h, lw.input_norm, v.eps)
@@ -261,13 +268,16 @@ class Engine:
             k = k * cos + rotate_half(k) * sin
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
-            # attention on chunks of A query rows (fixed shapes)
-            q_all[:, :R] = q.float() * v.scaling
-            for c, bias in enumerate(meta.biases):
-                qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, self.group * A, d)
-                oc = block_attention(qc, self.k_cache[li], self.v_cache[li], bias)
-                o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
-            o = o_all[:, :R].to(h.dtype).transpose(0, 1).reshape(R, Hq * d)
+            if attend is not None:
+                o = attend(q, li)  # [R, Hq*d] in h's dtype
+            else:
+                # attention on chunks of A query rows (fixed shapes)
+                q_all[:, :R] = q.float() * v.scaling
+                for c, bias in enumerate(meta.biases):
+                    qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, self.group * A, d)
+                    oc = block_attention(qc, self.k_cache[li], self.v_cache[li], bias)
+                    o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
+                o = o_all[:, :R].to(h.dtype).transpose(0, 1).reshape(R, Hq * d)
             h = h + lin(o, lw.o)
             x = rms_norm(h, lw.post_norm, v.eps)
             h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)

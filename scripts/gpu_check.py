@@ -1,0 +1,224 @@
+"""GPU check: AR step time of the engine (eager and CUDA graphs) vs HF greedy generate().
+
+Builds a random-weight Llama-style model on the GPU (no network, no download), then prints
+
+  1. ms per new token of: HF greedy generate(), the engine's AR loop eager, the same loop
+     through CUDA graphs, the bare replay of the `ar` graph (GPU time, no host work), and
+     lookup-only speculative decoding through the graphs, each against the HBM bound
+     (bytes of weights read per step / bandwidth);
+  2. token parity on a few random prompts: graphs == eager and speculative == AR (the
+     engine's invariants: must be 100%), engine AR == HF greedy (a measured rate; random
+     weights give near-flat logits, so near-ties make early divergence likely in bf16).
+
+Exit status 1 when an invariant fails or a CUDA-graph capture fell back to eager.
+Per-token times are (t(N new) - t(1 new)) / (N - 1): the prefill cancels out. Run by
+scripts/gpu_check.sh; see docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+DEVICE = "cuda"  # a module constant so that a CPU dry run of the plumbing can swap it
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--bandwidth", type=float, default=4.8e12,
+                   help="HBM bandwidth in bytes/s for the bound (H200: 4.8e12, H100 SXM: 3.35e12)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size")
+    p.add_argument("--layers", type=int, default=16, help="decoder layers")
+    p.add_argument("--heads", type=int, default=32, help="query heads (head_dim = hidden / heads, a power of two)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads")
+    p.add_argument("--intermediate", type=int, default=8192, help="MLP size")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="weights and activations")
+    p.add_argument("--width", type=int, default=8, help="engine width W (rows per step)")
+    p.add_argument("--capacity", type=int, default=1024, help="engine KV capacity")
+    p.add_argument("--prompts", type=int, default=3, help="random prompts for the parity table")
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per random prompt")
+    p.add_argument("--new-tokens", type=int, default=64, help="new tokens per generation (N)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    return p.parse_args(argv)
+
+
+def build_model(args, torch):
+    """Random-weight LlamaForCausalLM, initialised on the GPU (fast), in the chosen dtype."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=max(4096, args.capacity),
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(args.seed)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config)
+    model = model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]).eval()
+    # no EOS: every generate() runs its full length, so the per-token times compare
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def bytes_per_step(model, args, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one AR step reads at least: every layer weight, the final
+    norm and the LM head once, one embedding row; K and V of `context` positions."""
+    layers = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    lm_head = model.lm_head.weight
+    element = lm_head.element_size()
+    weights = (layers + model.model.norm.weight.numel() * element
+               + lm_head.numel() * element + args.hidden * element)
+    head_dim = args.hidden // args.heads
+    kv = 2 * args.layers * args.kv_heads * context * head_dim * element
+    return weights, kv
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    import transformers
+    import triton
+
+    from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+    from hf_selfspec.engine.programs import Engine, EngineConfig
+    from hf_selfspec.engine.runner import CudaGraphRunner
+
+    N = args.new_tokens
+    if N < 2:
+        raise SystemExit("--new-tokens must be >= 2 (per-token times difference two runs)")
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+          f"{triton.__version__} | transformers {transformers.__version__}")
+    t0 = time.perf_counter()
+    model = build_model(args, torch)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"# model: {params / 1e9:.2f}B params, hidden {args.hidden}, {args.layers} layers, "
+          f"{args.heads}/{args.kv_heads} heads, {args.dtype}; built in {time.perf_counter() - t0:.1f}s")
+
+    engine = Engine(model, EngineConfig(width=args.width, capacity=args.capacity, row_layout="fixed"))
+    runner = CudaGraphRunner(engine)
+    t0 = time.perf_counter()
+    runner.warmup([("ar",), ("verify", 0)])
+    torch.cuda.synchronize()
+    print(f"# engine: W={engine.width}, layout {engine.layout.name}; captured {runner.captured} "
+          f"in {time.perf_counter() - t0:.1f}s")
+    failed = []
+    if runner.eager:
+        failed.append(f"capture fell back to eager: {runner.fallback_reason}")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, args.vocab, (args.prompt_len,), generator=gen).tolist()
+               for _ in range(args.prompts)]
+
+    def hf_generate(prompt, new):
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    def spec_generate(prompt, new):
+        with runner.attached():
+            return SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, new)
+
+    def graphs_ar(prompt, new):
+        with runner.attached():
+            return engine.generate_ar(prompt, new)
+
+    # ---- parity -----------------------------------------------------------------------------
+    print(f"\n## token parity ({args.prompts} random prompts of {args.prompt_len} tokens, {N} new)")
+    print("| prompt | graphs == eager | spec == AR | drafted / accepted | engine == HF greedy "
+          "| first divergence |")
+    print("|---|---|---|---|---|---|")
+    hf_matches = 0
+    for i, prompt in enumerate(prompts):
+        eager = engine.generate_ar(prompt, N)
+        graphs = graphs_ar(prompt, N)
+        spec = spec_generate(prompt, N)
+        hf = hf_generate(prompt, N)
+        diverge = next((j for j, (a, b) in enumerate(zip(graphs, hf)) if a != b), None)
+        hf_matches += graphs == hf
+        print(f"| {i} | {graphs == eager} | {spec.tokens == graphs} | "
+              f"{spec.stats.drafted} / {spec.stats.accepted} | {graphs == hf} | "
+              f"{'-' if diverge is None else diverge} |")
+        if graphs != eager:
+            failed.append(f"prompt {i}: graph AR tokens != eager AR tokens")
+        if spec.tokens != graphs:
+            failed.append(f"prompt {i}: speculative tokens != AR tokens")
+    print(f"engine AR == HF greedy on {hf_matches}/{len(prompts)} prompts (measured rate)")
+
+    # ---- timing -----------------------------------------------------------------------------
+    def per_token(run, prompt) -> float:
+        """Median over repeats of (t(N) - t(1)) / (N - 1), in ms."""
+        run(prompt, N)  # warm-up (allocator, kernels, caches)
+        samples = []
+        for _ in range(args.repeats):
+            times = []
+            for new in (1, N):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                run(prompt, new)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            samples.append((times[1] - times[0]) / (N - 1) * 1e3)
+        return statistics.median(samples)
+
+    def replay_only(prompt) -> float | None:
+        """GPU time of one `ar` graph replay (no host work between replays), in ms."""
+        program = runner.program(("ar",))
+        if program is None:
+            return None
+        engine.prefill(prompt)
+        engine.make_meta([len(prompt)])
+        program.graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(N):
+            program.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end) / N
+
+    prompt = prompts[0]
+    rows = [
+        ("HF greedy generate()", per_token(hf_generate, prompt)),
+        ("engine AR, eager", per_token(engine.generate_ar, prompt)),
+        ("engine AR, CUDA graphs", per_token(graphs_ar, prompt)),
+        ("`ar` graph replay only (GPU time)", replay_only(prompt)),
+        ("speculative, lookup only, graphs", per_token(lambda p, n: spec_generate(p, n).tokens, prompt)),
+    ]
+    weights, kv = bytes_per_step(model, args, args.prompt_len + N // 2)
+    bound_ms = weights / args.bandwidth * 1e3
+    bound_kv_ms = (weights + kv) / args.bandwidth * 1e3
+    print(f"\n## ms per new token (prompt {args.prompt_len}, {N} new; bandwidth "
+          f"{args.bandwidth / 1e12:.2f} TB/s)")
+    print(f"HBM bound: weights {weights / 1e9:.3f} GB -> {bound_ms:.3f} ms/step; "
+          f"+ KV at mean context {args.prompt_len + N // 2} ({kv / 1e6:.1f} MB) -> {bound_kv_ms:.3f} ms")
+    print("| program | ms/token | tokens/s | bound / time |")
+    print("|---|---|---|---|")
+    for name, ms in rows:
+        if ms is None:
+            print(f"| {name} | - | - | - |")
+            continue
+        print(f"| {name} | {ms:.3f} | {1e3 / ms:.0f} | {bound_ms / ms:.0%} |")
+
+    if failed:
+        print("\nFAILED:\n  " + "\n  ".join(failed))
+        return 1
+    print("\nOK: graphs == eager and speculative == AR on every prompt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU check (docs/gpu.md): the CUDA tests, then the timing and parity script.
+# Random weights only, no network; well under 8 minutes on an H200 (each phase has a
+# timeout so that the whole run fits). Extra arguments go to scripts/gpu_check.py.
+# Usage: bash scripts/gpu_check.sh [--bandwidth 4.8e12 ...]
+set -uo pipefail  # no -e: one run should report every phase, even after a failure
+cd "$(dirname "$0")/.."
+status=0
+
+# --no-deps: keep the preinstalled torch/triton/transformers; --no-build-isolation: an
+# isolated build would fetch setuptools from the network
+if ! pip install -q --no-deps --no-build-isolation -e .; then
+    echo "pip install -e . failed: importing from the source tree instead" >&2
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+python -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
+
+echo "== tests (CUDA graphs, Triton kernel) =="
+timeout 240 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:cacheprovider || status=1
+
+echo "== gpu_check.py =="
+timeout 200 python scripts/gpu_check.py "$@" || status=1
+
+echo "== gpu_check.sh: $([ $status -eq 0 ] && echo OK || echo FAILED) =="
+exit $status
