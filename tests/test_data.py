@@ -19,10 +19,16 @@ from hf_selfspec.data import (
 
 
 def _records(n: int) -> list[dict]:
-    return [{"id": f"id{i}_0", "conversations": [
-        {"from": "human", "value": f"question {i} — ünïcødé 日本語 {'x' * i}"},
-        {"from": "gpt", "value": f"answer {i} with \"quotes\" and ]brackets[ {{braces}}"},
-    ]} for i in range(n)]
+    return [
+        {
+            "id": f"id{i}_0",
+            "conversations": [
+                {"from": "human", "value": f"question {i} — ünïcødé 日本語 {'x' * i}"},
+                {"from": "gpt", "value": f'answer {i} with "quotes" and ]brackets[ {{braces}}'},
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("chunk_chars", [7, 64, 1 << 20])
@@ -51,9 +57,14 @@ def test_conversations_from_synthetic_file(tmp_path):
     records = _records(3) + [
         {"id": "empty", "conversations": []},
         {"id": "only_user", "conversations": [{"from": "human", "value": "hi"}]},
-        {"id": "odd_speaker", "conversations": [{"from": "human", "value": "q"},
-                                                {"from": "robot", "value": "?"},
-                                                {"from": "chatgpt", "value": "a"}]},
+        {
+            "id": "odd_speaker",
+            "conversations": [
+                {"from": "human", "value": "q"},
+                {"from": "robot", "value": "?"},
+                {"from": "chatgpt", "value": "a"},
+            ],
+        },
     ]
     path = tmp_path / "c.json"
     path.write_text(json.dumps(records))
@@ -102,17 +113,23 @@ def tokenizer():
 
 @pytest.mark.slow
 def test_render_chat_marks_assistant_tokens(tokenizer):
-    messages = [{"role": "user", "content": "Say hi."},
-                {"role": "assistant", "content": "Hi there!"},
-                {"role": "user", "content": "Again."},
-                {"role": "assistant", "content": "Hello again, friend."}]
+    messages = [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "Hi there!"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "Hello again, friend."},
+    ]
     r = render_chat(tokenizer, messages)
     assert r.input_ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     marked = tokenizer.decode([t for t, m in zip(r.input_ids, r.assistant_mask) if m])
     assert marked == "Hi there!<|im_end|>Hello again, friend.<|im_end|>"
-    first = render_chat(tokenizer, [{"role": "assistant", "content": "I start."},
-                                    {"role": "user", "content": "ok"}])
-    assert tokenizer.decode([t for t, m in zip(first.input_ids, first.assistant_mask) if m]) == "I start."
+    first = render_chat(
+        tokenizer, [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "ok"}]
+    )
+    assert (
+        tokenizer.decode([t for t, m in zip(first.input_ids, first.assistant_mask) if m])
+        == "I start."
+    )
     short = render_chat(tokenizer, messages, max_tokens=10)
     assert len(short.input_ids) == len(short.assistant_mask) == 10
 
@@ -133,8 +150,12 @@ def test_prompt_sets(tokenizer):
         for p in prompts:
             assert p[0]["role"] == "user" and p[0]["content"].strip()
     assert sets == prompt_sets(tokenizer, per_category=8)  # deterministic
-    held_out = {m["content"] for c in split_conversations(sharegpt_conversations(), "eval")
-                for m in c.messages if m["role"] == "user"}
+    held_out = {
+        m["content"]
+        for c in split_conversations(sharegpt_conversations(), "eval")
+        for m in c.messages
+        if m["role"] == "user"
+    }
     assert all(p[0]["content"] in held_out for p in sets["chat"])
     assert all("def " in p[0]["content"] for p in sets["code"])
     assert any(p[0]["content"].startswith("Summarize") for p in sets["summarize"])

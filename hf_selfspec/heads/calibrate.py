@@ -4,11 +4,11 @@ Per head, a monotone (isotonic) map is fit on held-out positions by pool-adjacen
 violators (PAV) over confidence-sorted bins, stored as knots (x, y) and evaluated by
 linear interpolation (flat outside the knots), so it is non-decreasing by construction.
 
-A head's threshold is the smallest confidence whose calibrated acceptance reaches
-`min_accept`: 0.5 by default, or the cost rule `cost_of_draft / value_of_accept` (draft
-when the expected gain of an accepted token exceeds the cost of drafting it). A head
-drafts when `confidence >= threshold`; NEVER (2.0, above any confidence) means the head
-never reaches the bar.
+A head's threshold is the smallest confidence whose calibrated acceptance reaches its
+`min_accept`: 0.5 by default, one value per head if given, or the cost rule
+`cost_of_draft / value_of_accept` (draft when the expected gain of an accepted token
+exceeds the cost of drafting it). A head drafts when `confidence >= threshold`; NEVER
+(2.0, above any confidence) means the head never reaches the bar.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class HeadCalibration:
     knots_x: list[float]
     knots_y: list[float]
     threshold: float
+    min_accept: float = 0.5  # the calibrated acceptance at `threshold`
     positions: int = 0  # held-out positions it was fit on
     accept_rate: float = 0.0  # their overall top-1 agreement
 
@@ -90,7 +91,7 @@ class Calibration:
 
     Attributes:
         heads: list[HeadCalibration], one per head, in head order.
-        min_accept: the acceptance bar the thresholds were set for.
+        min_accept: the default acceptance bar (each head stores its own).
     """
 
     def __init__(self, heads: list[HeadCalibration], min_accept: float = 0.5) -> None:
@@ -103,52 +104,82 @@ class Calibration:
         """Per head: draft when confidence >= threshold (NEVER = 2.0: never drafts)."""
         return [h.threshold for h in self.heads]
 
+    def threshold_for(self, head_index: int, min_accept: float) -> float:
+        """The confidence threshold of head `head_index` for another acceptance bar."""
+        h = self.heads[head_index]
+        return _threshold(h.knots_x, h.knots_y, min_accept)
+
     @classmethod
-    def fit(cls, confidences, accepted, min_accept: float = 0.5, bins: int = 200,
-            cost_of_draft: float | None = None, value_of_accept: float = 1.0) -> Calibration:
+    def fit(
+        cls,
+        confidences,
+        accepted,
+        min_accept: float | list[float] = 0.5,
+        bins: int = 200,
+        cost_of_draft: float | list[float] | None = None,
+        value_of_accept: float = 1.0,
+    ) -> Calibration:
         """Fit one isotonic map per head on held-out (confidence, accepted) pairs.
 
         Args:
             confidences: per head a 1-D array of confidences in [0, 1].
             accepted: per head a 1-D bool array: the head's token == the model's token.
-            min_accept: acceptance bar for the thresholds (ignored when cost_of_draft is set).
+            min_accept: acceptance bar for the thresholds, one for all heads or one per head
+                (ignored when cost_of_draft is set).
             bins: equal-count confidence bins pooled before PAV (keeps the map small).
-            cost_of_draft: if given, min_accept = cost_of_draft / value_of_accept.
+            cost_of_draft: if given (one or per head), min_accept = cost_of_draft / value_of_accept.
         """
+        n = len(confidences)
+        if len(accepted) != n:
+            raise ValueError("confidences and accepted need one entry per head")
         if cost_of_draft is not None:
             if value_of_accept <= 0:
                 raise ValueError("value_of_accept must be > 0")
-            min_accept = cost_of_draft / value_of_accept
-        if not 0.0 <= min_accept <= 1.0:
-            raise ValueError(f"min_accept must be in [0, 1], got {min_accept}")
-        if len(confidences) != len(accepted):
-            raise ValueError("confidences and accepted need one entry per head")
+            costs = (
+                cost_of_draft if isinstance(cost_of_draft, (list, tuple)) else [cost_of_draft] * n
+            )
+            min_accept = [c / value_of_accept for c in costs]
+        bars = list(min_accept) if isinstance(min_accept, (list, tuple)) else [min_accept] * n
+        if len(bars) != n or not all(0.0 <= b <= 1.0 for b in bars):
+            raise ValueError(
+                f"min_accept must be in [0, 1], one value or one per head: {min_accept}"
+            )
         heads = []
-        for conf, acc in zip(confidences, accepted):
+        for conf, acc, bar in zip(confidences, accepted, bars):
             conf = np.asarray(torch.as_tensor(conf).float().cpu(), dtype=np.float64)
             acc = np.asarray(torch.as_tensor(acc).float().cpu(), dtype=np.float64)
             if conf.shape != acc.shape or conf.ndim != 1 or len(conf) == 0:
-                raise ValueError("each head needs non-empty 1-D confidences and accepted of one length")
+                raise ValueError(
+                    "each head needs non-empty 1-D confidences and accepted of one length"
+                )
             order = np.argsort(conf, kind="stable")
             groups = np.array_split(order, min(bins, len(order)))
             gx = np.array([conf[g].mean() for g in groups])
             gy = np.array([acc[g].mean() for g in groups])
             gw = np.array([len(g) for g in groups], dtype=np.float64)
             kx, ky, _ = isotonic_fit(gx, gy, gw)
-            heads.append(HeadCalibration(
-                knots_x=[round(float(v), 6) for v in kx],
-                knots_y=[round(float(v), 6) for v in ky],
-                threshold=round(_threshold(kx, ky, min_accept), 6),
-                positions=int(len(conf)),
-                accept_rate=float(acc.mean()),
-            ))
-        return cls(heads, min_accept)
+            heads.append(
+                HeadCalibration(
+                    knots_x=[round(float(v), 6) for v in kx],
+                    knots_y=[round(float(v), 6) for v in ky],
+                    threshold=round(_threshold(kx, ky, bar), 6),
+                    min_accept=float(bar),
+                    positions=len(conf),
+                    accept_rate=float(acc.mean()),
+                )
+            )
+        return cls(heads, bars[0] if len(set(bars)) == 1 else 0.5)
 
     @classmethod
     def uncalibrated(cls, num_heads: int, threshold: float = 0.6) -> Calibration:
         """Identity maps (P(accept) = confidence) with one fixed threshold."""
-        return cls([HeadCalibration([0.0, 1.0], [0.0, 1.0], threshold) for _ in range(num_heads)],
-                   min_accept=threshold)
+        return cls(
+            [
+                HeadCalibration([0.0, 1.0], [0.0, 1.0], threshold, threshold)
+                for _ in range(num_heads)
+            ],
+            min_accept=threshold,
+        )
 
     def accept_prob(self, head_index: int, confidence: torch.Tensor) -> torch.Tensor:
         """Calibrated P(accept) of head `head_index` at `confidence` (any shape, float)."""
@@ -179,7 +210,7 @@ class Calibration:
     def from_dict(cls, data: dict) -> Calibration:
         """ValueError on malformed data (non-monotone knots, missing fields)."""
         if not isinstance(data, dict) or not isinstance(data.get("heads"), list):
-            raise ValueError("calibration must be a JSON object with a 'heads' list")
+            raise ValueError("calibration must be a JSON object with a 'heads' list")  # noqa: TRY004
         heads = []
         for i, h in enumerate(data["heads"]):
             try:
@@ -187,14 +218,21 @@ class Calibration:
                     knots_x=[float(v) for v in h["knots_x"]],
                     knots_y=[float(v) for v in h["knots_y"]],
                     threshold=float(h["threshold"]),
+                    min_accept=float(h.get("min_accept", data.get("min_accept", 0.5))),
                     positions=int(h.get("positions", 0)),
                     accept_rate=float(h.get("accept_rate", 0.0)),
                 )
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"calibration head {i} is malformed: {e!r}") from None
-            if (not head.knots_x or len(head.knots_x) != len(head.knots_y)
-                    or np.any(np.diff(head.knots_x) < 0) or np.any(np.diff(head.knots_y) < 0)):
-                raise ValueError(f"calibration head {i}: knots must be non-empty, of one length "
-                                 "and non-decreasing")
+            if (
+                not head.knots_x
+                or len(head.knots_x) != len(head.knots_y)
+                or np.any(np.diff(head.knots_x) < 0)
+                or np.any(np.diff(head.knots_y) < 0)
+            ):
+                raise ValueError(
+                    f"calibration head {i}: knots must be non-empty, of one length "
+                    "and non-decreasing"
+                )
             heads.append(head)
         return cls(heads, float(data.get("min_accept", 0.5)))

@@ -146,7 +146,9 @@ class ExitHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V_k (+1)]; the last column is ⊥ when present."""
         if self.lm_rows is None:
-            raise RuntimeError("call bind(model) (or load_heads(source, model)) before using a head")
+            raise RuntimeError(
+                "call bind(model) (or load_heads(source, model)) before using a head"
+            )
         h = self._features(hidden.to(self.in_norm.dtype))
         logits = F.linear(h, self.lm_rows)  # (n, V_k)
         if self.reject is not None:
@@ -189,8 +191,10 @@ class ExitHead(nn.Module):
         return torch.softmax(logits / temperature, dim=-1), self.vocab_ids
 
     def extra_repr(self) -> str:
-        return (f"layer={self.layer}, vocab={self.vocab_size}, adapter={self.adapter_dim}, "
-                f"reject={self.reject_class}")
+        return (
+            f"layer={self.layer}, vocab={self.vocab_size}, adapter={self.adapter_dim}, "
+            f"reject={self.reject_class}"
+        )
 
 
 @dataclass
@@ -223,7 +227,9 @@ class HeadsConfig:
                 f"hf_selfspec reads version {FORMAT_VERSION}); upgrade hf_selfspec or re-save the heads"
             )
         if self.kind != HEAD_KIND:
-            raise ValueError(f"heads kind {self.kind!r} is not supported (supported: {HEAD_KIND!r})")
+            raise ValueError(
+                f"heads kind {self.kind!r} is not supported (supported: {HEAD_KIND!r})"
+            )
         for name in ("num_layers", "hidden_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -252,10 +258,20 @@ class HeadsConfig:
     def from_dict(cls, data: dict) -> HeadsConfig:
         """Build and validate; ValueError on missing or malformed fields (unknown keys ignored)."""
         if not isinstance(data, dict):
-            raise ValueError(f"a heads config must be a JSON object, got {type(data).__name__}")
+            raise ValueError(  # noqa: TRY004 (a bad file, reported like every other config error)
+                f"a heads config must be a JSON object, got {type(data).__name__}"
+            )
         names = {f.name for f in fields(cls)}
-        required = {"base_model", "base_fingerprint", "num_layers", "hidden_size", "vocab_size",
-                    "layers", "vocab_sizes", "adapter_dims"}
+        required = {
+            "base_model",
+            "base_fingerprint",
+            "num_layers",
+            "hidden_size",
+            "vocab_size",
+            "layers",
+            "vocab_sizes",
+            "adapter_dims",
+        }
         missing = sorted(required - data.keys())
         if missing:
             raise ValueError(f"heads config misses {', '.join(missing)}")
@@ -276,27 +292,48 @@ class ExitHeads(nn.Module):
         calibration: Calibration or None (confidence -> P(accept), thresholds).
     """
 
-    def __init__(self, config: HeadsConfig, heads: list[ExitHead] | None = None,
-                 calibration: Calibration | None = None) -> None:
+    def __init__(
+        self,
+        config: HeadsConfig,
+        heads: list[ExitHead] | None = None,
+        calibration: Calibration | None = None,
+    ) -> None:
         super().__init__()
         config.validate()
         if heads is None:  # empty heads of the right shapes, e.g. to load weights into
             heads = [
-                ExitHead(layer, config.hidden_size, torch.zeros(v, dtype=torch.long), r,
-                         config.reject_class, config.rms_norm_eps)
+                ExitHead(
+                    layer,
+                    config.hidden_size,
+                    torch.zeros(v, dtype=torch.long),
+                    r,
+                    config.reject_class,
+                    config.rms_norm_eps,
+                )
                 for layer, v, r in zip(config.layers, config.vocab_sizes, config.adapter_dims)
             ]
         if [h.layer for h in heads] != list(config.layers):
-            raise ValueError(f"head layers {[h.layer for h in heads]} differ from config {config.layers}")
+            raise ValueError(
+                f"head layers {[h.layer for h in heads]} differ from config {config.layers}"
+            )
         if calibration is not None and len(calibration.heads) != len(heads):
-            raise ValueError(f"calibration has {len(calibration.heads)} heads, expected {len(heads)}")
+            raise ValueError(
+                f"calibration has {len(calibration.heads)} heads, expected {len(heads)}"
+            )
         self.config = config
         self.heads = nn.ModuleList(heads)
         self.calibration = calibration
 
     @classmethod
-    def create(cls, model, layers, vocab_ids, adapter_dims=256, reject_class: bool = True,
-               base_model: str | None = None) -> ExitHeads:
+    def create(
+        cls,
+        model,
+        layers,
+        vocab_ids,
+        adapter_dims=256,
+        reject_class: bool = True,
+        base_model: str | None = None,
+    ) -> ExitHeads:
         """Fresh (untrained, logit-lens) heads for `model`.
 
         Args:

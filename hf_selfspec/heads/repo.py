@@ -102,10 +102,15 @@ def check_compatible(config: HeadsConfig, model) -> None:
     2% (the same checkpoint in fp16 or another rounding).
     """
     dims = _model_dims(model)
-    wanted = {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
-              "vocab_size": config.vocab_size}
-    advice = (f"Load the heads with the model they were trained for ('{config.base_model}'), "
-              f"or train heads for this model: python scripts/train_heads.py --model <model> --out <folder>")
+    wanted = {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+    advice = (
+        f"Load the heads with the model they were trained for ('{config.base_model}'), "
+        f"or train heads for this model: python scripts/train_heads.py --model <model> --out <folder>"
+    )
     for key, value in wanted.items():
         if dims[key] != value:
             raise ValueError(
@@ -141,15 +146,26 @@ def render_card(heads: ExitHeads) -> str:
     rows = []
     for i, head in enumerate(heads.heads):
         m = dict(metrics[i]) if i < len(metrics) else {}
-        m.update(layer=head.layer, vocab_size=head.vocab_size, adapter_dim=head.adapter_dim,
-                 threshold=thresholds[i])
+        m.update(
+            layer=head.layer,
+            vocab_size=head.vocab_size,
+            adapter_dim=head.adapter_dim,
+            threshold=thresholds[i],
+        )
+        if heads.calibration is not None:
+            m.setdefault("min_accept", heads.calibration.heads[i].min_accept)
         rows.append(m)
     metadata = {
         "base_model": config.base_model,
         "library_name": "hf_selfspec",
         "license": training.get("license", "apache-2.0"),
-        "tags": ["hf_selfspec", "self-speculative-decoding", "speculative-decoding",
-                 "early-exit", "exit-heads"],
+        "tags": [
+            "hf_selfspec",
+            "self-speculative-decoding",
+            "speculative-decoding",
+            "early-exit",
+            "exit-heads",
+        ],
         "datasets": training.get("datasets", []),
         "hf_selfspec": {
             "kind": config.kind,
@@ -161,11 +177,17 @@ def render_card(heads: ExitHeads) -> str:
             "training_time_s": training.get("total_time_s"),
         },
     }
-    template = jinja2.Template(CARD_TEMPLATE.read_text(encoding="utf-8"),
-                               keep_trailing_newline=True, undefined=jinja2.ChainableUndefined)
+    template = jinja2.Template(
+        CARD_TEMPLATE.read_text(encoding="utf-8"),
+        keep_trailing_newline=True,
+        undefined=jinja2.ChainableUndefined,
+    )
     return template.render(
         yaml=yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True).strip(),
-        config=config, training=training, heads=rows, fmt=_fmt,
+        config=config,
+        training=training,
+        heads=rows,
+        fmt=_fmt,
     )
 
 
@@ -185,7 +207,7 @@ def save_heads(heads: ExitHeads, folder: str | os.PathLike, card: bool = True) -
 
     Heads without a calibration get the identity map with threshold 0.6 (labelled so).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -195,8 +217,16 @@ def save_heads(heads: ExitHeads, folder: str | os.PathLike, card: bool = True) -
     state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
     # Float weights in fp32 whatever the model's dtype, so a file does not depend on it.
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    save_file(state, str(folder / WEIGHTS_FILE),
-              metadata={"format": "pt", "hf_selfspec_format_version": str(heads.config.format_version)})
+    # save() + write_bytes rather than save_file: ordinary (umask) file permissions.
+    (folder / WEIGHTS_FILE).write_bytes(
+        save(
+            state,
+            metadata={
+                "format": "pt",
+                "hf_selfspec_format_version": str(heads.config.format_version),
+            },
+        )
+    )
     (folder / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
     (folder / CALIBRATION_FILE).write_text(json.dumps(heads.calibration.to_dict(), indent=2) + "\n")
     if card:
@@ -213,11 +243,16 @@ def _resolve(source, revision, cache_dir, token, local_files_only) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(
-            repo_id=str(source), revision=revision, cache_dir=cache_dir, token=token,
-            local_files_only=local_files_only,
-            allow_patterns=[*REQUIRED_FILES, CARD_FILE],
-        ))
+        return Path(
+            snapshot_download(
+                repo_id=str(source),
+                revision=revision,
+                cache_dir=cache_dir,
+                token=token,
+                local_files_only=local_files_only,
+                allow_patterns=[*REQUIRED_FILES, CARD_FILE],
+            )
+        )
     except Exception as e:  # network, auth, not in the offline cache, ...
         raise OSError(
             f"could not get heads '{source}': not a local folder, and the Hub (or, offline, "
@@ -236,8 +271,15 @@ def _read_json(path: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def load_heads(source, model=None, *, revision: str | None = None, cache_dir=None,
-               token: str | bool | None = None, local_files_only: bool = False) -> ExitHeads:
+def load_heads(
+    source,
+    model=None,
+    *,
+    revision: str | None = None,
+    cache_dir=None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+) -> ExitHeads:
     """Load heads from a local folder or a Hub repo id, check them against `model`, bind.
 
     Args:
@@ -262,19 +304,23 @@ def load_heads(source, model=None, *, revision: str | None = None, cache_dir=Non
     except ValueError as e:
         raise ValueError(f"{calib_path}: {e}") from None
     if len(calibration.heads) != len(config.layers):
-        raise ValueError(f"{calib_path} calibrates {len(calibration.heads)} heads, "
-                         f"{config_path} declares {len(config.layers)}")
+        raise ValueError(
+            f"{calib_path} calibrates {len(calibration.heads)} heads, "
+            f"{config_path} declares {len(config.layers)}"
+        )
     if model is not None:
         check_compatible(config, model)
     weights_path = folder / WEIGHTS_FILE
     if not weights_path.is_file():
-        raise FileNotFoundError(f"{weights_path} is missing: a heads folder needs "
-                                f"{', '.join(REQUIRED_FILES)}")
+        raise FileNotFoundError(
+            f"{weights_path} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}"
+        )
     try:
         state = load_file(str(weights_path))
-    except Exception as e:  # SafetensorError (truncated header, bad offsets), OSError, ...
-        raise ValueError(f"{weights_path} is corrupt or truncated ({e}); download or save the "
-                         "heads again") from None
+    except Exception as e:  # noqa: BLE001 (SafetensorError: truncated header, bad offsets; OSError)
+        raise ValueError(
+            f"{weights_path} is corrupt or truncated ({e}); download or save the heads again"
+        ) from None
     heads = ExitHeads(config)
     try:
         heads.load_state_dict(state, strict=True)
@@ -286,8 +332,13 @@ def load_heads(source, model=None, *, revision: str | None = None, cache_dir=Non
     return heads
 
 
-def push_heads(folder, repo_id: str, token: str | None = None, private: bool = False,
-               commit_message: str = "Upload hf_selfspec exit heads"):
+def push_heads(
+    folder,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    commit_message: str = "Upload hf_selfspec exit heads",
+):
     """Upload a saved heads folder to the Hub as a model repo (created if needed)."""
     from huggingface_hub import HfApi
 
@@ -298,5 +349,6 @@ def push_heads(folder, repo_id: str, token: str | None = None, private: bool = F
     HeadsConfig.from_dict(_read_json(folder / CONFIG_FILE))  # refuse to push a bad config
     api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    return api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                             commit_message=commit_message)
+    return api.upload_folder(
+        folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=commit_message
+    )
