@@ -9,9 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-# ANSI colour of accepted drafts in the terminal
-DRAFT = "\033[36m"
+# ANSI colours of token sources in the terminal
 _RESET = "\033[0m"
+_COLOURS = {"model": _RESET, "copy": "\033[36m"}
+_HEAD_COLOURS = ["\033[33m", "\033[32m", "\033[35m", "\033[34m"]
+
+
+def _colour(source: str) -> str:
+    if source.startswith("head"):
+        return _HEAD_COLOURS[int(source[4:]) % len(_HEAD_COLOURS)]
+    return _COLOURS.get(source, _RESET)
 
 
 def _load(args):
@@ -46,29 +53,26 @@ def cmd_generate(args) -> int:
                                         return_dict=True)["input_ids"]
     colour = sys.stdout.isatty() and not args.no_colour
 
-    class ChunkStreamer:
-        """Prints each committed chunk as it arrives. A chunk is the drafts the model
-        accepted (coloured) followed by the model's own token (plain)."""
+    class SourceStreamer:
+        """Prints each committed chunk as it arrives, each token coloured by its source
+        (model.selfspec_stats is filled live: its sources are known at each put)."""
 
         def __init__(self):
             self.seen_prompt = False
             self.tokens: list[int] = []
             self.text = ""
 
-        def _emit(self, token: int, draft: bool):
-            self.tokens.append(token)
-            text = tokenizer.decode(self.tokens, skip_special_tokens=True)
-            piece = text[len(self.text):]
-            self.text = text
-            sys.stdout.write((DRAFT + piece + _RESET) if (draft and colour) else piece)
-
         def put(self, value):
             if not self.seen_prompt:  # generate() streams the prompt first
                 self.seen_prompt = True
                 return
-            chunk = value.reshape(-1).tolist()
-            for i, token in enumerate(chunk):
-                self._emit(token, draft=i < len(chunk) - 1)
+            sources = model.selfspec_stats.sources
+            for token in value.reshape(-1).tolist():
+                source = sources[len(self.tokens)] if len(self.tokens) < len(sources) else "model"
+                self.tokens.append(token)
+                text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+                piece, self.text = text[len(self.text):], text
+                sys.stdout.write(_colour(source) + piece + _RESET if colour else piece)
             sys.stdout.flush()
 
         def end(self):
@@ -76,11 +80,12 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                         assistant="self", streamer=ChunkStreamer())
+                         assistant="self", streamer=SourceStreamer())
     elapsed = time.perf_counter() - t0
     stats = model.selfspec_stats
     if colour:
-        print(f"{DRAFT}coloured{_RESET}: accepted drafts (heads or prompt lookup); plain: the model's own tokens")
+        legend = " ".join(_colour(s) + s + _RESET for s in sorted(set(stats.sources)))
+        print(f"sources: {legend}  (model: the model's own token; copy: prompt lookup; headK: draft head K)")
     print(f"[hf-selfspec] {stats.summary()} | wall {elapsed:.2f} s")
     if args.compare:
         t0 = time.perf_counter()

@@ -312,8 +312,11 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
             def on_commit(chunk):
                 if chunk:
                     streamer.put(torch.tensor(chunk))
+        live = DecodeStats()
+        model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
         results.append(decoder.generate(p, max_new, eos, stop=stop, on_commit=on_commit,
-                                        min_new_tokens=min_new, collect_logits=want_logits))
+                                        min_new_tokens=min_new, collect_logits=want_logits,
+                                        stats=live))
     if streamer is not None:
         streamer.end()
 

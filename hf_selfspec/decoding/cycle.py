@@ -3,13 +3,16 @@
 A cycle works on a block of rows at consecutive positions P, P+1, ...: row 0 is the last
 committed token (its KV is not in the cache yet), row j > 0 is the j-th draft.
 
-  draft_block   For each draft position, the newest row climbs the exit heads shallow ->
-                deep, running only as deep as the head being evaluated, and the first head
-                whose confidence passes its threshold drafts the next token (lazy
-                catch-up: before the newest row climbs past the block's depth D, it is
-                brought to D alone and then all rows advance together in one `seg` pass,
-                so every head sees the exact hidden state of the exact prefix). Prompt
-                lookup may instead supply the drafts as copies (rows at depth 0).
+  draft_block   Exit heads: for each draft position the newest row climbs the heads
+                shallow -> deep, running only as deep as the head being evaluated, and the
+                first head whose confidence passes its threshold drafts the next token
+                (lazy catch-up: a row computes layer l only once the older rows of the
+                block have their KV there; the rows below it are advanced together in one
+                `seg` pass, so every head sees the exact hidden state of the exact prefix).
+                Top-layer draft heads: a chain of drafts from the final hidden state of the
+                row that produced row 0's token (kept from the last verification), no
+                layer pass. Prompt lookup may instead supply the drafts as copies. Drafted
+                rows enter at depth 0; a draft budget (policy.py) caps how many pay.
   verify_block  All rows are brought to the block depth D and `verify[D, n]` gives the
                 model's argmax after every row.
   commit        The longest prefix of drafts equal to the model's argmax is accepted, then
@@ -282,14 +285,19 @@ class SelfSpecDecoder:
         on_commit: CommitFn | None = None,
         min_new_tokens: int = 0,
         collect_logits: bool = False,
+        stats: DecodeStats | None = None,
     ) -> DecodeResult:
         """Greedy decoding; returns exactly `Engine.generate_ar`'s tokens (truncated after
         the first EOS, at max_new_tokens, or after the token where `stop` returns True).
-        EOS cannot be produced before `min_new_tokens` new tokens (HF semantics)."""
+        EOS cannot be produced before `min_new_tokens` new tokens (HF semantics).
+        `stats`, if given, is filled live (its `sources` grow before each `on_commit`)."""
         engine = self.engine
         prompt_ids = list(prompt_ids)
         engine.check_capacity(len(prompt_ids), max_new_tokens)
-        stats = DecodeStats(prompt_tokens=len(prompt_ids), exits_per_head=[0] * self.num_sources)
+        if stats is None:
+            stats = DecodeStats()
+        stats.prompt_tokens = len(prompt_ids)
+        stats.exits_per_head = [0] * self.num_sources
         out: list[int] = []
         t_start = time.perf_counter()
         if max_new_tokens <= 0:
