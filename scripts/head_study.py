@@ -37,10 +37,17 @@ def collect(args):
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model_and_tokenizer()
     FEATURES.mkdir(parents=True, exist_ok=True)
-    for split, budget in (("eval", args.eval_seconds), ("train", args.seconds)):
+    splits = (("eval", args.eval_seconds), ("train", args.seconds))
+    if args.part > 0:  # more training data: skip the conversations earlier parts used
+        splits = (("train", args.seconds),)
+    for split, budget in splits:
         ids_l, arg_l, fin_l, mask_l = [], [], [], []
         t0, positions = time.time(), 0
-        for conv in split_conversations(sharegpt_conversations(), split):
+        done = json.loads((FEATURES / "parts.json").read_text()) if (FEATURES / "parts.json").exists() else {}
+        skip = sum(done.get(str(p), 0) for p in range(args.part)) if split == "train" else 0
+        for index, conv in enumerate(split_conversations(sharegpt_conversations(), split)):
+            if index < skip:
+                continue
             if time.time() - t0 > budget:
                 break
             chat = render_chat(tokenizer, conv.messages, max_tokens=args.max_tokens)
@@ -55,8 +62,12 @@ def collect(args):
             fin_l.append(final.half())
             mask_l.append(torch.tensor(chat.assistant_mask))
             positions += int(sum(chat.assistant_mask))
+        name = split if split == "eval" or args.part == 0 else f"train{args.part}"
         torch.save({"ids": ids_l, "argmax": arg_l, "final": fin_l, "mask": mask_l},
-                   FEATURES / f"{split}.pt")
+                   FEATURES / f"{name}.pt")
+        if split == "train":
+            done[str(args.part)] = index - skip
+            (FEATURES / "parts.json").write_text(json.dumps(done))
         print(f"{split}: {len(ids_l)} conversations, {positions} assistant positions, "
               f"{time.time() - t0:.0f} s", flush=True)
 
@@ -85,6 +96,10 @@ def train(args):
     from hf_selfspec.heads.repo import fingerprint
 
     tr = torch.load(FEATURES / "train.pt")
+    for extra in sorted(FEATURES.glob("train[0-9]*.pt")):  # parts from `collect --part N`
+        more = torch.load(extra)
+        for key in tr:
+            tr[key] = tr[key] + more[key]
     ev = torch.load(FEATURES / "eval.pt")
     D = args.depth
     f_tr, x_tr, y_tr, _ = examples(tr, D)
@@ -209,6 +224,8 @@ def main(argv=None):
     c.add_argument("--eval-seconds", type=float, default=120)
     c.add_argument("--max-tokens", type=int, default=512)
     c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--part", type=int, default=0,
+                   help="0: eval + first training part; N > 0: a further training part (train{N}.pt)")
     c.set_defaults(func=collect)
     t = sub.add_parser("train")
     t.add_argument("--depth", type=int, default=2)

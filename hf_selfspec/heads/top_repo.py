@@ -88,7 +88,7 @@ out = model.generate(**inputs, assistant="self")
 Expected tokens per verification with {cfg.depth} drafts: {t.get('tau_thr0.0')}
 (thresholds 0.2: {t.get('tau_thr0.2')}). Training: {t.get('train_positions')} teacher-forced
 positions of the ShareGPT train split, {t.get('epochs')} epochs, {t.get('train_seconds')} s on a
-2-core CPU. Reproduce: `python scripts/head_study.py collect && python scripts/head_study.py train --out <folder>`.
+2-core CPU. Reproduce: `python scripts/head_study.py collect --seconds 660 && python scripts/head_study.py collect --part 1 --seconds 600 && python scripts/head_study.py train --epochs 3 --batch 512 --out hf_selfspec/default_heads`.
 """
     return "\n".join(meta) + body
 
