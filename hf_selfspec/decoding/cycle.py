@@ -224,8 +224,13 @@ class SelfSpecDecoder:
         mode = self.config.lookup
         copies: list[int] = []
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
+        has_heads = bool(self.head_list) or self.top is not None
         if self.lookup is not None and copy_budget > 0 and mode in ("only", "first"):
             copies = self.lookup.propose(copy_budget)
+            # "first": a copy pre-empts the heads only while copies are accepted at least
+            # as often as head drafts on this text (live rates, policy.py)
+            if copies and mode == "first" and has_heads and policy.rate(SOURCE_COPY) < policy.rate("head"):
+                copies = []
         head_budget = min(budget, max(policy.budget("head"), 1))
         if not copies and self.head_list and mode != "only":
             self._draft_from_heads(block, head_budget, eos, stats)

@@ -80,3 +80,7 @@ class DraftBudget:
 
     def update(self, drafter: str, drafted: int, accepted: int) -> None:
         self.tracker(drafter).update(drafted, accepted)
+
+    def rate(self, drafter: str) -> float:
+        """Live per-draft acceptance estimate of a drafter."""
+        return self.tracker(drafter).rate
