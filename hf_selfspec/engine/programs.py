@@ -37,9 +37,10 @@ from .attention import KEY_BLOCK, block_attention, visible_bias
 from .layered import LayeredModel, rms_norm, rotate_half
 from .runner import triton_attention, uses_row_attention
 
-# Most rows one step takes (row 0 + drafts). Measured with scripts/bench_engine.py
-# (SmolLM2-135M, fp32, 2 threads, see README "Width"): in the micro layout a step costs
-# ~1.0x (1-3 rows), ~1.5x (6 rows), ~1.9x (8 rows) an AR step.
+# Most rows one step takes (row 0 + drafts). Measured with scripts/bench.py --widths
+# (SmolLM2-135M, fp32, 2 threads; docs/benchmarks.md): in the micro layout a verify step of
+# 1 / 2 / 3 / 4 / 6 / 8 rows costs 1.00 / 1.07 / 1.09 / 1.69 / 1.81 / 2.23x one row, so 8
+# rows leave the draft budget (decoding/policy.py) room for long copies where they pay.
 DEFAULT_WIDTH = 8
 DEFAULT_CAPACITY = 2048
 
