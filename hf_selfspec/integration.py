@@ -116,11 +116,10 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
 
 def _load_heads(model, heads, revision):
     """Heads of any kind (config.json says which) from a folder, a Hub id or an object."""
-    from pathlib import Path
-
     from .heads import ExitHeads, check_compatible, default_heads_path, load_heads
+    from .heads.repo import resolve_heads_folder
     from .heads.top import TopDraftHeads
-    from .heads.top_repo import load_top_heads, read_kind
+    from .heads.top_repo import check_top_compatible, load_top_heads, read_kind
 
     if heads is False:
         return None
@@ -128,20 +127,13 @@ def _load_heads(model, heads, revision):
         check_compatible(heads.config, model)
         return heads.bind(model)
     if isinstance(heads, TopDraftHeads):
+        check_top_compatible(heads.config, model)
         return heads.bind(model)
     if heads is None:
         heads = default_heads_path()
         if not (heads / "config.json").is_file():
             raise FileNotFoundError(f"no default heads are shipped in {heads}; pass heads=... or heads=False")
-    folder = Path(str(heads)).expanduser()
-    if not folder.is_dir():  # a Hub repo id: fetch (or find in the offline cache) first
-        from huggingface_hub import snapshot_download
-
-        try:
-            folder = Path(snapshot_download(repo_id=str(heads), revision=revision))
-        except Exception as e:
-            raise OSError(f"could not get heads '{heads}': not a local folder, and the Hub "
-                          f"(or, offline, the local cache) gave {type(e).__name__}: {e}") from e
+    folder = resolve_heads_folder(heads, revision)  # a folder, or a Hub repo id fetched/cached
     if read_kind(folder) == "top_draft":
         return load_top_heads(folder, model)
     return load_heads(folder, model)

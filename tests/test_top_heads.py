@@ -53,3 +53,9 @@ def test_generate_with_top_heads_matches_hf_greedy(tmp_path):
         assert torch.equal(model.generate(ids, assistant="self", **kw), expected)
         drafted += model.selfspec_stats.drafted
     assert drafted > 0
+
+
+def test_loaded_heads_object_for_another_model_is_refused():
+    heads = random_top_heads(tiny_model("llama", seed=0, layers=4))
+    with pytest.raises(ValueError, match="fingerprint"):
+        attach_heads(tiny_model("llama", seed=1, layers=4), heads)

@@ -267,6 +267,12 @@ def _resolve(source, revision, cache_dir, token, local_files_only) -> Path:
         ) from e
 
 
+def resolve_heads_folder(source, revision: str | None = None) -> Path:
+    """A local heads folder for `source`: the folder itself, or the Hub snapshot of a repo
+    id (honours HF_HUB_OFFLINE and the local cache)."""
+    return _resolve(source, revision, None, None, False)
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(

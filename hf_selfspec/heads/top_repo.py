@@ -109,10 +109,22 @@ def save_top_heads(heads: TopDraftHeads, folder, thresholds: list[float] | None 
     return folder
 
 
+def check_top_compatible(config: TopHeadsConfig, model) -> None:
+    """ValueError unless `model` has the weights the heads were trained for."""
+    from .repo import fingerprint
+
+    if fingerprint(model) != config.base_fingerprint:
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        raise ValueError(
+            f"These heads are for '{config.base_model}' (fingerprint {config.base_fingerprint[:12]}), "
+            f"but the model '{name}' has other weights (fingerprint {fingerprint(model)[:12]}). "
+            "Load them with the model they were trained for, or train heads for this model "
+            "(python scripts/head_study.py collect/train)."
+        )
+
+
 def load_top_heads(folder, model=None) -> TopDraftHeads:
     from safetensors.torch import load_file
-
-    from .repo import fingerprint
 
     folder = Path(folder)
     for name in (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE):
@@ -124,14 +136,8 @@ def load_top_heads(folder, model=None) -> TopDraftHeads:
         calibration = json.loads((folder / CALIBRATION_FILE).read_text())
     except (json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"{folder}: bad config.json or calibration.json: {e}") from None
-    if model is not None and fingerprint(model) != config.base_fingerprint:
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        raise ValueError(
-            f"These heads are for '{config.base_model}' (fingerprint {config.base_fingerprint[:12]}), "
-            f"but the model '{name}' has other weights (fingerprint {fingerprint(model)[:12]}). "
-            "Load them with the model they were trained for, or train heads for this model "
-            "(python scripts/head_study.py collect/train)."
-        )
+    if model is not None:
+        check_top_compatible(config, model)
     try:
         state = load_file(str(folder / WEIGHTS_FILE))
     except Exception as e:
@@ -150,4 +156,4 @@ def load_top_heads(folder, model=None) -> TopDraftHeads:
     return heads
 
 
-__all__ = ["TopCalibration", "load_top_heads", "read_kind", "save_top_heads"]
+__all__ = ["TopCalibration", "check_top_compatible", "load_top_heads", "read_kind", "save_top_heads"]
