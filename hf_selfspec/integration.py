@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .decoding.cycle import DecodeConfig, DecodeResult, SelfSpecDecoder
+from .decoding.sampling import MIN_LENGTH_PROCESSORS, ROW_PROCESSORS, RowScorer, unsupported_processors
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .stats import DecodeStats
 
@@ -209,25 +210,22 @@ def _stop_strings_as_criteria(model, generation_config, kwargs):
     return generation_config, kwargs
 
 
-def _check_request(generation_config, logits_processor) -> None:
+def _check_request(generation_config, logits_processor) -> bool:
+    """Refuse what the loop cannot honour; True when the processors must be applied row by
+    row (sampling, or greedy with more than min_new_tokens / min_length)."""
     gc = generation_config
-    if gc.do_sample:
-        raise NotImplementedError(
-            "do_sample=True is not supported with assistant='self' yet (exact speculative sampling "
-            "is planned); use greedy decoding or drop assistant='self'"
-        )
     for name, (bad, message) in _UNSUPPORTED.items():
         if bad(getattr(gc, name, None)):
             raise ValueError(message)
-    # min_new_tokens is honoured by the loop itself; any other processor would change greedy
-    others = [type(p).__name__ for p in logits_processor
-              if type(p).__name__ not in ("MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor")]
-    if others:
+    unsupported = unsupported_processors(logits_processor)
+    if unsupported:
         raise NotImplementedError(
-            f"these logits processors are not supported with assistant='self': {others}. "
-            "Remove the options that create them (e.g. repetition_penalty, no_repeat_ngram_size, "
-            "bad_words_ids) or drop assistant='self'"
+            f"these logits processors are not supported with assistant='self': {unsupported} "
+            "(supported: processors that depend only on the tokens so far and the scores, "
+            f"{sorted(ROW_PROCESSORS)}). Remove the options or processors that create them, "
+            "or drop assistant='self'"
         )
+    return bool(gc.do_sample) or any(type(p).__name__ not in MIN_LENGTH_PROCESSORS for p in logits_processor)
 
 
 def _eos_ids(generation_config) -> list[int]:
@@ -266,7 +264,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     gc = generation_config
-    _check_request(gc, logits_processor or [])
+    logits_processor = logits_processor if logits_processor is not None else []
+    row_processing = _check_request(gc, logits_processor)
     state: SelfSpecState = model._selfspec
     prompt_len = input_ids.shape[1]
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - prompt_len
@@ -306,9 +305,12 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
                     streamer.put(torch.tensor(chunk))
         live = DecodeStats()
         model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
+        # HF scores a row with the whole padded row as input_ids: so does the scorer
+        scorer = (RowScorer(logits_processor, padded, engine.view.vocab_size, engine.view.device)
+                  if row_processing else None)
         results.append(decoder.generate(p, max_new, eos, stop=stop, on_commit=on_commit,
                                         min_new_tokens=min_new, collect_logits=want_logits,
-                                        stats=live))
+                                        stats=live, scorer=scorer, do_sample=bool(gc.do_sample)))
     if streamer is not None:
         streamer.end()
 

@@ -72,6 +72,72 @@ def collect(args):
               f"{time.time() - t0:.0f} s", flush=True)
 
 
+@torch.no_grad()
+def collect_own(args):
+    """The model's own greedy replies to the first user turn of ShareGPT conversations
+    (batched HF generate, left padding, static cache); the final hidden state (after the
+    final norm) of every decoding step is caught by a hook on the norm, so each reply
+    position costs one batched decoding step and no second forward. Stored per reply:
+    ids = [last prompt token] + reply[:-1], argmax = the model's token after each row
+    (= the reply), final = the rows' final hidden states: exactly the (f_t, x_{t+1}, a_{t+1})
+    the decoder sees, with no teacher forcing."""
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_default_model_and_tokenizer()
+    FEATURES.mkdir(parents=True, exist_ok=True)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    caught = []
+    hook = model.model.norm.register_forward_hook(lambda mod, inp, out: caught.append(out[:, -1].clone()))
+    for split, budget in (("eval", args.eval_seconds), ("train", args.seconds)):
+        if budget <= 0:
+            continue
+        prompts = []
+        for conv in split_conversations(sharegpt_conversations(), split):
+            first = next(m["content"] for m in conv.messages if m["role"] == "user")
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": first}],
+                                                tokenize=True, add_generation_prompt=True,
+                                                return_dict=False)
+            if 8 <= len(ids) <= args.max_prompt:
+                prompts.append(ids)
+        ids_l, arg_l, fin_l, mask_l = [], [], [], []
+        t0, positions, used = time.time(), 0, 0
+        for start in range(0, len(prompts), args.batch):
+            if time.time() - t0 > budget:
+                break
+            batch = sorted(prompts[start:start + args.batch], key=len)
+            used += len(batch)
+            width = max(len(p) for p in batch)
+            inp = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            caught.clear()
+            out = model.generate(inp, attention_mask=att, max_new_tokens=args.max_new,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=eos,
+                                 cache_implementation="static")
+            finals = torch.stack(caught, 1)  # [B, steps, H]
+            for b, (row, p) in enumerate(zip(out[:, width:].tolist(), batch)):
+                reply = []
+                for tok in row:
+                    reply.append(tok)
+                    if tok == eos:
+                        break
+                if len(reply) < 8:
+                    continue
+                R = len(reply)
+                ids_l.append(torch.tensor([p[-1]] + reply[:-1], dtype=torch.int32))
+                arg_l.append(torch.tensor(reply, dtype=torch.int32))
+                fin_l.append(finals[b, :R].half())
+                mask = torch.ones(R, dtype=torch.bool)
+                mask[-1] = False
+                mask_l.append(mask)
+                positions += R - 1
+            print(f"  {split}: {used} prompts, {positions} positions, {time.time() - t0:.0f} s",
+                  flush=True)
+        torch.save({"ids": ids_l, "argmax": arg_l, "final": fin_l, "mask": mask_l},
+                   FEATURES / f"own_{split}.pt")
+        print(f"{split}: {len(ids_l)} replies, {positions} positions, {time.time() - t0:.0f} s", flush=True)
+    hook.remove()
+
+
 def examples(data, depth, agree_only=False):
     """Per position t in an assistant span: f_t, tokens tok_0..tok_{D-1} = x_{t+1..t+D},
     targets a_{t+1..t+D}; and whether the text from t on is the model's greedy continuation
@@ -227,6 +293,14 @@ def main(argv=None):
     c.add_argument("--part", type=int, default=0,
                    help="0: eval + first training part; N > 0: a further training part (train{N}.pt)")
     c.set_defaults(func=collect)
+    o = sub.add_parser("collect-own", help="the model's own batched greedy replies (own_train.pt, own_eval.pt)")
+    o.add_argument("--seconds", type=float, default=1800)
+    o.add_argument("--eval-seconds", type=float, default=300)
+    o.add_argument("--batch", type=int, default=16)
+    o.add_argument("--max-new", type=int, default=192)
+    o.add_argument("--max-prompt", type=int, default=384)
+    o.add_argument("--threads", type=int, default=2)
+    o.set_defaults(func=collect_own)
     t = sub.add_parser("train")
     t.add_argument("--depth", type=int, default=2)
     t.add_argument("--adapter", type=int, default=512)

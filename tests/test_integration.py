@@ -158,14 +158,22 @@ def test_concurrent_calls_are_correct(pair):
 
 @pytest.mark.parametrize("kw,error,match", [
     (dict(assistant="other"), ValueError, "assistant must be 'self'"),
-    (dict(assistant="self", do_sample=True), NotImplementedError, "do_sample"),
+    (dict(assistant="self", logits_processor="custom"), NotImplementedError, "HalveScores"),
     (dict(assistant="self", num_beams=2), ValueError, "beam search"),
-    (dict(assistant="self", repetition_penalty=1.3), NotImplementedError, "RepetitionPenalty"),
+    (dict(assistant="self", do_sample=True, guidance_scale=1.5), NotImplementedError, "ClassifierFreeGuidance"),
     (dict(assistant="self", max_new_tokens=5000), ValueError, "max_position_embeddings"),
 ])
 def test_unsupported_options_are_clear_errors(pair, kw, error, match):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class HalveScores(LogitsProcessor):  # a user's own processor: unknown to the loop
+        def __call__(self, input_ids, scores):
+            return scores / 2
+
     ref, model = pair
     kw.setdefault("max_new_tokens", 5)
+    if kw.get("logits_processor") == "custom":
+        kw["logits_processor"] = LogitsProcessorList([HalveScores()])
     with pytest.raises(error, match=match):
         model.generate(prompt(0), **{**GREEDY, **kw})
 

@@ -21,6 +21,11 @@ committed token (its KV is not in the cache yet), row j > 0 is the j-th draft.
 
 Every row of the main model is computed by fixed-width programs, so the committed tokens
 are exactly the engine's AR output (`Engine.generate_ar`), whatever is drafted.
+
+With `do_sample=True` the heads sample their drafts from their (processed) distributions
+and commit follows speculative sampling (sampling.py): each token is distributed exactly as
+the model's own processed distribution. A `RowScorer` applies HF logits processors to every
+row, in greedy and sampling mode alike.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ..engine.programs import Engine
 from ..stats import SOURCE_COPY, SOURCE_MODEL, DecodeStats, head_source
 from .lookup import PromptLookup
 from .policy import DraftBudget
+from .sampling import RowScorer, sample, speculative_tokens
 
 LookupMode = Literal["off", "only", "first", "fallback"]
 LOOKUP_MODES = ("off", "only", "first", "fallback")
@@ -97,15 +103,22 @@ class _Block:
         self.hidden[0] = engine.view.embed[first_token]
         self.depth = [0]  # layers computed for each row (never increasing with the row)
         self.final_before: torch.Tensor | None = None  # [H] final hidden of the row before row 0
+        self.q: list[torch.Tensor | None] = [None]  # sampling: the distribution each draft came from
+        self.committed: list[int] = []  # the tokens committed before this block (row 0 = the last)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, source: str) -> None:
+    def add(self, token: int, source: str, q: torch.Tensor | None = None) -> None:
         self.hidden[len(self.tokens)] = self.engine.view.embed[token]
         self.tokens.append(token)
         self.sources.append(source)
         self.depth.append(0)
+        self.q.append(q)
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.tokens[1:]
 
     def advance(self, first: int, last: int, end: int) -> None:
         """One seg pass: rows [first, last), all at the same depth, to layer `end`."""
@@ -191,9 +204,11 @@ class SelfSpecDecoder:
 
     # ---- phases -------------------------------------------------------------------------
 
-    def _draft_from_heads(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats):
+    def _draft_from_heads(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats,
+                          scorer: RowScorer | None = None):
         """Add head drafts to `block` until no head passes, the budget is spent, an EOS is
-        drafted, or the predicted acceptance of the whole chain falls under gamma."""
+        drafted, or the predicted acceptance of the whole chain falls under gamma. With a
+        scorer (sampling) a head that passes samples its draft from its processed q."""
         gamma = self.config.gamma
         chain_prob = 1.0
         calibration = getattr(self.heads, "calibration", None)
@@ -210,17 +225,54 @@ class SelfSpecDecoder:
                         chain_prob *= float(calibration.accept_prob(k, conf[:1])[0])
                         if chain_prob < gamma:
                             return
-                    block.add(int(token[0]), head_source(k))
+                    q = None
+                    if scorer is not None:
+                        reduced = head(block.hidden[newest: newest + 1])[0, : head.vocab_size]
+                        q = scorer.draft_distribution(block.committed, block.drafts, reduced, head.vocab_ids)
+                        if q is None:
+                            return
+                        token = torch.tensor([sample(q)])
+                    block.add(int(token[0]), head_source(k), q)
                     stats.exits_per_head[k] += 1
                     drafted = True
                     break
             if not drafted or block.tokens[-1] in eos:
                 return
 
+    def _draft_from_top(self, block: _Block, budget: int, eos: set[int], scorer: RowScorer | None,
+                        stats: DecodeStats) -> None:
+        """A chain from the top-layer draft heads: argmax drafts, or (scorer given) drafts
+        sampled from each step's processed distribution."""
+        if scorer is None:
+            drafted = self.top.draft(block.final_before, block.tokens[0], budget, self.thresholds)
+            for token, _conf, step in drafted:
+                block.add(token, head_source(step))
+                stats.exits_per_head[step] += 1
+                if token in eos:
+                    break
+            return
+        top = self.top
+        h = block.final_before.reshape(1, -1)
+        prev = torch.tensor([block.tokens[0]], device=h.device)
+        for i in range(min(budget, len(top.steps))):
+            h, logits = top.step_logits(i, h, prev)
+            if float(torch.softmax(logits.float(), -1).max()) < self.thresholds[i]:
+                break
+            q = scorer.draft_distribution(block.committed, block.drafts, logits[0], top.vocab_ids)
+            if q is None:
+                break
+            token = sample(q)
+            block.add(token, head_source(i), q)
+            stats.exits_per_head[i] += 1
+            if token in eos:
+                break
+            prev = torch.tensor([token], device=h.device)
+
     def draft_block(self, block: _Block, budget: int, eos: set[int], stats: DecodeStats,
-                    policy: DraftBudget) -> None:
+                    policy: DraftBudget, scorer: RowScorer | None = None) -> None:
         """Fill the block with drafts: copies from prompt lookup and/or head drafts, at
-        most `budget`, and at most what the policy expects to pay for each drafter."""
+        most `budget`, and at most what the policy expects to pay for each drafter.
+        `scorer` is given when sampling: head drafts are then sampled."""
         mode = self.config.lookup
         copies: list[int] = []
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
@@ -233,14 +285,9 @@ class SelfSpecDecoder:
                 copies = []
         head_budget = min(budget, max(policy.budget("head"), 1))
         if not copies and self.head_list and mode != "only":
-            self._draft_from_heads(block, head_budget, eos, stats)
+            self._draft_from_heads(block, head_budget, eos, stats, scorer)
         if not copies and self.top is not None and budget > 0:
-            for token, _conf, step in self.top.draft(block.final_before, block.tokens[0],
-                                                     head_budget, self.thresholds):
-                block.add(token, head_source(step))
-                stats.exits_per_head[step] += 1
-                if token in eos:
-                    break
+            self._draft_from_top(block, head_budget, eos, scorer, stats)
             stats.head_evaluations += 1
         if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0:
             copies = self.lookup.propose(copy_budget)
@@ -250,15 +297,20 @@ class SelfSpecDecoder:
                 break
         stats.drafted += len(block) - 1
 
-    def verify_block(self, block: _Block, masked_rows: int, eos: list[int]):
+    def verify_block(self, block: _Block, masked_rows: int, eos: list[int], scorer: RowScorer | None = None):
         """The model's token after every row of the block: (argmax [n] host ints, logits
-        [n, V], scores [n, V], final hidden states [n, H]). The first `masked_rows` rows may not end the text (min_new_tokens): their
-        EOS logits are -inf before the argmax, as HF's MinNewTokensLengthLogitsProcessor does."""
+        [n, V], scores [n, V], final hidden states [n, H]). Without a scorer the first
+        `masked_rows` rows may not end the text (min_new_tokens): their EOS logits are -inf
+        before the argmax, as HF's MinNewTokensLengthLogitsProcessor does; with one, the
+        scores are the request's processors applied row by row (and the argmax theirs)."""
         depth = block.max_depth
         block.climb(depth)
         n = len(block)
         meta = self.engine.make_meta(range(block.position, block.position + n))
         logits, argmax, final = self.engine.verify(block.hidden[:n], depth, meta)
+        if scorer is not None:
+            scores = scorer.scores(block.committed, block.drafts, logits)
+            return scores.argmax(-1).tolist(), logits, scores, final
         if masked_rows > 0 and eos:
             scores = logits.clone()
             scores[:masked_rows, eos] = float("-inf")
@@ -278,6 +330,12 @@ class SelfSpecDecoder:
         sources.append(SOURCE_MODEL)
         return tokens, sources
 
+    @staticmethod
+    def sampled_tokens(block: _Block, scores: torch.Tensor) -> tuple[list[int], list[str]]:
+        """Speculative sampling: the accepted drafts + the token drawn after them."""
+        m, token = speculative_tokens(torch.softmax(scores, -1), block.drafts, block.q[1:])
+        return block.drafts[:m] + [token], block.sources[1: m + 1] + [SOURCE_MODEL]
+
     # ---- the loop ------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -291,11 +349,17 @@ class SelfSpecDecoder:
         min_new_tokens: int = 0,
         collect_logits: bool = False,
         stats: DecodeStats | None = None,
+        scorer: RowScorer | None = None,
+        do_sample: bool = False,
     ) -> DecodeResult:
         """Greedy decoding; returns exactly `Engine.generate_ar`'s tokens (truncated after
         the first EOS, at max_new_tokens, or after the token where `stop` returns True).
         EOS cannot be produced before `min_new_tokens` new tokens (HF semantics).
-        `stats`, if given, is filled live (its `sources` grow before each `on_commit`)."""
+        `stats`, if given, is filled live (its `sources` grow before each `on_commit`).
+
+        scorer: HF logits processors applied to every row (then `min_new_tokens` is theirs
+        to enforce, e.g. HF's MinNewTokensLengthLogitsProcessor, and is ignored here).
+        do_sample: exact speculative sampling from the softmax of the scores."""
         engine = self.engine
         prompt_ids = list(prompt_ids)
         engine.check_capacity(len(prompt_ids), max_new_tokens)
@@ -309,12 +373,20 @@ class SelfSpecDecoder:
             return DecodeResult(out, stats)
         eos = set(int(e) for e in eos_token_ids)
         eos_list = sorted(eos)
+        if do_sample and scorer is None:
+            from transformers import LogitsProcessorList
+
+            scorer = RowScorer(LogitsProcessorList(), prompt_ids, engine.view.vocab_size, engine.view.device)
+        if scorer is not None:
+            min_new_tokens = 0
         logits, final_before = engine.prefill(prompt_ids)
         scores = logits
-        if min_new_tokens > 0 and eos_list:
+        if scorer is not None:
+            scores = scorer.scores([], [], logits[None])[0]
+        elif min_new_tokens > 0 and eos_list:
             scores = logits.clone()
             scores[eos_list] = float("-inf")
-        first = int(scores.argmax())
+        first = sample(torch.softmax(scores, -1)) if do_sample else int(scores.argmax())
         kept_logits = [logits] if collect_logits else None
         kept_scores = [scores] if collect_logits else None
         stats.prefill_time = time.perf_counter() - t_start
@@ -326,16 +398,20 @@ class SelfSpecDecoder:
         while not done:
             block = _Block(engine, out[-1], position)
             block.final_before = final_before  # final hidden of the row that produced out[-1]
+            block.committed = out
             budget = min(self.max_draft, max_new_tokens - len(out) - 1)
             t0 = time.perf_counter()
-            self.draft_block(block, budget, eos, stats, policy)
+            self.draft_block(block, budget, eos, stats, policy, scorer if do_sample else None)
             t1 = time.perf_counter()
             masked_rows = max(0, min_new_tokens - len(out))
-            model_tokens, logits, scores, finals = self.verify_block(block, masked_rows, eos_list)
+            model_tokens, logits, scores, finals = self.verify_block(block, masked_rows, eos_list, scorer)
+            if do_sample:
+                tokens, sources = self.sampled_tokens(block, scores)
+            else:
+                tokens, sources = self.accepted_tokens(block, model_tokens)
             stats.verify_time += time.perf_counter() - t1
             stats.draft_time += t1 - t0
             stats.cycles += 1
-            tokens, sources = self.accepted_tokens(block, model_tokens)
             final_before = finals[len(tokens) - 1]
             stats.accepted += len(tokens) - 1
             if len(block) > 1:
