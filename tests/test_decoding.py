@@ -66,15 +66,17 @@ def setup(request):
     return model, engine, heads
 
 
+# adaptive=False: the thresholds alone decide, so each branch is really forced
 CASES = {
-    "always_draft": dict(thresholds=(ALWAYS, ALWAYS), lookup="off"),
-    "never_draft": dict(thresholds=(NEVER, NEVER), lookup="off"),
-    "deep_head_only": dict(thresholds=(NEVER, ALWAYS), lookup="off"),
-    "shallow_then_deep": dict(thresholds=(0.9, ALWAYS), lookup="off"),
-    "short_chains": dict(thresholds=(ALWAYS, ALWAYS), lookup="off", max_draft=2),
-    "lookup_only": dict(lookup="only"),
-    "lookup_first": dict(thresholds=(ALWAYS, ALWAYS), lookup="first"),
-    "lookup_fallback": dict(thresholds=(NEVER, 0.5), lookup="fallback"),
+    "always_draft": dict(thresholds=(ALWAYS, ALWAYS), lookup="off", adaptive=False),
+    "never_draft": dict(thresholds=(NEVER, NEVER), lookup="off", adaptive=False),
+    "deep_head_only": dict(thresholds=(NEVER, ALWAYS), lookup="off", adaptive=False),
+    "shallow_then_deep": dict(thresholds=(0.9, ALWAYS), lookup="off", adaptive=False),
+    "short_chains": dict(thresholds=(ALWAYS, ALWAYS), lookup="off", max_draft=2, adaptive=False),
+    "lookup_only": dict(lookup="only", adaptive=False),
+    "lookup_first": dict(thresholds=(ALWAYS, ALWAYS), lookup="first", adaptive=False),
+    "lookup_fallback": dict(thresholds=(NEVER, 0.5), lookup="fallback", adaptive=False),
+    "adaptive_guard": dict(thresholds=(ALWAYS, ALWAYS), lookup="first"),
 }
 
 
@@ -102,7 +104,7 @@ def test_speculative_equals_engine_ar(setup, case):
 def test_top_draft_heads_equal_engine_ar(setup, lookup, thresholds):
     model, engine, _ = setup
     top = random_top_heads(model, depth=2)
-    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=thresholds, lookup=lookup))
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=thresholds, lookup=lookup, adaptive=False))
     drafted = accepted = 0
     for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (40, 12)]):
         p = prompt(seed, length, alphabet)
@@ -126,6 +128,23 @@ def test_branches_are_really_taken(setup):
             totals["copy"] += r.stats.sources.count("copy")
             totals["rejected"] += r.stats.drafted - r.stats.accepted
     assert all(v > 0 for v in totals.values()), totals
+
+
+def test_guard_stops_drafting_where_drafts_fail(setup):
+    """Heads that are always confident and almost always wrong: the adaptive budget falls
+    back to plain AR steps after a few cycles, probing once every PROBE_EVERY cycles."""
+    from hf_selfspec.decoding.policy import PROBE_EVERY
+
+    model, engine, heads = setup
+    p = prompt(1, 13, 256)
+    forced = SelfSpecDecoder(engine, heads, DecodeConfig(thresholds=(ALWAYS, NEVER), lookup="off",
+                                                         adaptive=False)).generate(p, 96)
+    guarded = SelfSpecDecoder(engine, heads, DecodeConfig(thresholds=(ALWAYS, NEVER), lookup="off")).generate(p, 96)
+    assert guarded.tokens == forced.tokens == engine.generate_ar(p, 96)
+    assert forced.stats.accepted < 0.2 * forced.stats.drafted  # the heads really fail here
+    # the prior (a = 0.5) decays within ~10 cycles; then only probes draft
+    assert guarded.stats.drafted <= 30 + guarded.stats.cycles // PROBE_EVERY
+    assert guarded.stats.drafted < forced.stats.drafted // 10
 
 
 def test_speculative_equals_hf_greedy(setup):

@@ -66,9 +66,9 @@ def tiny():
 
 
 DRAFTERS = {
-    "top_heads": lambda m: (random_top_heads(m), DecodeConfig(thresholds=0.0, lookup="off")),
-    "exit_heads": lambda m: (random_heads(m, [1, 3]), DecodeConfig(thresholds=0.0, lookup="off")),
-    "copies": lambda m: (None, DecodeConfig(lookup="only", lookup_min_ngram=1)),
+    "top_heads": lambda m: (random_top_heads(m), DecodeConfig(thresholds=0.0, lookup="off", adaptive=False)),
+    "exit_heads": lambda m: (random_heads(m, [1, 3]), DecodeConfig(thresholds=0.0, lookup="off", adaptive=False)),
+    "copies": lambda m: (None, DecodeConfig(lookup="only", lookup_min_ngram=1, adaptive=False)),
 }
 
 

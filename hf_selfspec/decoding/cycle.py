@@ -58,6 +58,10 @@ class DecodeConfig:
                 heads' calibrated thresholds
     gamma:      stop drafting when the predicted probability that every draft so far is
                 accepted (product of calibrated acceptances) falls below gamma; 0 = never
+    adaptive:   True: the draft budget follows live acceptance and the measured step costs
+                (policy.py), so where drafts do not pay the loop takes plain AR steps (with
+                a one-draft probe every 16 cycles); False: draft whatever the thresholds
+                allow, up to max_draft (to measure heads, or force branches in tests)
     """
 
     max_draft: int | None = None
@@ -66,6 +70,7 @@ class DecodeConfig:
     gamma: float = 0.0
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 1
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.lookup not in LOOKUP_MODES:
@@ -283,10 +288,10 @@ class SelfSpecDecoder:
             # as often as head drafts on this text (live rates, policy.py)
             if copies and mode == "first" and has_heads and policy.rate(SOURCE_COPY) < policy.rate("head"):
                 copies = []
-        head_budget = min(budget, max(policy.budget("head"), 1))
+        head_budget = min(budget, policy.budget("head"))
         if not copies and self.head_list and mode != "only":
             self._draft_from_heads(block, head_budget, eos, stats, scorer)
-        if not copies and self.top is not None and budget > 0:
+        if not copies and self.top is not None and head_budget > 0:
             self._draft_from_top(block, head_budget, eos, scorer, stats)
             stats.head_evaluations += 1
         if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0:
@@ -394,7 +399,7 @@ class SelfSpecDecoder:
             self.lookup.reset(prompt_ids)
         done = self._commit(out, stats, [first], [SOURCE_MODEL], max_new_tokens, eos, stop, on_commit)
         position = len(prompt_ids)
-        policy = DraftBudget(engine.layout.name, self.max_draft)
+        policy = DraftBudget(engine.layout.name, self.max_draft, self.config.adaptive)
         while not done:
             block = _Block(engine, out[-1], position)
             block.final_before = final_before  # final hidden of the row that produced out[-1]
