@@ -348,4 +348,5 @@ def _merge_stats(results: list[DecodeResult]) -> DecodeStats:
         merged.draft_time += s.draft_time
         merged.verify_time += s.verify_time
         merged.total_time += s.total_time
+        merged.lossy = merged.lossy or s.lossy
     return merged

@@ -31,6 +31,7 @@ class DecodeStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
+    lossy: bool = False  # True when a lossy acceptance rule was on (not the model's own output)
 
     @property
     def decode_time(self) -> float:
@@ -75,11 +76,12 @@ class DecodeStats:
             "verify_time": round(self.verify_time, 4),
             "host_time": round(self.host_time, 4),
             "total_time": round(self.total_time, 4),
+            "lossy": self.lossy,
         }
 
     def summary(self) -> str:
         return (
-            f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s), "
+            ("LOSSY: " if self.lossy else "") + f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s), "
             f"prefill {self.prefill_time:.2f} s, {self.cycles} cycles, tau {self.tau:.2f}, "
             f"accepted {self.accepted}/{self.drafted} drafts, sources {self.source_counts()}"
         )

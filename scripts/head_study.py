@@ -161,17 +161,27 @@ def train(args):
     model, _ = load_default_model_and_tokenizer()
     from hf_selfspec.heads.repo import fingerprint
 
-    tr = torch.load(FEATURES / "train.pt")
-    for extra in sorted(FEATURES.glob("train[0-9]*.pt")):  # parts from `collect --part N`
-        more = torch.load(extra)
-        for key in tr:
-            tr[key] = tr[key] + more[key]
-    ev = torch.load(FEATURES / "eval.pt")
+    files = []
+    if args.data in ("tf", "both"):  # teacher-forced parts from `collect` (--part N adds more)
+        files += [FEATURES / "train.pt"] + sorted(FEATURES.glob("train[0-9]*.pt"))
+    if args.data in ("own", "both"):  # the model's own replies from `collect-own`
+        files += [FEATURES / "own_train.pt"]
+    tr = None
+    for path in files:
+        more = torch.load(path)
+        tr = more if tr is None else {key: tr[key] + more[key] for key in tr}
     D = args.depth
     f_tr, x_tr, y_tr, _ = examples(tr, D)
-    f_ev, x_ev, y_ev, agree_ev = examples(ev, D)
+    if args.max_positions and len(f_tr) > args.max_positions:  # equal-size comparisons
+        keep = torch.randperm(len(f_tr), generator=torch.Generator().manual_seed(args.seed))[: args.max_positions]
+        f_tr, x_tr, y_tr = f_tr[keep], x_tr[keep], y_tr[keep]
+    eval_sets = {}
+    for name, file in (("tf_eval", "eval.pt"), ("own_eval", "own_eval.pt")):
+        if (FEATURES / file).exists():
+            eval_sets[name] = examples(torch.load(FEATURES / file), D)
     if args.variant == "medusa":  # no token input: step i sees only the final state (Medusa)
-        x_tr, x_ev = torch.zeros_like(x_tr), torch.zeros_like(x_ev)
+        x_tr = torch.zeros_like(x_tr)
+        eval_sets = {k: (f, torch.zeros_like(x), y, a) for k, (f, x, y, a) in eval_sets.items()}
     counts = torch.bincount(y_tr.reshape(-1), minlength=model.config.vocab_size)
     vocab_ids = counts.argsort(descending=True)[: args.vocab].sort().values
     covered = float(counts[vocab_ids].sum() / counts.sum())
@@ -188,8 +198,8 @@ def train(args):
     n = len(f_tr)
     steps_total = args.epochs * (n // args.batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=max(steps_total, 1))
-    print(f"train positions {n}, eval {len(f_ev)}, V={len(vocab_ids)} covering {covered:.1%} of targets",
-          flush=True)
+    print(f"train positions {n} ({args.data}), eval {[len(v[0]) for v in eval_sets.values()]}, "
+          f"V={len(vocab_ids)} covering {covered:.1%} of targets", flush=True)
     t0 = time.time()
     for epoch in range(args.epochs):
         perm = torch.randperm(n)
@@ -208,9 +218,14 @@ def train(args):
             total += float(loss)
         print(f"epoch {epoch}: loss {total / max(n // args.batch, 1):.3f}  ({time.time() - t0:.0f} s)",
               flush=True)
-    report = evaluate(heads, f_ev, x_ev, y_ev, agree_ev, feed_drafts=args.variant == "chain")
-    report.update(draft_cost_in_steps=draft_cost(model, heads), variant=args.variant)
-    report.update(train_positions=n, eval_positions=len(f_ev), vocab_coverage=round(covered, 4),
+    report = {}
+    for name, (f_ev, x_ev, y_ev, agree_ev) in eval_sets.items():
+        # tf_eval stays unprefixed: the keys earlier model cards and docs quote
+        prefix = "" if name == "tf_eval" else f"{name}_"
+        for key, value in evaluate(heads, f_ev, x_ev, y_ev, agree_ev, feed_drafts=args.variant == "chain").items():
+            report[prefix + key] = value
+    report.update(draft_cost_in_steps=draft_cost(model, heads), variant=args.variant, data=args.data)
+    report.update(train_positions=n, vocab_coverage=round(covered, 4),
                   train_seconds=round(time.time() - t0, 1), epochs=args.epochs, adapter=args.adapter)
     print(json.dumps(report, indent=1))
     if args.out:
@@ -312,6 +327,9 @@ def main(argv=None):
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--out", default=None)
+    t.add_argument("--data", choices=["tf", "own", "both"], default="tf",
+                   help="tf: teacher-forced ShareGPT replies; own: the model's own greedy replies; both")
+    t.add_argument("--max-positions", type=int, default=0, help="subsample training positions (0: all)")
     t.add_argument("--variant", choices=["chain", "medusa"], default="chain",
                    help="chain: steps see the drafted tokens (shipped); medusa: final state only (study)")
     t.set_defaults(func=train)

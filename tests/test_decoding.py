@@ -203,3 +203,28 @@ def test_bad_config():
         SelfSpecDecoder(engine, heads, DecodeConfig(thresholds=(0.5,)))
     with pytest.raises(ValueError, match="calibration"):
         SelfSpecDecoder(engine, heads, DecodeConfig())
+
+
+def test_lossy_top_k_is_opt_in_and_stays_in_the_models_top_k(setup):
+    """LOSSY acceptance: with lossy_top_k=2 every committed token is in the model's top-2
+    after the committed prefix (checked with HF's own forward), more drafts are accepted,
+    and the stats say lossy; lossy_top_k=1 is the exact loop."""
+    model, engine, heads = setup
+    base = dict(thresholds=(NEVER, ALWAYS), lookup="off", adaptive=False)  # the deep head: near misses
+    accepted = {"exact": 0, "lossy": 0}
+    for seed in range(4):
+        p = prompt(seed, 30, 256)
+        exact = SelfSpecDecoder(engine, heads, DecodeConfig(**base)).generate(p, 40)
+        lossy = SelfSpecDecoder(engine, heads, DecodeConfig(lossy_top_k=2, **base)).generate(p, 40)
+        assert exact.tokens == engine.generate_ar(p, 40) and not exact.stats.lossy and lossy.stats.lossy
+        accepted["exact"] += exact.stats.accepted
+        accepted["lossy"] += lossy.stats.accepted
+        with torch.no_grad():
+            logits = model(torch.tensor([p + lossy.tokens])).logits[0, len(p) - 1: -1]
+        top2 = logits.topk(2, -1).indices
+        assert all(t in top2[i].tolist() for i, t in enumerate(lossy.tokens))
+    assert accepted["lossy"] > accepted["exact"], accepted
+    with pytest.raises(ValueError, match="lossy_top_k"):
+        DecodeConfig(lossy_top_k=0)
+    with pytest.raises(ValueError, match="greedy option"):
+        SelfSpecDecoder(engine, heads, DecodeConfig(lossy_top_k=2, **base)).generate([5, 6], 5, do_sample=True)

@@ -62,6 +62,10 @@ class DecodeConfig:
                 (policy.py), so where drafts do not pay the loop takes plain AR steps (with
                 a one-draft probe every 16 cycles); False: draft whatever the thresholds
                 allow, up to max_draft (to measure heads, or force branches in tests)
+    lossy_top_k: LOSSY, opt-in. 1 (default) = exact: a draft is accepted only when it is the
+                model's token. k > 1 accepts a draft that is among the model's top-k at its
+                position, so the output is no longer the model's greedy output (it is still
+                a text the model ranks top-k at every token). Greedy only.
     """
 
     max_draft: int | None = None
@@ -71,12 +75,15 @@ class DecodeConfig:
     lookup_max_ngram: int = 3
     lookup_min_ngram: int = 1
     adaptive: bool = True
+    lossy_top_k: int = 1
 
     def __post_init__(self):
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
         if self.max_draft is not None and (not isinstance(self.max_draft, int) or self.max_draft < 0):
             raise ValueError(f"max_draft must be a non-negative int or None, got {self.max_draft!r}")
+        if not isinstance(self.lossy_top_k, int) or self.lossy_top_k < 1:
+            raise ValueError(f"lossy_top_k must be an int >= 1 (1 = exact), got {self.lossy_top_k!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
         if isinstance(self.thresholds, (list, tuple)):
@@ -323,11 +330,14 @@ class SelfSpecDecoder:
         return argmax.tolist(), logits, logits, final
 
     @staticmethod
-    def accepted_tokens(block: _Block, model_tokens: list[int]) -> tuple[list[int], list[str]]:
-        """Longest verified prefix of drafts + the model's token after it."""
+    def accepted_tokens(block: _Block, model_tokens: list[int],
+                        lossy_topk: list[list[int]] | None = None) -> tuple[list[int], list[str]]:
+        """Longest verified prefix of drafts + the model's token after it. LOSSY when
+        `lossy_topk` (the model's top-k per row) is given: a draft in it is accepted."""
         tokens, sources = [], []
         for j in range(1, len(block)):
-            if block.tokens[j] != model_tokens[j - 1]:
+            if block.tokens[j] != model_tokens[j - 1] and (
+                    lossy_topk is None or block.tokens[j] not in lossy_topk[j - 1]):
                 break
             tokens.append(block.tokens[j])
             sources.append(block.sources[j])
@@ -371,6 +381,7 @@ class SelfSpecDecoder:
         if stats is None:
             stats = DecodeStats()
         stats.prompt_tokens = len(prompt_ids)
+        stats.lossy = self.config.lossy_top_k > 1
         stats.exits_per_head = [0] * self.num_sources
         out: list[int] = []
         t_start = time.perf_counter()
@@ -378,6 +389,8 @@ class SelfSpecDecoder:
             return DecodeResult(out, stats)
         eos = set(int(e) for e in eos_token_ids)
         eos_list = sorted(eos)
+        if do_sample and self.config.lossy_top_k > 1:
+            raise ValueError("lossy_top_k > 1 is a greedy option; sampling is exact only (set lossy_top_k=1)")
         if do_sample and scorer is None:
             from transformers import LogitsProcessorList
 
@@ -412,6 +425,9 @@ class SelfSpecDecoder:
             model_tokens, logits, scores, finals = self.verify_block(block, masked_rows, eos_list, scorer)
             if do_sample:
                 tokens, sources = self.sampled_tokens(block, scores)
+            elif self.config.lossy_top_k > 1 and len(block) > 1:
+                topk = scores[: len(block) - 1].topk(self.config.lossy_top_k, -1).indices.tolist()
+                tokens, sources = self.accepted_tokens(block, model_tokens, topk)
             else:
                 tokens, sources = self.accepted_tokens(block, model_tokens)
             stats.verify_time += time.perf_counter() - t1
