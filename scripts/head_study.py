@@ -184,6 +184,11 @@ def train(args):
         eval_sets = {k: (f, torch.zeros_like(x), y, a) for k, (f, x, y, a) in eval_sets.items()}
     counts = torch.bincount(y_tr.reshape(-1), minlength=model.config.vocab_size)
     vocab_ids = counts.argsort(descending=True)[: args.vocab].sort().values
+    if args.init:  # fine-tune existing heads: their vocabulary and shape
+        from hf_selfspec.heads.top_repo import load_top_heads
+
+        init = load_top_heads(args.init, model)
+        vocab_ids = init.vocab_ids.clone()
     covered = float(counts[vocab_ids].sum() / counts.sum())
     remap = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
     remap[vocab_ids] = torch.arange(len(vocab_ids))
@@ -193,6 +198,9 @@ def train(args):
         vocab_size=model.config.vocab_size, depth=D, adapter_dim=args.adapter,
         reduced_vocab=len(vocab_ids), rms_norm_eps=float(model.config.rms_norm_eps))
     heads = TopDraftHeads(cfg, vocab_ids).init_from_model(model)
+    if args.init:
+        cfg = TopHeadsConfig.from_dict({**init.config.to_dict(), "training": {}})
+        heads = init
     params = [p for n, p in heads.named_parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     n = len(f_tr)
@@ -215,7 +223,7 @@ def train(args):
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss)
+            total += float(loss.detach())
         print(f"epoch {epoch}: loss {total / max(n // args.batch, 1):.3f}  ({time.time() - t0:.0f} s)",
               flush=True)
     report = {}
@@ -231,7 +239,7 @@ def train(args):
     if args.out:
         from hf_selfspec.heads.top_repo import save_top_heads
 
-        cfg.training = report
+        heads.config.training = report
         save_top_heads(heads, args.out)
         print(f"saved {args.out}")
 
@@ -330,6 +338,7 @@ def main(argv=None):
     t.add_argument("--data", choices=["tf", "own", "both"], default="tf",
                    help="tf: teacher-forced ShareGPT replies; own: the model's own greedy replies; both")
     t.add_argument("--max-positions", type=int, default=0, help="subsample training positions (0: all)")
+    t.add_argument("--init", default=None, help="fine-tune these top heads (a folder) instead of new ones")
     t.add_argument("--variant", choices=["chain", "medusa"], default="chain",
                    help="chain: steps see the drafted tokens (shipped); medusa: final state only (study)")
     t.set_defaults(func=train)
