@@ -412,7 +412,8 @@ class SelfSpecDecoder:
             self.lookup.reset(prompt_ids)
         done = self._commit(out, stats, [first], [SOURCE_MODEL], max_new_tokens, eos, stop, on_commit)
         position = len(prompt_ids)
-        policy = DraftBudget(engine.layout.name, self.max_draft, self.config.adaptive)
+        costs = engine.step_costs if self.config.adaptive else (1.0,) * (engine.width + 1)
+        policy = DraftBudget(costs, self.max_draft, self.config.adaptive)
         while not done:
             block = _Block(engine, out[-1], position)
             block.final_before = final_before  # final hidden of the row that produced out[-1]
