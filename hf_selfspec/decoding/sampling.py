@@ -56,7 +56,6 @@ class RowScorer:
         self.prompt_row = [int(t) for t in prompt_row]
         self.vocab_size = vocab_size
         self.device = device
-        self._draft_logits = torch.empty(1, vocab_size, dtype=torch.float32, device=device)
 
     def _ids(self, committed: Sequence[int], drafts: Sequence[int]) -> torch.Tensor:
         return torch.tensor([self.prompt_row + list(committed) + list(drafts)], device=self.device)
@@ -74,9 +73,9 @@ class RowScorer:
         """A head's q after `drafts`: its logits over V_k [V_k] placed in the full vocabulary,
         processed like the model's, softmaxed -> [V]; None when the processors leave it no
         token (then the head does not draft)."""
-        full = self._draft_logits.fill_(float("-inf"))
+        full = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
         full[0, vocab_ids] = reduced_logits.float()
-        scored = self.processors(self._ids(committed, drafts), full.clone())
+        scored = self.processors(self._ids(committed, drafts), full)
         if not bool(torch.isfinite(scored).any()):
             return None
         return torch.softmax(scored[0], dim=-1)
