@@ -10,7 +10,7 @@ from hf_selfspec.engine.layered import UnsupportedModelError
 from hf_selfspec.engine.programs import Engine, EngineConfig
 
 
-@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine")])
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine")])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
 @pytest.mark.parametrize("seed", [0, 1])
@@ -39,7 +39,7 @@ def _block_rows(engine, tokens, positions):
     return engine.embed(tokens), meta
 
 
-@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv"])
+@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_rows_are_invariant_to_the_other_rows(kind, layout):
     """Row i of a step with n real rows == the same row computed alone (same width), for
