@@ -71,17 +71,21 @@ def main(argv=None):
                     outputs[method] = out
             identical = all(outputs[m] == outputs["hf_greedy"] for m in METHODS)
             ratio = {m: statistics.median(h / t for h, t in zip(times["hf_greedy"], times[m])) for m in METHODS}
+            # the guard's promise: never much slower than plain (engine AR) decoding
+            ratio["self vs engine_ar"] = statistics.median(a / t for a, t in zip(times["engine_ar"], times["self"]))
             rows.append((category, index, len(outputs["hf_greedy"]), ratio, taus, identical))
             print(f"{category:<12}{index:>3}{len(outputs['hf_greedy']):>5}  "
                   + "  ".join(f"{m} {ratio[m]:.2f}" for m in METHODS[1:])
+                  + f"  (self / engine_ar {ratio['self vs engine_ar']:.2f})"
                   + f"  tau {taus.get('self_unguarded', 0):.2f}/{taus.get('self', 0):.2f}  identical={identical}",
                   flush=True)
     print("\nSpeed vs HF greedy (median of reps; < 1.00 = slower), per category: worst prompt / median prompt")
-    print(f"{'category':<12}" + "".join(f"{m:>26}" for m in METHODS[1:]))
+    columns = METHODS[1:] + ("self vs engine_ar",)
+    print(f"{'category':<12}" + "".join(f"{m:>26}" for m in columns))
     for category in args.categories.split(","):
         cat = [r for r in rows if r[0] == category]
         cells = []
-        for m in METHODS[1:]:
+        for m in columns:
             values = [r[3][m] for r in cat]
             cells.append(f"{min(values):>14.2f} / {statistics.median(values):<9.2f}")
         print(f"{category:<12}" + "".join(cells))

@@ -72,6 +72,11 @@ def collect(args):
               f"{time.time() - t0:.0f} s", flush=True)
 
 
+# training prompts per collect-own part: part N uses prompts [N*stride, (N+1)*stride) in
+# order, as far as its time budget goes (a part of 30 min uses ~600 at batch 32)
+OWN_PART_STRIDE = 2000
+
+
 @torch.no_grad()
 def collect_own(args):
     """The model's own greedy replies to the first user turn of ShareGPT conversations
@@ -80,7 +85,8 @@ def collect_own(args):
     position costs one batched decoding step and no second forward. Stored per reply:
     ids = [last prompt token] + reply[:-1], argmax = the model's token after each row
     (= the reply), final = the rows' final hidden states: exactly the (f_t, x_{t+1}, a_{t+1})
-    the decoder sees, with no teacher forcing."""
+    the decoder sees, with no teacher forcing. Part N > 0 adds training data
+    (own_train{N}.pt) from the prompts after OWN_PART_STRIDE * N, disjoint from other parts."""
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model_and_tokenizer()
     FEATURES.mkdir(parents=True, exist_ok=True)
@@ -88,7 +94,8 @@ def collect_own(args):
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     caught = []
     hook = model.model.norm.register_forward_hook(lambda mod, inp, out: caught.append(out[:, -1].clone()))
-    for split, budget in (("eval", args.eval_seconds), ("train", args.seconds)):
+    splits = (("eval", args.eval_seconds), ("train", args.seconds)) if args.part == 0 else (("train", args.seconds),)
+    for split, budget in splits:
         if budget <= 0:
             continue
         prompts = []
@@ -99,6 +106,11 @@ def collect_own(args):
                                                 return_dict=False)
             if 8 <= len(ids) <= args.max_prompt:
                 prompts.append(ids)
+        if split == "train":
+            lo, hi = OWN_PART_STRIDE * args.part, OWN_PART_STRIDE * (args.part + 1)
+            if lo >= len(prompts):
+                raise SystemExit(f"--part {args.part}: only {len(prompts)} training prompts")
+            prompts = prompts[lo:hi]
         ids_l, arg_l, fin_l, mask_l = [], [], [], []
         t0, positions, used = time.time(), 0, 0
         for start in range(0, len(prompts), args.batch):
@@ -132,8 +144,9 @@ def collect_own(args):
                 positions += R - 1
             print(f"  {split}: {used} prompts, {positions} positions, {time.time() - t0:.0f} s",
                   flush=True)
+        name = f"own_{split}" if split == "eval" or args.part == 0 else f"own_train{args.part}"
         torch.save({"ids": ids_l, "argmax": arg_l, "final": fin_l, "mask": mask_l},
-                   FEATURES / f"own_{split}.pt")
+                   FEATURES / f"{name}.pt")
         print(f"{split}: {len(ids_l)} replies, {positions} positions, {time.time() - t0:.0f} s", flush=True)
     hook.remove()
 
@@ -165,7 +178,7 @@ def train(args):
     if args.data in ("tf", "both"):  # teacher-forced parts from `collect` (--part N adds more)
         files += [FEATURES / "train.pt"] + sorted(FEATURES.glob("train[0-9]*.pt"))
     if args.data in ("own", "both"):  # the model's own replies from `collect-own`
-        files += [FEATURES / "own_train.pt"]
+        files += [FEATURES / "own_train.pt"] + sorted(FEATURES.glob("own_train[0-9]*.pt"))
     tr = None
     for path in files:
         more = torch.load(path)
@@ -323,6 +336,8 @@ def main(argv=None):
     o.add_argument("--max-new", type=int, default=192)
     o.add_argument("--max-prompt", type=int, default=384)
     o.add_argument("--threads", type=int, default=2)
+    o.add_argument("--part", type=int, default=0,
+                   help=f"0: eval + first training part; N > 0: more training data (prompts from {OWN_PART_STRIDE}*N on)")
     o.set_defaults(func=collect_own)
     t = sub.add_parser("train")
     t.add_argument("--depth", type=int, default=2)
