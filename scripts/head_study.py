@@ -201,6 +201,7 @@ def train(args):
         from hf_selfspec.heads.top_repo import load_top_heads
 
         init = load_top_heads(args.init, model)
+        init_training = dict(init.config.training or {})
         vocab_ids = init.vocab_ids.clone()
     covered = float(counts[vocab_ids].sum() / counts.sum())
     remap = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
@@ -248,6 +249,10 @@ def train(args):
     report.update(draft_cost_in_steps=draft_cost(model, heads), variant=args.variant, data=args.data)
     report.update(train_positions=n, vocab_coverage=round(covered, 4),
                   train_seconds=round(time.time() - t0, 1), epochs=args.epochs, adapter=args.adapter)
+    if args.init:  # provenance for the model card: what was fine-tuned
+        report["init_training"] = init_training
+    if args.reproduce:
+        report["reproduce"] = args.reproduce
     print(json.dumps(report, indent=1))
     if args.out:
         from hf_selfspec.heads.top_repo import save_top_heads
@@ -354,6 +359,7 @@ def main(argv=None):
                    help="tf: teacher-forced ShareGPT replies; own: the model's own greedy replies; both")
     t.add_argument("--max-positions", type=int, default=0, help="subsample training positions (0: all)")
     t.add_argument("--init", default=None, help="fine-tune these top heads (a folder) instead of new ones")
+    t.add_argument("--reproduce", default=None, help="the full command chain, stored for the model card")
     t.add_argument("--variant", choices=["chain", "medusa"], default="chain",
                    help="chain: steps see the drafted tokens (shipped); medusa: final state only (study)")
     t.set_defaults(func=train)

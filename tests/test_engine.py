@@ -7,7 +7,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 
 from hf_selfspec.engine.layered import UnsupportedModelError
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.programs import Engine, EngineConfig, RowLayout
 
 
 @pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine")])
@@ -66,6 +66,17 @@ def test_rows_are_invariant_to_the_other_rows(kind, layout):
         assert torch.equal(h1_seg[0], h_seg[i]), f"seg row {i}"
         logits1, _, _ = engine.verify(h1_seg, 2, meta1)
         assert torch.equal(logits1[0], logits_all[i]), f"verify row {i}"
+
+
+def test_row_self_test_rejects_a_product_that_depends_on_the_other_rows():
+    """The start-up self-test behind micro / gemv / wx can fail: a product whose row depends
+    on how many rows share it (here: scaled by a neighbour-dependent amount) is refused, and
+    the real products of this machine's BLAS pass on the same weights."""
+    layers = [torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)]
+    assert RowLayout.wx_is_row_invariant(layers)
+    assert RowLayout._rows_invariant(layers, lambda layer, x: layer(x), ref_rows=2)
+    leaky = lambda layer, x: layer(x) + 1e-3 * x.sum(0, keepdim=True)[:, :1]  # noqa: E731
+    assert not RowLayout._rows_invariant(layers, leaky, ref_rows=2)
 
 
 def test_over_capacity_prompt_is_refused_before_work():

@@ -59,3 +59,26 @@ def test_loaded_heads_object_for_another_model_is_refused():
     heads = random_top_heads(tiny_model("llama", seed=0, layers=4))
     with pytest.raises(ValueError, match="fingerprint"):
         attach_heads(tiny_model("llama", seed=1, layers=4), heads)
+
+
+def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
+    """A card of heads fine-tuned on the model's own replies leads with the own-eval figures
+    (the text the decoder sees), keeps the teacher-forced ones, and says what was fine-tuned."""
+    import yaml
+
+    heads = random_top_heads(tiny_model("llama", seed=0))
+    heads.config.training = {
+        "step0_top1_given_reached": 0.41, "step1_top1_given_reached": 0.39, "tau_thr0.0": 1.55,
+        "own_eval_step0_top1_given_reached": 0.47, "own_eval_step1_top1_given_reached": 0.45,
+        "own_eval_tau_thr0.0": 1.68, "train_positions": 120000, "data": "own", "epochs": 3,
+        "init_training": {"train_positions": 679841, "data": "tf"}, "reproduce": "python x.py",
+    }
+    save_top_heads(heads, tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])["hf_selfspec"]
+    assert meta["top1_agreement_per_step"] == [0.47, 0.45]
+    assert meta["expected_tau_two_drafts"] == 1.68
+    assert card.index("own greedy replies to held-out") < card.index("teacher-forced, positions")
+    assert "| 0 | 0.41 |" in card and "| 0 | 0.47 |" in card
+    assert "fine-tuned from heads trained on 679841 teacher-forced" in card
+    assert "Reproduce: `python x.py`" in card

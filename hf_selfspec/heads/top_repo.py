@@ -41,11 +41,32 @@ def read_kind(folder: Path) -> str:
         return "exit_head"  # let the exit-head loader report the problem
 
 
+DEFAULT_REPRODUCE = (
+    "python scripts/head_study.py collect --seconds 660 && python scripts/head_study.py collect "
+    "--part 1 --seconds 600 && python scripts/head_study.py train --epochs 3 --batch 512 "
+    "--out hf_selfspec/default_heads")
+
+
+def _training_text(t: dict) -> str:
+    """Where the heads' training data came from, in words, from config.training."""
+    own = "positions of the model's own batched greedy replies to ShareGPT train prompts"
+    tf = "teacher-forced positions of the ShareGPT train split"
+    data = {"own": own, "both": f"{tf} and {own}"}.get(t.get("data"), tf)
+    text = f"{t.get('train_positions')} {data}, {t.get('epochs')} epochs, {t.get('train_seconds')} s"
+    init = t.get("init_training")
+    if init:
+        init_data = {"own": own, "both": f"{tf} and {own}"}.get(init.get("data"), tf)
+        text = f"fine-tuned from heads trained on {init.get('train_positions')} {init_data}, on {text}"
+    return text + " on a 2-core CPU"
+
+
 def render_top_card(heads: TopDraftHeads) -> str:
     """README.md model card: YAML metadata + the measured figures stored in config.training."""
     cfg = heads.config
     t = cfg.training or {}
-    steps = [t.get(f"step{i}_top1_given_reached") for i in range(cfg.depth)]
+    # the decoder's own text (own_eval_*) where measured, else the teacher-forced eval
+    prefix = "own_eval_" if "own_eval_step0_top1_given_reached" in t else ""
+    steps = [t.get(f"{prefix}step{i}_top1_given_reached") for i in range(cfg.depth)]
     meta = [
         "---",
         f"base_model: {cfg.base_model}",
@@ -58,13 +79,30 @@ def render_top_card(heads: TopDraftHeads) -> str:
         f"  kind: {TOP_KIND}",
         f"  depth: {cfg.depth}",
         f"  top1_agreement_per_step: {steps}",
-        f"  expected_tau_two_drafts: {t.get('tau_thr0.0')}",
+        f"  expected_tau_two_drafts: {t.get(prefix + 'tau_thr0.0')}",
         f"  training_positions: {t.get('train_positions')}",
         "---", "",
     ]
-    rows = "\n".join(
-        f"| {i} | {t.get(f'step{i}_top1_given_reached')} | {t.get(f'step{i}_top4_given_reached')} |"
-        for i in range(cfg.depth))
+    evals = [("", "held-out ShareGPT conversations, teacher-forced, positions where the text is the model's own greedy continuation")]
+    if prefix:
+        evals.insert(0, (prefix, "the model's own greedy replies to held-out ShareGPT prompts (the text the decoder sees)"))
+    tables = []
+    for pre, what in evals:
+        if f"{pre}step0_top1_given_reached" not in t:
+            continue
+        rows = "\n".join(
+            f"| {i} | {t.get(f'{pre}step{i}_top1_given_reached')} | {t.get(f'{pre}step{i}_top4_given_reached')} |"
+            for i in range(cfg.depth))
+        tables.append(f"""## Measured on {what}
+
+| step | top-1 (given the previous draft was right) | top-4 |
+|---|---|---|
+{rows}
+
+Expected tokens per verification with {cfg.depth} drafts: {t.get(pre + 'tau_thr0.0')}
+(thresholds 0.2: {t.get(pre + 'tau_thr0.2')}).
+""")
+    measured = "\n".join(tables)
     body = f"""# Top-layer draft heads for {cfg.base_model}
 
 Draft heads for the `hf_selfspec` library. After each verification they chain {cfg.depth}
@@ -79,16 +117,9 @@ hf_selfspec.attach_heads(model, heads="<this repo>")
 out = model.generate(**inputs, assistant="self")
 ```
 
-## Measured (held-out ShareGPT conversations, positions where the text is the model's own greedy continuation)
-
-| step | top-1 (given the previous draft was right) | top-4 |
-|---|---|---|
-{rows}
-
-Expected tokens per verification with {cfg.depth} drafts: {t.get('tau_thr0.0')}
-(thresholds 0.2: {t.get('tau_thr0.2')}). Training: {t.get('train_positions')} teacher-forced
-positions of the ShareGPT train split, {t.get('epochs')} epochs, {t.get('train_seconds')} s on a
-2-core CPU. Reproduce: `python scripts/head_study.py collect --seconds 660 && python scripts/head_study.py collect --part 1 --seconds 600 && python scripts/head_study.py train --epochs 3 --batch 512 --out hf_selfspec/default_heads`.
+{measured}
+Drafting cost: {t.get('draft_cost_in_steps')} of a full step for both drafts.
+Training: {_training_text(t)}. Reproduce: `{t.get('reproduce', DEFAULT_REPRODUCE)}`.
 """
     return "\n".join(meta) + body
 
