@@ -72,6 +72,8 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
         "own_eval_step0_top1_given_reached": 0.47, "own_eval_step1_top1_given_reached": 0.45,
         "own_eval_tau_thr0.0": 1.68, "train_positions": 120000, "data": "own", "epochs": 3,
         "init_training": {"train_positions": 679841, "data": "tf"}, "reproduce": "python x.py",
+        "end_to_end": {"setup": "2-core CPU", "command": "python bench.py",
+                       "rows": {"chat": {"tau": 1.7, "speedup": 1.9}}},
     }
     save_top_heads(heads, tmp_path)
     card = (tmp_path / "README.md").read_text()
@@ -82,3 +84,4 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     assert "| 0 | 0.41 |" in card and "| 0 | 0.47 |" in card
     assert "fine-tuned from heads trained on 679841 teacher-forced" in card
     assert "Reproduce: `python x.py`" in card
+    assert "| chat | 1.7 | 1.9x |" in card and "Reproduce: `python bench.py`" in card

@@ -102,6 +102,12 @@ def render_top_card(heads: TopDraftHeads) -> str:
 Expected tokens per verification with {cfg.depth} drafts: {t.get(pre + 'tau_thr0.0')}
 (thresholds 0.2: {t.get(pre + 'tau_thr0.2')}).
 """)
+    e2e = t.get("end_to_end")
+    if e2e:  # generate(assistant="self") vs HF greedy, as measured by scripts/bench.py
+        tables.append(
+            f"## End to end ({e2e.get('setup')})\n\n| prompts | tau | speed vs HF greedy |\n|---|---|---|\n"
+            + "\n".join(f"| {k} | {v['tau']} | {v['speedup']}x |" for k, v in e2e.get("rows", {}).items())
+            + f"\n\nReproduce: `{e2e.get('command')}`.\n")
     measured = "\n".join(tables)
     body = f"""# Top-layer draft heads for {cfg.base_model}
 
