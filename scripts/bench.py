@@ -118,6 +118,12 @@ def main(argv=None):
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     categories = [c for c in args.categories.split(",") if c]
 
+    # warm-up, untimed: every method once on a short prompt, so no method pays the process's
+    # first-call costs (allocator, thread pool, engine build) inside a timed run
+    warm = torch.tensor([render_prompt(tokenizer, sets[categories[0]][0])])
+    for m in methods:
+        run_method(m, model, warm, 8, state)
+
     records = []
     for cat in categories:
         for i, messages in enumerate(sets[cat][: args.per_category]):
