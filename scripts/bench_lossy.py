@@ -62,6 +62,15 @@ def main(argv=None):
     seconds = {m: 0.0 for m in methods}
     tokens = {m: 0 for m in methods}
     quality = {m: {"identical": 0, "prefix": [], "nll": [], "tau": []} for m in methods}
+    # untimed warm-up of every method (engine build, step-cost measurement, first calls)
+    warm = torch.tensor([render_prompt(tokenizer, sets["chat"][0])])
+    for m in methods:
+        kw = dict(do_sample=False, max_new_tokens=8, attention_mask=torch.ones_like(warm))
+        if m == "hf_greedy":
+            model.generate(warm, **kw)
+        else:
+            model._selfspec.decode_config = configs[m]
+            model.generate(warm, assistant="self", **kw)
     for category in args.categories.split(","):
         for i, messages in enumerate(sets[category]):
             prompt = render_prompt(tokenizer, messages)
