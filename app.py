@@ -49,6 +49,7 @@ SOURCE_STYLE = {
     "model": ("#e5e7eb", "model: the model's own token"),
     "copy": ("#86efac", "copy: prompt-lookup draft, accepted"),
     "draft": ("#fde68a", "draft: accepted draft (source shown when done)"),
+    "draft_model": ("#fca5a5", "draft_model: a draft-model token, accepted"),
 }
 HEAD_COLOURS = ["#93c5fd", "#c4b5fd", "#f9a8d4", "#fdba74", "#67e8f9"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 # ANSI colours of token sources in the terminal
 _RESET = "\033[0m"
-_COLOURS = {"model": _RESET, "copy": "\033[36m"}
+_COLOURS = {"model": _RESET, "copy": "\033[36m", "draft_model": "\033[31m"}
 _HEAD_COLOURS = ["\033[33m", "\033[32m", "\033[35m", "\033[34m"]
 
 
@@ -78,14 +78,20 @@ def cmd_generate(args) -> int:
         def end(self):
             sys.stdout.write("\n")
 
+    draft_model = None
+    if args.draft_model:
+        from transformers import AutoModelForCausalLM
+
+        draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype=model.dtype).eval()
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                         assistant="self", streamer=SourceStreamer())
+                         assistant="self", assistant_model=draft_model, streamer=SourceStreamer())
     elapsed = time.perf_counter() - t0
     stats = model.selfspec_stats
     if colour:
         legend = " ".join(_colour(s) + s + _RESET for s in sorted(set(stats.sources)))
-        print(f"sources: {legend}  (model: the model's own token; copy: prompt lookup; headK: draft head K)")
+        print(f"sources: {legend}  (model: the model's own token; copy: prompt lookup; headK: draft head K; "
+              "draft_model: the draft model)")
     print(f"[hf-selfspec] {stats.summary()} | wall {elapsed:.2f} s")
     if args.compare:
         t0 = time.perf_counter()
@@ -129,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the shipped heads of the default model)")
     g.add_argument("--lookup", choices=["off", "only", "first", "fallback"], default=None,
                    help="prompt lookup mode (default: first with heads, only without)")
+    g.add_argument("--draft-model", default=None,
+                   help="HF folder or id of a smaller model with the same tokenizer: it drafts "
+                        "instead of the heads (classical speculative decoding, still exact)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     g.add_argument("--compare", action="store_true", help="also run plain HF greedy and compare")

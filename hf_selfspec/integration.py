@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .decoding.cycle import DecodeConfig, DecodeResult, SelfSpecDecoder
+from .decoding.draft_model import check_draft_model
 from .decoding.sampling import MIN_LENGTH_PROCESSORS, ROW_PROCESSORS, RowScorer, unsupported_processors
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .stats import DecodeStats
@@ -44,6 +45,24 @@ class SelfSpecState:
     engine_config: EngineConfig
     engine: Engine | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    draft_model: Any = None  # the last assistant_model and its engine (own KV cache)
+    draft_engine: Engine | None = None
+
+    def draft_engine_for(self, draft_model, capacity: int) -> Engine:
+        """The draft model's engine, with as many KV slots as the main engine."""
+        limit = getattr(draft_model.config, "max_position_embeddings", None) or capacity
+        if capacity > limit:
+            raise ValueError(
+                f"this request needs {capacity} positions in the draft model, more than its "
+                f"max_position_embeddings ({limit}); shorten the prompt or lower max_new_tokens"
+            )
+        if self.draft_model is not draft_model or self.draft_engine.capacity < capacity:
+            cfg = EngineConfig(self.engine_config.width, capacity, self.engine_config.row_layout,
+                               self.engine_config.prefill)
+            self.draft_engine = None  # free the old cache first
+            self.draft_engine = Engine(draft_model, cfg)
+            self.draft_model = draft_model
+        return self.draft_engine
 
     def engine_for(self, model, need: int) -> Engine:
         """The model's engine, (re)built with room for `need` KV slots when required."""
@@ -175,14 +194,17 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
         raise ValueError(f"assistant must be 'self' (or left out), got {assistant!r}")
     if args:
         raise ValueError("with assistant='self', pass generate() options as keyword arguments")
-    if kwargs.get("custom_generate") is not None or kwargs.get("assistant_model") is not None:
-        raise ValueError("assistant='self' cannot be combined with custom_generate or assistant_model")
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("assistant='self' cannot be combined with custom_generate")
+    draft_model = kwargs.pop("assistant_model", None)
+    if draft_model is not None:
+        check_draft_model(self, draft_model)
     streamer = kwargs.pop("streamer", None)
     generation_config, kwargs = _stop_strings_as_criteria(self, generation_config, kwargs)
     state: SelfSpecState = self._selfspec
     with state.lock:  # one engine (one KV cache) per model: serialise concurrent calls
         return base_generate(inputs, generation_config, custom_generate=_decode_loop,
-                             selfspec_streamer=streamer, **kwargs)
+                             selfspec_streamer=streamer, selfspec_draft_model=draft_model, **kwargs)
 
 
 def _stop_strings_as_criteria(model, generation_config, kwargs):
@@ -259,7 +281,8 @@ def _row_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 
 def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None,
-                 generation_config=None, selfspec_streamer=None, **model_kwargs):
+                 generation_config=None, selfspec_streamer=None, selfspec_draft_model=None,
+                 **model_kwargs):
     """The custom_generate callable HF's generate() calls with the prepared request."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -281,7 +304,10 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     engine = state.engine_for(model, max(len(p) for p in prompts) + max_new + state.engine_config.width)
     for p in prompts:
         engine.check_capacity(len(p), max_new)
-    decoder = SelfSpecDecoder(engine, state.heads, state.decode_config)
+    draft_engine = None
+    if selfspec_draft_model is not None:
+        draft_engine = state.draft_engine_for(selfspec_draft_model, engine.capacity)
+    decoder = SelfSpecDecoder(engine, state.heads, state.decode_config, draft_engine)
     want_logits = bool(gc.output_logits or gc.output_scores) and gc.return_dict_in_generate
     if want_logits and input_ids.shape[0] > 1:
         raise ValueError("output_scores/output_logits with assistant='self' support batch size 1 only")

@@ -3,6 +3,10 @@
     python scripts/bench.py                       # all categories, all methods
     python scripts/bench.py --per-category 2 --max-new-tokens 64 --methods hf_greedy,self
     python scripts/bench.py --widths               # also the cost of a step vs its rows
+    python scripts/bench.py --model HF_FOLDER --draft-model SMALLER_HF_FOLDER
+                                                   # another model (no heads: prompt lookup),
+                                                   # + HF assisted generation vs self-spec with
+                                                   # the same draft model (same tokenizer)
 
 Every method runs on the same prompt side by side in one process (methods rotated per
 prompt, so drift in machine speed hits all alike); the table gives per category the median
@@ -31,6 +35,7 @@ from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_heads",
            "self_lookup", "self")
+DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
 SELF_DECODE = {
     "self_heads": DecodeConfig(lookup="off"),
     "self_lookup": DecodeConfig(lookup="only"),
@@ -48,6 +53,12 @@ def run_method(method, model, ids, max_new, state):
         out = model.generate(ids, **greedy)
     elif method == "hf_prompt_lookup":
         out = model.generate(ids, prompt_lookup_num_tokens=10, **greedy)
+    elif method == "hf_assisted":  # HF's classical assisted generation with the draft model
+        out = model.generate(ids, assistant_model=state["draft_model"], **greedy)
+    elif method == "self_draft_model":
+        model._selfspec.decode_config = state["decode"]["self"]
+        out = model.generate(ids, assistant="self", assistant_model=state["draft_model"], **greedy)
+        stats = model.selfspec_stats.as_dict()
     elif method == "hf_early_exit":
         out = model.generate(ids, assistant_early_exit=state["early_exit_layer"], **greedy)
     elif method == "engine_ar":
@@ -96,24 +107,46 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--widths", action="store_true", help="also print the step cost vs rows")
     ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
+    ap.add_argument("--model", default=None,
+                    help="HF model folder or id instead of the embedded default (heads: --heads, else none)")
+    ap.add_argument("--draft-model", default=None,
+                    help="a smaller HF model of the same tokenizer: adds hf_assisted and self_draft_model")
     ap.add_argument("--out", default="docs/bench.json")
     ap.add_argument("--report", default=None, help="also write a markdown report here (e.g. docs/benchmarks.md)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.draft_model:
+        methods += [m for m in DRAFT_METHODS if m not in methods]
     for m in methods:
-        if m not in METHODS:
-            ap.error(f"unknown method {m!r}; choose from {METHODS}")
+        if m not in METHODS + DRAFT_METHODS:
+            ap.error(f"unknown method {m!r}; choose from {METHODS + DRAFT_METHODS}")
+        if m in DRAFT_METHODS and not args.draft_model:
+            ap.error(f"method {m} needs --draft-model")
 
-    model, tokenizer = load_default_model_and_tokenizer()
-    heads = args.heads
+    if args.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32").eval()
+    else:
+        model, tokenizer = load_default_model_and_tokenizer()
+    heads = args.heads if args.heads or not args.model else False
     try:
         attach_heads(model, heads)
     except FileNotFoundError:
         print("no shipped heads found: self-spec runs with prompt lookup only")
+        heads = False
         attach_heads(model, False)
+    if heads is False:
         methods = [m for m in methods if m != "self_heads"]
+    draft_model = None
+    if args.draft_model:
+        from transformers import AutoModelForCausalLM
+
+        draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype="float32").eval()
     state = {"eos": [tokenizer.eos_token_id], "early_exit_layer": args.early_exit_layer,
+             "draft_model": draft_model,
              "decode": {k: (v or model._selfspec.decode_config) for k, v in SELF_DECODE.items()}}
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     categories = [c for c in args.categories.split(",") if c]

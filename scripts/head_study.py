@@ -323,6 +323,44 @@ def evaluate(heads, f, x, y, agree, feed_drafts=True):
     return report
 
 
+def trees(args):
+    """Chain vs siblings at the same verification width: with 3 rows (2 drafts), is the
+    second draft better spent on step 1 of the chain or on step 0's runner-up? Measured on
+    the own-generation eval set (the decoder's inputs): accepted tokens per cycle (tau) of
+    the chain, of the sibling pair, of the best per-position choice (an oracle, the ceiling
+    of any rule), and of the rule "siblings when p2 > scale * p1 * q1" (p1, p2: step 0's top-2
+    probabilities, q1: step 1's top probability), which needs nothing the decoder lacks."""
+    torch.set_num_threads(args.threads)
+    model, _ = load_default_model_and_tokenizer()
+    from hf_selfspec.heads.top_repo import load_top_heads
+
+    heads = load_top_heads(args.heads, model)
+    f, x, y, agree = examples(torch.load(FEATURES / "own_eval.pt"), 2)
+    sel = agree[:, 0] & agree[:, 1]
+    f, x, y = f[sel].to(heads.out_norm.dtype), x[sel], y[sel]
+    with torch.no_grad():
+        h, logits = heads.step_logits(0, f, x[:, 0])
+        probs = torch.softmax(logits.float(), -1)
+        p, idx = probs.topk(2, -1)
+        d1, d1b = heads.vocab_ids[idx[:, 0]], heads.vocab_ids[idx[:, 1]]
+        _, logits1 = heads.step_logits(1, h, d1)
+        probs1 = torch.softmax(logits1.float(), -1)
+        q1, idx1 = probs1.max(-1)
+        d2 = heads.vocab_ids[idx1]
+    r1, r1b, r2 = d1 == y[:, 0], d1b == y[:, 0], d2 == y[:, 1]
+    chain = 1 + r1.float() + (r1 & r2).float()
+    sib = 1 + (r1 | r1b).float()
+    rows = [("chain (step 0, step 1)", chain), ("siblings (step 0 top-2)", sib),
+            ("oracle: best of the two per position", torch.maximum(chain, sib))]
+    for scale in (0.5, 1.0, 1.5, 2.0):
+        use_sib = p[:, 1] > scale * p[:, 0] * q1
+        rows.append((f"rule p2 > {scale} * p1 * q1 ({float(use_sib.float().mean()):.0%} siblings)",
+                     torch.where(use_sib, sib, chain)))
+    print(f"{len(f)} own-eval positions; tau per 3-row cycle (2 drafts):")
+    for name, tau in rows:
+        print(f"  {name:<48} {float(tau.mean()):.4f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -344,6 +382,10 @@ def main(argv=None):
     o.add_argument("--part", type=int, default=0,
                    help=f"0: eval + first training part; N > 0: more training data (prompts from {OWN_PART_STRIDE}*N on)")
     o.set_defaults(func=collect_own)
+    tr = sub.add_parser("trees", help="chain vs siblings at the same 3-row width (own eval set)")
+    tr.add_argument("--heads", default=str(Path(__file__).resolve().parent.parent / "hf_selfspec" / "default_heads"))
+    tr.add_argument("--threads", type=int, default=2)
+    tr.set_defaults(func=trees)
     t = sub.add_parser("train")
     t.add_argument("--depth", type=int, default=2)
     t.add_argument("--adapter", type=int, default=512)

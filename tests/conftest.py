@@ -47,3 +47,17 @@ def default_model():
     from hf_selfspec.defaults import load_default_model_and_tokenizer
 
     return load_default_model_and_tokenizer()
+
+
+def perturbed_copy(model, scale: float, seed: int = 0):
+    """A copy of `model` with Gaussian noise (std `scale` x each weight's std) on every
+    weight: a draft model of the same vocabulary that agrees with `model` part of the time."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * float(p.std()) * scale)
+    return draft.eval()

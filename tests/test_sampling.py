@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import perturbed_copy, tiny_model
 from test_decoding import random_heads, random_top_heads
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
@@ -69,12 +69,15 @@ DRAFTERS = {
     "top_heads": lambda m: (random_top_heads(m), DecodeConfig(thresholds=0.0, lookup="off", adaptive=False)),
     "exit_heads": lambda m: (random_heads(m, [1, 3]), DecodeConfig(thresholds=0.0, lookup="off", adaptive=False)),
     "copies": lambda m: (None, DecodeConfig(lookup="only", lookup_min_ngram=1, adaptive=False)),
+    # a noisy copy of the model: q != p on the same support, so both branches happen
+    "draft_model": lambda m: (None, DecodeConfig(lookup="off", adaptive=False, draft_confidence=0.0),
+                              Engine(perturbed_copy(m, 0.2), EngineConfig(width=8, capacity=64))),
 }
 
 
 def sample_counts(model, engine, drafter, draws=DRAWS, seed=0):
-    heads, config = DRAFTERS[drafter](model)
-    decoder = SelfSpecDecoder(engine, heads, config)
+    heads, config, *draft_engine = DRAFTERS[drafter](model)
+    decoder = SelfSpecDecoder(engine, heads, config, *draft_engine)
     torch.manual_seed(seed)
     counts, drafted, accepted = {}, 0, 0
     for _ in range(draws):

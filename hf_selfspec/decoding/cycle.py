@@ -38,6 +38,7 @@ import torch
 
 from ..engine.programs import Engine
 from ..stats import SOURCE_COPY, SOURCE_MODEL, DecodeStats, head_source
+from .draft_model import SOURCE_DRAFT_MODEL, DraftModelDrafter
 from .lookup import PromptLookup
 from .policy import DraftBudget
 from .sampling import RowScorer, sample, speculative_tokens
@@ -66,6 +67,9 @@ class DecodeConfig:
                 model's token. k > 1 accepts a draft that is among the model's top-k at its
                 position, so the output is no longer the model's greedy output (it is still
                 a text the model ranks top-k at every token). Greedy only.
+    draft_confidence: with a draft model (classical speculative decoding), stop drafting at
+                the first token whose draft-model probability is below this (HF's
+                assistant_confidence_threshold); 0 = draft up to the budget.
     """
 
     max_draft: int | None = None
@@ -76,6 +80,7 @@ class DecodeConfig:
     lookup_min_ngram: int = 1
     adaptive: bool = True
     lossy_top_k: int = 1
+    draft_confidence: float = 0.4
 
     def __post_init__(self):
         if self.lookup not in LOOKUP_MODES:
@@ -84,6 +89,8 @@ class DecodeConfig:
             raise ValueError(f"max_draft must be a non-negative int or None, got {self.max_draft!r}")
         if not isinstance(self.lossy_top_k, int) or self.lossy_top_k < 1:
             raise ValueError(f"lossy_top_k must be an int >= 1 (1 = exact), got {self.lossy_top_k!r}")
+        if not 0.0 <= self.draft_confidence <= 1.0:
+            raise ValueError(f"draft_confidence must be in [0, 1], got {self.draft_confidence!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma!r}")
         if isinstance(self.thresholds, (list, tuple)):
@@ -164,13 +171,26 @@ class _Block:
 
 
 class SelfSpecDecoder:
-    """Greedy speculative decoding over an `Engine`, drafting with exit heads and/or
-    prompt lookup. `heads` is an `ExitHeads` (or None for lookup-only / plain AR)."""
+    """Speculative decoding over an `Engine`, drafting with exit heads or top-layer draft
+    heads (`heads`; None for lookup-only / plain AR), or with a smaller draft model in its
+    own engine (`draft_engine`, which then replaces the heads), and/or prompt lookup."""
 
-    def __init__(self, engine: Engine, heads=None, config: DecodeConfig | None = None):
+    def __init__(self, engine: Engine, heads=None, config: DecodeConfig | None = None,
+                 draft_engine: Engine | None = None):
         self.engine = engine
-        self.heads = heads
         self.config = config or DecodeConfig()
+        # an explicit draft model always drafts (with lookup "only", where no copy is found)
+        self.draft_engine = draft_engine
+        if draft_engine is not None:
+            if draft_engine.view.vocab_size != engine.view.vocab_size:
+                raise ValueError(
+                    f"the draft model has {draft_engine.view.vocab_size} output tokens, the model "
+                    f"{engine.view.vocab_size}: it must use the same tokenizer"
+                )
+            heads = None  # the draft model is the drafter
+        self.heads = heads
+        self._drafter_key = "draft_model" if self.draft_engine is not None else "head"
+        self._drafter: DraftModelDrafter | None = None
         # lookup "only" is exact PLD: the heads are not consulted
         use_heads = heads is not None and self.config.lookup != "only"
         # top-layer draft heads draft from the last final hidden state (no layer passes)
@@ -288,19 +308,24 @@ class SelfSpecDecoder:
         mode = self.config.lookup
         copies: list[int] = []
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
-        has_heads = bool(self.head_list) or self.top is not None
+        has_heads = bool(self.head_list) or self.top is not None or self._drafter is not None
         if self.lookup is not None and copy_budget > 0 and mode in ("only", "first"):
             copies = self.lookup.propose(copy_budget)
             # "first": a copy pre-empts the heads only while copies are accepted at least
             # as often as head drafts on this text (live rates, policy.py)
-            if copies and mode == "first" and has_heads and policy.rate(SOURCE_COPY) < policy.rate("head"):
+            if copies and mode == "first" and has_heads and policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key):
                 copies = []
-        head_budget = min(budget, policy.budget("head"))
+        head_budget = min(budget, policy.budget(self._drafter_key))
         if not copies and self.head_list and mode != "only":
             self._draft_from_heads(block, head_budget, eos, stats, scorer)
         if not copies and self.top is not None and head_budget > 0:
             self._draft_from_top(block, head_budget, eos, scorer, stats)
             stats.head_evaluations += 1
+        if not copies and self._drafter is not None and head_budget > 0:
+            drafts, qs = self._drafter.propose(self._prompt + block.committed, head_budget, eos,
+                                               scorer, block.committed)
+            for token, q in zip(drafts, qs):
+                block.add(token, SOURCE_DRAFT_MODEL, q)
         if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0:
             copies = self.lookup.propose(copy_budget)
         for token in copies:
@@ -410,10 +435,18 @@ class SelfSpecDecoder:
         stats.prefill_time = time.perf_counter() - t_start
         if self.lookup is not None:
             self.lookup.reset(prompt_ids)
+        self._prompt = prompt_ids
+        self._drafter = None
+        if self.draft_engine is not None:
+            self.draft_engine.check_capacity(len(prompt_ids), max_new_tokens)
+            self._drafter = DraftModelDrafter(self.draft_engine, self.config.draft_confidence)
         done = self._commit(out, stats, [first], [SOURCE_MODEL], max_new_tokens, eos, stop, on_commit)
         position = len(prompt_ids)
         costs = engine.step_costs if self.config.adaptive else (1.0,) * (engine.width + 1)
         policy = DraftBudget(costs, self.max_draft, self.config.adaptive)
+        if self._drafter is not None:  # a draft-model token costs its step, in main-model steps
+            policy.draft_costs["draft_model"] = (
+                self.draft_engine.one_row_seconds / engine.one_row_seconds if self.config.adaptive else 0.0)
         while not done:
             block = _Block(engine, out[-1], position)
             block.final_before = final_before  # final hidden of the row that produced out[-1]
@@ -437,7 +470,7 @@ class SelfSpecDecoder:
             final_before = finals[len(tokens) - 1]
             stats.accepted += len(tokens) - 1
             if len(block) > 1:
-                drafter = SOURCE_COPY if block.sources[1] == SOURCE_COPY else "head"
+                drafter = SOURCE_COPY if block.sources[1] == SOURCE_COPY else self._drafter_key
                 policy.update(drafter, len(block) - 1, len(tokens) - 1)
             position += len(tokens)
             before = len(out)

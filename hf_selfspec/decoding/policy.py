@@ -75,6 +75,8 @@ class DraftBudget:
     max_draft: int
     adaptive: bool = True  # False: every drafter may always draft max_draft (heads' thresholds decide)
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)
+    # cost of one draft per drafter, in AR steps (a draft model's: its measured step time)
+    draft_costs: dict[str, float] = field(default_factory=lambda: dict(DRAFT_COST))
 
     def tracker(self, drafter: str) -> AcceptanceTracker:
         if drafter not in self.trackers:
@@ -87,7 +89,7 @@ class DraftBudget:
         if not self.adaptive:
             return self.max_draft
         tracker = self.tracker(drafter)
-        k = best_drafts(tracker.rate, self.max_draft, self.costs, DRAFT_COST.get(drafter, 0.0))
+        k = best_drafts(tracker.rate, self.max_draft, self.costs, self.draft_costs.get(drafter, 0.0))
         if k > 0:
             tracker.idle = 0
             return k

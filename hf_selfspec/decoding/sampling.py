@@ -70,11 +70,15 @@ class RowScorer:
 
     def draft_distribution(self, committed: Sequence[int], drafts: Sequence[int],
                            reduced_logits: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor | None:
-        """A head's q after `drafts`: its logits over V_k [V_k] placed in the full vocabulary,
+        """A head's q after `drafts`: its logits over V_k [V_k] placed in the full vocabulary
+        (vocab_ids None: logits over the full vocabulary already),
         processed like the model's, softmaxed -> [V]; None when the processors leave it no
         token (then the head does not draft)."""
-        full = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
-        full[0, vocab_ids] = reduced_logits.float()
+        if vocab_ids is None:  # logits over the whole vocabulary (a draft model)
+            full = reduced_logits.float().reshape(1, -1).clone()
+        else:
+            full = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
+            full[0, vocab_ids] = reduced_logits.float()
         scored = self.processors(self._ids(committed, drafts), full)
         if not bool(torch.isfinite(scored).any()):
             return None

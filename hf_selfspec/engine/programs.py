@@ -431,11 +431,18 @@ class Engine:
                         self.verify(h[:n], 0, meta)
                         best = min(best, time.perf_counter() - t0)
                     seconds.append(best)
+            self._one_row_seconds = seconds[0]
             costs = [s / seconds[0] for s in seconds]
             for i in range(1, len(costs)):  # more rows never cost less (timing noise)
                 costs[i] = max(costs[i], costs[i - 1])
             self._step_costs = tuple([1.0] + costs)
         return self._step_costs
+
+    @property
+    def one_row_seconds(self) -> float:
+        """Measured seconds of a 1-row step over all layers (see step_costs)."""
+        self.step_costs  # noqa: B018 (measures once)
+        return self._one_row_seconds
 
     @torch.no_grad()
     def prefill(self, prompt_ids: Sequence[int]):

@@ -1,0 +1,109 @@
+"""Classical speculative decoding's drafter: a smaller model with the same tokenizer.
+
+The draft model runs in its own `Engine` (own static KV cache). Its cache always holds a
+prefix of prompt + committed tokens + its own latest drafts (`seen`); before drafting it
+catches up on the committed tokens it has not seen (the model's correction or bonus token,
+and copies accepted from prompt lookup), all in one multi-row pass, then drafts greedily,
+one AR step per further draft, until its confidence (top probability) falls below a
+threshold, an EOS is drafted or the budget is spent (HF's assistant_confidence_threshold).
+Drafts it made that were accepted need no second pass: they are already in its cache.
+
+Whatever it drafts, the main model verifies every row, so the output is exactly the main
+model's (greedy: its greedy tokens; sampling: speculative sampling with the draft model's
+processed distribution as q).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..engine.programs import Engine
+
+SOURCE_DRAFT_MODEL = "draft_model"  # source label of an accepted draft-model token
+
+
+def check_draft_model(model, draft_model) -> None:
+    """Refuse a draft model that cannot share the main model's token ids."""
+    if draft_model is model:
+        return
+    main_vocab = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
+    if main_vocab != draft_vocab:
+        raise ValueError(
+            f"the draft model has {draft_vocab} output tokens, the model {main_vocab}: a draft model "
+            "must use the same tokenizer (same token ids); pick a smaller model of the same family"
+        )
+    if draft_model.device != model.device:
+        raise ValueError(f"the draft model is on {draft_model.device}, the model on {model.device}: "
+                         "put both on the same device")
+
+
+class DraftModelDrafter:
+    """Drafts from a smaller model in its own engine; one instance per request."""
+
+    def __init__(self, engine: Engine, confidence: float):
+        self.engine = engine
+        self.confidence = confidence
+        self.seen: list[int] = []  # tokens whose KV is in the draft cache, positions 0..len-1
+        self._logits: torch.Tensor | None = None  # [V] logits after seen[-1]
+
+    def _catch_up(self, tokens: Sequence[int]) -> None:
+        """Bring the draft cache to `tokens` (prompt + committed so far)."""
+        common = 0
+        limit = min(len(self.seen), len(tokens))
+        while common < limit and self.seen[common] == tokens[common]:
+            common += 1
+        if common == len(tokens) and common == len(self.seen) and self._logits is not None:
+            return
+        if common == 0:  # a new request: the prompt goes through the engine's prefill
+            self._logits, _ = self.engine.prefill(list(tokens))
+            self.seen = list(tokens)
+            return
+        if common == len(tokens):  # every token seen, but logits were taken further on
+            common -= 1
+        engine, width = self.engine, self.engine.width
+        new = list(tokens[common:])
+        for lo in range(0, len(new), width):
+            chunk = new[lo: lo + width]
+            start = common + lo
+            meta = engine.make_meta(range(start, start + len(chunk)))
+            logits, _, _ = engine.verify(engine.embed(chunk), 0, meta)
+            self._logits = logits[-1]
+        self.seen = list(tokens)
+
+    @torch.no_grad()
+    def propose(self, tokens: Sequence[int], budget: int, eos: set[int], scorer=None,
+                committed: Sequence[int] = ()) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Up to `budget` drafts after `tokens` (prompt + every committed token). Greedy:
+        argmax drafts. With a scorer (sampling): each draft is sampled from the draft
+        model's distribution processed like the main model's; returns (drafts, q per draft)."""
+        from .sampling import sample
+
+        drafts: list[int] = []
+        qs: list[torch.Tensor | None] = []
+        if budget <= 0:
+            return drafts, qs
+        self._catch_up(tokens)
+        while True:
+            logits = self._logits
+            if scorer is None:
+                probs = torch.softmax(logits.float(), -1)
+                conf, token = probs.max(-1)
+                if float(conf) < self.confidence:
+                    break
+                token, q = int(token), None
+            else:
+                q = scorer.draft_distribution(committed, drafts, logits, None)
+                if q is None or float(q.max()) < self.confidence:
+                    break
+                token = sample(q)
+            drafts.append(token)
+            qs.append(q)
+            if len(drafts) >= budget or token in eos:
+                break
+            position = len(self.seen)
+            self._logits, _, _ = self.engine.ar_step(token, position)
+            self.seen.append(token)
+        return drafts, qs
