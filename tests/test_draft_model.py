@@ -139,6 +139,19 @@ def test_draft_model_with_other_token_ids_is_refused(models):
         SelfSpecDecoder(engine_of(main), None, DecodeConfig(), engine_of(small))
 
 
+def test_draft_model_of_an_unsupported_architecture_is_refused(models):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_selfspec.engine.layered import UnsupportedModelError
+
+    main, _, _ = models
+    attach_heads(main, False)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2)).eval()
+    ids = torch.tensor([prompt(7, 10)])
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        main.generate(ids, assistant="self", assistant_model=gpt2, max_new_tokens=4)
+
+
 def test_draft_confidence_is_validated():
     with pytest.raises(ValueError, match="draft_confidence"):
         DecodeConfig(draft_confidence=1.5)

@@ -25,9 +25,15 @@ SOURCE_DRAFT_MODEL = "draft_model"  # source label of an accepted draft-model to
 
 
 def check_draft_model(model, draft_model) -> None:
-    """Refuse a draft model that cannot share the main model's token ids."""
+    """Refuse, before any work, a draft model the engine cannot run or that cannot share
+    the main model's token ids."""
     if draft_model is model:
         return
+    from ..engine.layered import SUPPORTED_MODEL_TYPES, LayeredModel
+
+    LayeredModel._check_features(draft_model.config, 1)
+    if getattr(draft_model.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        LayeredModel(draft_model, 1)  # raises UnsupportedModelError naming the architecture
     main_vocab = model.get_output_embeddings().weight.shape[0]
     draft_vocab = draft_model.get_output_embeddings().weight.shape[0]
     if main_vocab != draft_vocab:
