@@ -179,6 +179,12 @@ def train(args):
         files += [FEATURES / "train.pt"] + sorted(FEATURES.glob("train[0-9]*.pt"))
     if args.data in ("own", "both"):  # the model's own replies from `collect-own`
         files += [FEATURES / "own_train.pt"] + sorted(FEATURES.glob("own_train[0-9]*.pt"))
+    if args.parts:  # only these parts (0 = the first, train.pt / own_train.pt)
+        wanted = {int(p) for p in args.parts.split(",")}
+        files = [f for f in files if int(f.stem.split("train")[1] or 0) in wanted]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing or not files:
+        raise SystemExit(f"training features missing: {missing or args.data}; run collect / collect-own first")
     tr = None
     for path in files:
         more = torch.load(path)
@@ -400,6 +406,7 @@ def main(argv=None):
     t.add_argument("--data", choices=["tf", "own", "both"], default="tf",
                    help="tf: teacher-forced ShareGPT replies; own: the model's own greedy replies; both")
     t.add_argument("--max-positions", type=int, default=0, help="subsample training positions (0: all)")
+    t.add_argument("--parts", default=None, help="train on these collected parts only, e.g. '2' or '0,1' (default: all)")
     t.add_argument("--init", default=None, help="fine-tune these top heads (a folder) instead of new ones")
     t.add_argument("--reproduce", default=None, help="the full command chain, stored for the model card")
     t.add_argument("--variant", choices=["chain", "medusa"], default="chain",

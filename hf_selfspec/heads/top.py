@@ -13,8 +13,8 @@ position-wise). E (input embedding) and the LM-head rows of V are the base model
 gathered at bind time and never stored. Trained by self-distillation: step i predicts the
 model's own argmax (scripts/head_study.py).
 
-On a CPU whose engine verifies 1-3 rows at the cost of one step (micro row layout), two
-drafts from these heads are nearly free: any acceptance is a gain.
+On a CPU whose engine verifies 1-3 rows for about the cost of one step (micro or wx row
+layout), two drafts from these heads are nearly free: any acceptance is a gain.
 """
 
 from __future__ import annotations
