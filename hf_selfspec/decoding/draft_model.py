@@ -54,15 +54,17 @@ class DraftModelDrafter:
         self.confidence = confidence
         self.seen: list[int] = []  # tokens whose KV is in the draft cache, positions 0..len-1
         self._logits: torch.Tensor | None = None  # [V] logits after seen[-1]
+        self._committed = 0  # leading tokens of `seen` that are committed (never change)
 
     def _catch_up(self, tokens: Sequence[int]) -> None:
         """Bring the draft cache to `tokens` (prompt + committed so far)."""
-        common = 0
+        common = self._committed  # committed tokens never change: compare only the drafts
         limit = min(len(self.seen), len(tokens))
         while common < limit and self.seen[common] == tokens[common]:
             common += 1
         if common == len(tokens) and common == len(self.seen) and self._logits is not None:
             return
+        self._committed = len(tokens)
         if common == 0:  # a new request: the prompt goes through the engine's prefill
             self._logits, _ = self.engine.prefill(list(tokens))
             self.seen = list(tokens)
@@ -77,7 +79,8 @@ class DraftModelDrafter:
             meta = engine.make_meta(range(start, start + len(chunk)))
             logits, _, _ = engine.verify(engine.embed(chunk), 0, meta)
             self._logits = logits[-1]
-        self.seen = list(tokens)
+        del self.seen[common:]
+        self.seen.extend(new)
 
     @torch.no_grad()
     def propose(self, tokens: Sequence[int], budget: int, eos: set[int], scorer=None,
