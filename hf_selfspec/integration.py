@@ -49,38 +49,40 @@ class SelfSpecState:
     draft_engine: Engine | None = None
 
     def draft_engine_for(self, draft_model, capacity: int) -> Engine:
-        """The draft model's engine, with as many KV slots as the main engine."""
-        limit = getattr(draft_model.config, "max_position_embeddings", None) or capacity
-        if capacity > limit:
-            raise ValueError(
-                f"this request needs {capacity} positions in the draft model, more than its "
-                f"max_position_embeddings ({limit}); shorten the prompt or lower max_new_tokens"
-            )
+        """The draft model's engine, with at least as many KV slots as the main engine."""
+        _check_positions(draft_model, capacity, "the draft model's")
         if self.draft_model is not draft_model or self.draft_engine.capacity < capacity:
-            cfg = EngineConfig(self.engine_config.width, capacity, self.engine_config.row_layout,
-                               self.engine_config.prefill)
             self.draft_engine = None  # free the old cache first
-            self.draft_engine = Engine(draft_model, cfg)
+            self.draft_engine = self._new_engine(draft_model, capacity)
             self.draft_model = draft_model
         return self.draft_engine
 
     def engine_for(self, model, need: int) -> Engine:
         """The model's engine, (re)built with room for `need` KV slots when required."""
-        limit = getattr(model.config, "max_position_embeddings", None) or need
-        if need > limit:
-            raise ValueError(
-                f"this request needs {need} positions (prompt + max_new_tokens + draft width), "
-                f"more than the model's max_position_embeddings ({limit}); shorten the prompt "
-                "or lower max_new_tokens"
-            )
+        _check_positions(model, need, "the model's")
         if self.engine is None or self.engine.capacity < need:
-            capacity = max(self.engine_config.capacity, need)
-            capacity = min(-(-capacity // 256) * 256, limit)
-            cfg = EngineConfig(self.engine_config.width, capacity, self.engine_config.row_layout,
-                               self.engine_config.prefill)
             self.engine = None  # free the old cache first
-            self.engine = Engine(model, cfg)
+            self.engine = self._new_engine(model, need)
         return self.engine
+
+    def _new_engine(self, model, need: int) -> Engine:
+        """An engine with `need` KV slots or more: the configured capacity, rounded up to
+        256 slots, at most the model's max_position_embeddings."""
+        limit = getattr(model.config, "max_position_embeddings", None) or need
+        capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
+        cfg = EngineConfig(self.engine_config.width, capacity, self.engine_config.row_layout,
+                           self.engine_config.prefill)
+        return Engine(model, cfg)
+
+
+def _check_positions(model, need: int, whose: str) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None) or need
+    if need > limit:
+        raise ValueError(
+            f"this request needs {need} positions (prompt + max_new_tokens + draft width), "
+            f"more than {whose} max_position_embeddings ({limit}); shorten the prompt "
+            "or lower max_new_tokens"
+        )
 
 
 _SUBCLASSES: dict[type, type] = {}

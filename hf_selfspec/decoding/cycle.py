@@ -322,8 +322,7 @@ class SelfSpecDecoder:
             self._draft_from_top(block, head_budget, eos, scorer, stats)
             stats.head_evaluations += 1
         if not copies and self._drafter is not None and head_budget > 0:
-            drafts, qs = self._drafter.propose(self._prompt + block.committed, head_budget, eos,
-                                               scorer, block.committed)
+            drafts, qs = self._drafter.propose(block.committed, head_budget, eos, scorer)
             for token, q in zip(drafts, qs):
                 block.add(token, SOURCE_DRAFT_MODEL, q)
         if len(block) == 1 and not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0:
@@ -435,11 +434,10 @@ class SelfSpecDecoder:
         stats.prefill_time = time.perf_counter() - t_start
         if self.lookup is not None:
             self.lookup.reset(prompt_ids)
-        self._prompt = prompt_ids
         self._drafter = None
         if self.draft_engine is not None:
             self.draft_engine.check_capacity(len(prompt_ids), max_new_tokens)
-            self._drafter = DraftModelDrafter(self.draft_engine, self.config.draft_confidence)
+            self._drafter = DraftModelDrafter(self.draft_engine, self.config.draft_confidence, prompt_ids)
         done = self._commit(out, stats, [first], [SOURCE_MODEL], max_new_tokens, eos, stop, on_commit)
         position = len(prompt_ids)
         costs = engine.step_costs if self.config.adaptive else (1.0,) * (engine.width + 1)

@@ -49,30 +49,34 @@ def check_draft_model(model, draft_model) -> None:
 class DraftModelDrafter:
     """Drafts from a smaller model in its own engine; one instance per request."""
 
-    def __init__(self, engine: Engine, confidence: float):
+    def __init__(self, engine: Engine, confidence: float, prompt: Sequence[int]):
         self.engine = engine
         self.confidence = confidence
+        self.prompt = list(prompt)
         self.seen: list[int] = []  # tokens whose KV is in the draft cache, positions 0..len-1
         self._logits: torch.Tensor | None = None  # [V] logits after seen[-1]
         self._committed = 0  # leading tokens of `seen` that are committed (never change)
 
-    def _catch_up(self, tokens: Sequence[int]) -> None:
-        """Bring the draft cache to `tokens` (prompt + committed so far)."""
+    def _catch_up(self, committed: Sequence[int]) -> None:
+        """Bring the draft cache to prompt + `committed` (the tokens committed so far)."""
+        if not self.seen:  # a new request: prompt + first token through the engine's prefill
+            self.seen = self.prompt + list(committed)
+            self._logits, _ = self.engine.prefill(self.seen)
+            self._committed = len(self.seen)
+            return
+        P = len(self.prompt)
+        total = P + len(committed)
         common = self._committed  # committed tokens never change: compare only the drafts
-        limit = min(len(self.seen), len(tokens))
-        while common < limit and self.seen[common] == tokens[common]:
+        limit = min(len(self.seen), total)
+        while common < limit and self.seen[common] == committed[common - P]:
             common += 1
-        if common == len(tokens) and common == len(self.seen) and self._logits is not None:
+        if common == total == len(self.seen):
             return
-        self._committed = len(tokens)
-        if common == 0:  # a new request: the prompt goes through the engine's prefill
-            self._logits, _ = self.engine.prefill(list(tokens))
-            self.seen = list(tokens)
-            return
-        if common == len(tokens):  # every token seen, but logits were taken further on
+        self._committed = total
+        if common == total:  # every token seen, but logits were taken further on
             common -= 1
         engine, width = self.engine, self.engine.width
-        new = list(tokens[common:])
+        new = list(committed[common - P:])
         for lo in range(0, len(new), width):
             chunk = new[lo: lo + width]
             start = common + lo
@@ -83,23 +87,23 @@ class DraftModelDrafter:
         self.seen.extend(new)
 
     @torch.no_grad()
-    def propose(self, tokens: Sequence[int], budget: int, eos: set[int], scorer=None,
-                committed: Sequence[int] = ()) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Up to `budget` drafts after `tokens` (prompt + every committed token). Greedy:
-        argmax drafts. With a scorer (sampling): each draft is sampled from the draft
-        model's distribution processed like the main model's; returns (drafts, q per draft)."""
+    def propose(self, committed: Sequence[int], budget: int, eos: set[int],
+                scorer=None) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Up to `budget` drafts after prompt + `committed`. Greedy: argmax drafts. With a
+        scorer (sampling): each draft is sampled from the draft model's distribution
+        processed like the main model's; returns (drafts, q per draft)."""
         from .sampling import sample
 
         drafts: list[int] = []
         qs: list[torch.Tensor | None] = []
         if budget <= 0:
             return drafts, qs
-        self._catch_up(tokens)
+        self._catch_up(committed)
+        engine = self.engine
         while True:
             logits = self._logits
             if scorer is None:
-                probs = torch.softmax(logits.float(), -1)
-                conf, token = probs.max(-1)
+                conf, token = torch.softmax(logits.float(), -1).max(-1)
                 if float(conf) < self.confidence:
                     break
                 token, q = int(token), None
@@ -112,7 +116,8 @@ class DraftModelDrafter:
             qs.append(q)
             if len(drafts) >= budget or token in eos:
                 break
-            position = len(self.seen)
-            self._logits, _, _ = self.engine.ar_step(token, position)
+            # one AR step of the draft model (engine.verify: no second argmax to the host)
+            logits, _, _ = engine.verify(engine.embed([token]), 0, engine.make_meta([len(self.seen)]))
+            self._logits = logits[0]
             self.seen.append(token)
         return drafts, qs
