@@ -10,7 +10,7 @@ from hf_selfspec.engine.layered import UnsupportedModelError
 from hf_selfspec.engine.programs import Engine, EngineConfig, RowLayout
 
 
-@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine")])
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine"), ("wx4", "hf"), ("wx4", "engine")])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
 @pytest.mark.parametrize("seed", [0, 1])
@@ -39,7 +39,7 @@ def _block_rows(engine, tokens, positions):
     return engine.embed(tokens), meta
 
 
-@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx"])
+@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx", "wx4"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_rows_are_invariant_to_the_other_rows(kind, layout):
     """Row i of a step with n real rows == the same row computed alone (same width), for
@@ -74,9 +74,11 @@ def test_row_self_test_rejects_a_product_that_depends_on_the_other_rows():
     the real products of this machine's BLAS pass on the same weights."""
     layers = [torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)]
     assert RowLayout.wx_is_row_invariant(layers)
+    assert RowLayout.wx4_is_row_invariant(layers)
     assert RowLayout._rows_invariant(layers, lambda layer, x: layer(x), ref_rows=2)
     leaky = lambda layer, x: layer(x) + 1e-3 * x.sum(0, keepdim=True)[:, :1]  # noqa: E731
     assert not RowLayout._rows_invariant(layers, leaky, ref_rows=2)
+    assert not RowLayout._rows_invariant(layers, leaky, ref_rows=4, sizes=(4, 8))
 
 
 def test_over_capacity_prompt_is_refused_before_work():

@@ -3,7 +3,7 @@
 A token's row must be computed bit for bit the same whether it is an AR step (1 real
 row), a catch-up of m rows or a verification of n rows: this is what makes speculative
 greedy output identical to the engine's own AR output. Libraries choose GEMM kernels by
-shape, so the engine fixes the shapes. Four row layouts, chosen per machine by a bitwise
+shape, so the engine fixes the shapes. Five row layouts, chosen per machine by a bitwise
 self-test at start-up and, among those that pass, by measured cost (`RowLayout`):
 
   fixed   every GEMM, norm and elementwise op runs on exactly `width` rows (real rows
@@ -24,14 +24,24 @@ self-test at start-up and, among those that pass, by measured cost (`RowLayout`)
           another kernel, hence the chunks). Measured on the same AMD EPYC, all 211 weights
           of SmolLM2-135M, median of 7 interleaved runs: 2 / 3 / 4 rows 0.76 / 0.87 / 0.84x
           the gemv layout's 1-row step, where F.linear and x @ W^T cost 1.65x for 2 rows.
+  wx4     W @ x^T on blocks of exactly 4 or 8 columns (a step padded to whole 4-row
+          blocks). MKL's kernel for 4 and 8 columns computes a column bit for bit alike at
+          any place of a 4- or 8-column product (self-tested; 2-3 columns and 5-7, 12, 16
+          columns round differently, hence the fixed blocks). Measured on the same AMD EPYC,
+          all 211 weights, median of 9 interleaved runs, x F.linear's 1-row product: 2 / 3 /
+          4 / 8 columns 0.77 / 0.88 / 0.76 / 1.10x. A whole verify step (attention on
+          chunks of 4 query rows): 1-4 rows cost one AR step, 8 rows 1.7x (wx: 4 rows 1.7x,
+          8 rows 2.9x), so three drafts are free and seven cost 0.7 of a step.
 
-`auto` measures the GEMMs of the model's own weights for an AR step and a 3-row step in
-each layout that passes its self-test and takes the cheapest (micro unless another is more
-than 10% cheaper, so the choice is stable between runs). The measured verify cost of 1..W
-rows (`Engine.step_costs`, in AR steps) is what the draft budget plans with.
+`auto` measures the GEMMs of the model's own weights for an AR step, a 4-row step and a
+`width`-row step in each layout that passes its self-test and takes the cheapest (micro
+unless another is more than 10% cheaper, so the choice is stable between runs). The
+measured verify cost of 1..W rows (`Engine.step_costs`, in AR steps) is what the draft
+budget plans with.
 
 Pad rows reuse row 0's position and write their KV to a trash slot no real row can see.
-Attention always runs on `width` query rows and is row-invariant (see attention.py).
+Attention runs on fixed chunks of query rows (`RowLayout.attention_rows`) and is
+row-invariant (see attention.py).
 
 Programs (all share `run_layers`):
   ar          1 row, all layers, LM head, argmax
@@ -61,8 +71,8 @@ from .runner import triton_attention, uses_row_attention
 DEFAULT_WIDTH = 8
 DEFAULT_CAPACITY = 2048
 
-RowLayoutName = Literal["auto", "fixed", "micro", "gemv", "wx"]
-ROW_LAYOUTS = ("auto", "fixed", "micro", "gemv", "wx")
+RowLayoutName = Literal["auto", "fixed", "micro", "gemv", "wx", "wx4"]
+ROW_LAYOUTS = ("auto", "fixed", "micro", "gemv", "wx", "wx4")
 PrefillName = Literal["hf", "engine"]
 
 
@@ -117,6 +127,11 @@ def row_chunks(rows: int) -> list[tuple[int, int]]:
     return chunks
 
 
+def quad_chunks(rows: int) -> list[tuple[int, int]]:
+    """Split `rows` (a multiple of 4) into consecutive chunks of 8 rows and at most one of 4."""
+    return [(lo, min(lo + 8, rows)) for lo in range(0, rows, 8)]
+
+
 def _wx_product(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times w [out, in] as (w @ x^T)^T, rows back contiguous."""
     return torch.mm(w, x.t()).t().contiguous()
@@ -134,11 +149,13 @@ class RowLayout:
             if name == "gemv" else {})
         # query rows per attention call: fixed shapes, so a row's attention never depends
         # on how many rows share the step (micro: 3, as cheap as the 1-3 row GEMMs)
-        self.attention_rows = width if name == "fixed" else 3
+        self.attention_rows = width if name == "fixed" else 4 if name == "wx4" else 3
 
     def rows(self, num_real: int) -> int:
         if self.name == "fixed":
             return self.width
+        if self.name == "wx4":
+            return -(-num_real // 4) * 4  # pad to whole 4-column blocks
         return num_real if self.name == "gemv" else max(num_real, 2)  # micro, wx: pad 1 to 2
 
     def attention_chunks(self, num_real: int) -> int:
@@ -151,6 +168,11 @@ class RowLayout:
             if x.shape[0] <= 3:
                 return x @ wt
             return torch.cat([x[lo:lo + 3] @ wt for lo in range(0, x.shape[0], 3)])
+        if self.name == "wx4":
+            w = layer.weight
+            if x.shape[0] <= 8:
+                return _wx_product(w, x)
+            return torch.cat([_wx_product(w, x[lo:hi]) for lo, hi in quad_chunks(x.shape[0])])
         if self.name == "wx":
             w = layer.weight
             if x.shape[0] <= 3:
@@ -161,9 +183,10 @@ class RowLayout:
         return torch.cat([layer(x[lo:hi]) for lo, hi in row_chunks(x.shape[0])])
 
     @staticmethod
-    def _rows_invariant(layers: list[torch.nn.Linear], product, ref_rows: int) -> bool:
+    def _rows_invariant(layers: list[torch.nn.Linear], product, ref_rows: int,
+                        sizes: tuple[int, ...] = (2, 3)) -> bool:
         """Bitwise self-test on the model's own weight shapes: a row's product (as row 0 of
-        `ref_rows` rows) must not change in blocks of 2 or 3 rows, at any place, whatever
+        `ref_rows` rows) must not change in blocks of `sizes` rows, at any place, whatever
         its neighbours."""
         gen = torch.Generator(device="cpu").manual_seed(0)
         for layer in layers:
@@ -171,7 +194,7 @@ class RowLayout:
             x = torch.randn(ref_rows, w.shape[1], generator=gen).to(w.device, w.dtype)
             with torch.no_grad():
                 ref = product(layer, x)[0]
-                for size in (2, 3):
+                for size in sizes:
                     for place in range(size):
                         block = torch.randn(size, w.shape[1], generator=gen).to(w.device, w.dtype)
                         block[place] = x[0]
@@ -189,6 +212,12 @@ class RowLayout:
         """W @ x^T on 2- and 3-row chunks (the wx layout; a 1-row step is padded to 2)."""
         return RowLayout._rows_invariant(
             layers, lambda layer, x: _wx_product(layer.weight.detach(), x), ref_rows=2)
+
+    @staticmethod
+    def wx4_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
+        """W @ x^T on 4- and 8-row blocks (the wx4 layout; steps padded to whole 4-row blocks)."""
+        return RowLayout._rows_invariant(
+            layers, lambda layer, x: _wx_product(layer.weight.detach(), x), ref_rows=4, sizes=(4, 8))
 
     @staticmethod
     def gemv_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
@@ -234,7 +263,7 @@ class Engine:
         lw = self.view.layers[0]
         shapes = [lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down, self.view.lm_head]
         tests = {"micro": RowLayout.micro_is_row_invariant, "gemv": RowLayout.gemv_is_row_invariant,
-                 "wx": RowLayout.wx_is_row_invariant}
+                 "wx": RowLayout.wx_is_row_invariant, "wx4": RowLayout.wx4_is_row_invariant}
         if wanted in tests:
             if not tests[wanted](shapes):
                 raise ValueError(
@@ -256,14 +285,16 @@ class Engine:
 
     @torch.no_grad()
     def _gemm_seconds(self, layout: RowLayout, reps: int = 3) -> float:
-        """Best-of-`reps` seconds of every weight's product for an AR step plus a 3-row step."""
+        """Best-of-`reps` seconds of every weight's product for an AR step, a 4-row step and
+        a `width`-row step (what a decoder takes: AR where drafts do not pay, a few drafts,
+        long copies)."""
         import time
 
         linears = self._all_linears()
         v = self.view
         gen = torch.Generator(device="cpu").manual_seed(0)
         total = 0.0
-        for n in (1, 3):
+        for n in sorted({1, min(4, self.width), self.width}):
             rows = layout.rows(n)
             xs = {}
             best = float("inf")
