@@ -219,9 +219,17 @@ def train(args):
         reduced_vocab=len(vocab_ids), rms_norm_eps=float(model.config.rms_norm_eps))
     heads = TopDraftHeads(cfg, vocab_ids).init_from_model(model)
     if args.init:
-        cfg = TopHeadsConfig.from_dict({**init.config.to_dict(), "training": {}})
-        heads = init
-    params = [p for n, p in heads.named_parameters()]
+        heads = init.deepened(D) if D > init.config.depth else init
+        if D < heads.config.depth:
+            raise SystemExit(f"--depth {D} is below the depth of the --init heads ({heads.config.depth})")
+        heads.calibration = None  # thresholds are re-fitted for the new weights (0: always draft)
+    if args.new_steps_only:  # deepened heads: keep the steps (and out norm) they had, train the new ones
+        if not args.init:
+            raise SystemExit("--new-steps-only needs --init")
+        for i, step in enumerate(heads.steps):
+            step.requires_grad_(i >= init.config.depth)
+        heads.out_norm.requires_grad_(False)
+    params = [p for n, p in heads.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     n = len(f_tr)
     steps_total = args.epochs * (n // args.batch)
@@ -253,7 +261,7 @@ def train(args):
         for key, value in evaluate(heads, f_ev, x_ev, y_ev, agree_ev, feed_drafts=args.variant == "chain").items():
             report[prefix + key] = value
     report.update(draft_cost_in_steps=draft_cost(model, heads), variant=args.variant, data=args.data)
-    report.update(train_positions=n, vocab_coverage=round(covered, 4),
+    report.update(train_positions=n, new_steps_only=bool(args.new_steps_only), vocab_coverage=round(covered, 4),
                   train_seconds=round(time.time() - t0, 1), epochs=args.epochs, adapter=args.adapter)
     if args.init:  # provenance for the model card: what was fine-tuned
         report["init_training"] = init_training
@@ -270,7 +278,8 @@ def train(args):
 
 @torch.no_grad()
 def draft_cost(model, heads, reps=20):
-    """ms of a 2-draft chain / ms of an engine AR step (1 row), both median of `reps`."""
+    """ms of a full chain (every step drafts) / ms of an engine AR step (1 row), both
+    median of `reps`."""
     import statistics
 
     from hf_selfspec.engine.programs import Engine, EngineConfig
@@ -330,39 +339,58 @@ def evaluate(heads, f, x, y, agree, feed_drafts=True):
 
 
 def trees(args):
-    """Chain vs siblings at the same verification width: with 3 rows (2 drafts), is the
-    second draft better spent on step 1 of the chain or on step 0's runner-up? Measured on
-    the own-generation eval set (the decoder's inputs): accepted tokens per cycle (tau) of
-    the chain, of the sibling pair, of the best per-position choice (an oracle, the ceiling
-    of any rule), and of the rule "siblings when p2 > scale * p1 * q1" (p1, p2: step 0's top-2
-    probabilities, q1: step 1's top probability), which needs nothing the decoder lacks."""
+    """Chain vs siblings at the same verification width, on the own-generation eval set (the
+    decoder's inputs): accepted tokens per cycle (tau) of each way to spend the drafts.
+
+    3 rows (2 drafts; the free width of the micro / wx layouts): the chain (step 0, step 1),
+    step 0's top-2 siblings, the oracle (the better of the two per position: the ceiling of
+    any rule), and the rule "siblings when p2 > scale * p1 * q1" (p1, p2: step 0's top-2
+    probabilities, q1: step 1's top probability), which needs nothing the decoder lacks.
+    4 rows (3 drafts; the free width of the wx4 layout; heads of depth >= 3): the chain
+    (steps 0, 1, 2), the chain of two plus step 0's runner-up as a sibling leaf, step 0's
+    top-3 siblings, and the oracle over the three."""
     torch.set_num_threads(args.threads)
     model, _ = load_default_model_and_tokenizer()
     from hf_selfspec.heads.top_repo import load_top_heads
 
     heads = load_top_heads(args.heads, model)
-    f, x, y, agree = examples(torch.load(FEATURES / "own_eval.pt"), 2)
-    sel = agree[:, 0] & agree[:, 1]
+    depth = 3 if args.rows == 4 else 2
+    if heads.config.depth < depth:
+        raise SystemExit(f"--rows {args.rows} needs heads of depth >= {depth}, these have {heads.config.depth}")
+    f, x, y, agree = examples(torch.load(FEATURES / "own_eval.pt"), depth)
+    sel = agree.all(1)  # the text is the model's own continuation over the whole chain
     f, x, y = f[sel].to(heads.out_norm.dtype), x[sel], y[sel]
     with torch.no_grad():
         h, logits = heads.step_logits(0, f, x[:, 0])
         probs = torch.softmax(logits.float(), -1)
-        p, idx = probs.topk(2, -1)
-        d1, d1b = heads.vocab_ids[idx[:, 0]], heads.vocab_ids[idx[:, 1]]
-        _, logits1 = heads.step_logits(1, h, d1)
+        p, idx = probs.topk(3, -1)
+        d1, d1b, d1c = (heads.vocab_ids[idx[:, i]] for i in range(3))
+        h1, logits1 = heads.step_logits(1, h, d1)
         probs1 = torch.softmax(logits1.float(), -1)
         q1, idx1 = probs1.max(-1)
         d2 = heads.vocab_ids[idx1]
-    r1, r1b, r2 = d1 == y[:, 0], d1b == y[:, 0], d2 == y[:, 1]
-    chain = 1 + r1.float() + (r1 & r2).float()
-    sib = 1 + (r1 | r1b).float()
-    rows = [("chain (step 0, step 1)", chain), ("siblings (step 0 top-2)", sib),
-            ("oracle: best of the two per position", torch.maximum(chain, sib))]
-    for scale in (0.5, 1.0, 1.5, 2.0):
-        use_sib = p[:, 1] > scale * p[:, 0] * q1
-        rows.append((f"rule p2 > {scale} * p1 * q1 ({float(use_sib.float().mean()):.0%} siblings)",
-                     torch.where(use_sib, sib, chain)))
-    print(f"{len(f)} own-eval positions; tau per 3-row cycle (2 drafts):")
+        if depth == 3:
+            _, logits2 = heads.step_logits(2, h1, d2)
+            d3 = heads.vocab_ids[logits2.argmax(-1)]
+    r1, r1b, r1c, r2 = d1 == y[:, 0], d1b == y[:, 0], d1c == y[:, 0], d2 == y[:, 1]
+    chain2 = 1 + r1.float() + (r1 & r2).float()
+    if depth == 2:
+        sib = 1 + (r1 | r1b).float()
+        rows = [("chain (step 0, step 1)", chain2), ("siblings (step 0 top-2)", sib),
+                ("oracle: best of the two per position", torch.maximum(chain2, sib))]
+        for scale in (0.5, 1.0, 1.5, 2.0):
+            use_sib = p[:, 1] > scale * p[:, 0] * q1
+            rows.append((f"rule p2 > {scale} * p1 * q1 ({float(use_sib.float().mean()):.0%} siblings)",
+                         torch.where(use_sib, sib, chain2)))
+    else:
+        r3 = d3 == y[:, 2]
+        chain3 = chain2 + (r1 & r2 & r3).float()
+        chain2_sib = chain2 + (~r1 & r1b).float()
+        top3 = 1 + (r1 | r1b | r1c).float()
+        rows = [("chain (steps 0, 1, 2)", chain3), ("chain (steps 0, 1) + step 0 runner-up", chain2_sib),
+                ("siblings (step 0 top-3)", top3),
+                ("oracle: best of the three per position", torch.maximum(torch.maximum(chain3, chain2_sib), top3))]
+    print(f"{len(f)} own-eval positions; tau per {args.rows}-row cycle ({args.rows - 1} drafts):")
     for name, tau in rows:
         print(f"  {name:<48} {float(tau.mean()):.4f}")
 
@@ -388,7 +416,8 @@ def main(argv=None):
     o.add_argument("--part", type=int, default=0,
                    help=f"0: eval + first training part; N > 0: more training data (prompts from {OWN_PART_STRIDE}*N on)")
     o.set_defaults(func=collect_own)
-    tr = sub.add_parser("trees", help="chain vs siblings at the same 3-row width (own eval set)")
+    tr = sub.add_parser("trees", help="chain vs siblings at the same 3- or 4-row width (own eval set)")
+    tr.add_argument("--rows", type=int, choices=[3, 4], default=3)
     tr.add_argument("--heads", default=str(Path(__file__).resolve().parent.parent / "hf_selfspec" / "default_heads"))
     tr.add_argument("--threads", type=int, default=2)
     tr.set_defaults(func=trees)
@@ -408,6 +437,8 @@ def main(argv=None):
     t.add_argument("--max-positions", type=int, default=0, help="subsample training positions (0: all)")
     t.add_argument("--parts", default=None, help="train on these collected parts only, e.g. '2' or '0,1' (default: all)")
     t.add_argument("--init", default=None, help="fine-tune these top heads (a folder) instead of new ones")
+    t.add_argument("--new-steps-only", action="store_true",
+                   help="with --init and a larger --depth: train only the added steps")
     t.add_argument("--reproduce", default=None, help="the full command chain, stored for the model card")
     t.add_argument("--variant", choices=["chain", "medusa"], default="chain",
                    help="chain: steps see the drafted tokens (shipped); medusa: final state only (study)")

@@ -116,6 +116,23 @@ def test_top_draft_heads_equal_engine_ar(setup, lookup, thresholds):
         assert drafted > 0 and accepted > 0  # both accept and reject branches taken
 
 
+@pytest.mark.parametrize("thresholds", [(ALWAYS,) * 3, (ALWAYS, ALWAYS, NEVER), (ALWAYS, NEVER, ALWAYS)])
+def test_three_step_top_heads_equal_engine_ar(setup, thresholds):
+    """A 3-draft chain (the free width of the wx4 layout): every step may draft, a step
+    whose threshold fails ends the chain, and the output is the engine's AR output."""
+    model, engine, _ = setup
+    top = random_top_heads(model, depth=3)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=thresholds, lookup="off", adaptive=False))
+    exits = [0, 0, 0]
+    for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (40, 12)]):
+        p = prompt(seed, length, alphabet)
+        r = decoder.generate(p, 40)
+        assert r.tokens == engine.generate_ar(p, 40), seed
+        exits = [a + b for a, b in zip(exits, r.stats.exits_per_head)]
+    assert exits[0] > 0
+    assert (exits[2] > 0) == (thresholds == (ALWAYS,) * 3)  # step 2 drafts only after step 1 did
+
+
 def test_branches_are_really_taken(setup):
     """The cases above must exercise acceptance by heads and by copies, and rejection."""
     model, engine, heads = setup

@@ -108,3 +108,21 @@ def test_bad_engine_config():
         EngineConfig(width=0)
     with pytest.raises(ValueError, match="capacity"):
         EngineConfig(width=8, capacity=4)
+
+
+@pytest.mark.parametrize("layout", ["wx", "wx4"])
+def test_step_costs_are_per_program_and_monotone(layout):
+    """The draft budget's cost curve: one figure per width, 1.0 for one row, never falling
+    with more rows, and equal for widths that run the same programs (wx4: 1-4 rows are one
+    4-row step, 5-8 rows one 8-row step). Measuring it leaves decoding exact."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, EngineConfig(width=8, capacity=512, row_layout=layout))
+    prompt = list(range(3, 60))
+    before = engine.generate_ar(prompt, 12)
+    costs = engine.step_costs
+    assert len(costs) == engine.width + 1 and costs[0] == costs[1] == 1.0
+    assert all(b >= a for a, b in zip(costs[1:], costs[2:]))
+    if layout == "wx4":
+        assert len(set(costs[1:5])) == 1 and len(set(costs[5:9])) == 1
+    assert engine.one_row_seconds > 0
+    assert engine.generate_ar(prompt, 12) == before

@@ -22,6 +22,23 @@ def test_round_trip_is_bit_exact(tmp_path):
     assert loaded.draft(f[0], 5, 2, [0.0, 0.0]) == heads.draft(f[0], 5, 2, [0.0, 0.0])
 
 
+def test_deepened_heads_keep_their_steps_and_copy_the_last(tmp_path):
+    """deepened(3): the first two steps draft exactly as before, step 2 starts as a copy of
+    step 1, and the deeper heads round-trip through the repo format."""
+    model = tiny_model("llama", seed=0, layers=4)
+    heads = random_top_heads(model)
+    deeper = heads.deepened(3)
+    assert deeper.config.depth == 3 and len(deeper.steps) == 3
+    assert torch.equal(deeper.steps[2].down.weight, heads.steps[1].down.weight)
+    f = torch.randn(model.config.hidden_size)
+    assert deeper.draft(f, 5, 2, [0.0] * 3) == heads.draft(f, 5, 2, [0.0, 0.0])
+    assert len(deeper.draft(f, 5, 3, [0.0] * 3)) == 3
+    save_top_heads(deeper, tmp_path)
+    assert load_top_heads(tmp_path, model).draft(f, 5, 3, [0.0] * 3) == deeper.draft(f, 5, 3, [0.0] * 3)
+    with pytest.raises(ValueError, match="not deeper"):
+        heads.deepened(2)
+
+
 def test_heads_for_another_model_are_refused(tmp_path):
     save_top_heads(random_top_heads(tiny_model("llama", seed=0, layers=4)), tmp_path)
     with pytest.raises(ValueError, match="fingerprint"):
@@ -79,7 +96,7 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     card = (tmp_path / "README.md").read_text()
     meta = yaml.safe_load(card.split("---")[1])["hf_selfspec"]
     assert meta["top1_agreement_per_step"] == [0.47, 0.45]
-    assert meta["expected_tau_two_drafts"] == 1.68
+    assert meta["expected_tau_full_chain"] == 1.68
     assert card.index("own greedy replies to held-out") < card.index("teacher-forced, positions")
     assert "| 0 | 0.41 |" in card and "| 0 | 0.47 |" in card
     assert "fine-tuned from heads trained on 679841 teacher-forced" in card

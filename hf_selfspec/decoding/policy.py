@@ -4,8 +4,9 @@ Costs are in engine-AR steps (one committed token without drafting): the engine 
 the cost of verifying 1..W rows once, on the machine it runs on (`Engine.step_costs`),
 because the curve differs a lot between CPUs: on a 2-core Intel AVX-512 machine (micro
 layout) 2 / 3 / 4 / 8 rows cost 1.07 / 1.09 / 1.69 / 2.23x one row; on a 2-core AMD EPYC
-(AVX2) 2 / 3 rows cost ~1.4 / 1.7x in the gemv layout and 1.00 / 1.11x in the wx layout
-(which the engine picks there). Drafting adds its own cost: a top-layer
+(AVX2) 2 / 3 rows cost ~1.4 / 1.7x in the gemv layout, 1.00 / 1.11x in the wx layout, and
+in the wx4 layout (which the engine picks there) 2-4 rows cost one row and 8 rows ~1.7x.
+Drafting adds its own cost: a top-layer
 head step ~3-5% of a step (scripts/head_study.py draft_cost), a copy ~0.
 
 With a per-draft acceptance rate a (each draft accepted given the previous one was), k

@@ -13,8 +13,9 @@ position-wise). E (input embedding) and the LM-head rows of V are the base model
 gathered at bind time and never stored. Trained by self-distillation: step i predicts the
 model's own argmax (scripts/head_study.py).
 
-On a CPU whose engine verifies 1-3 rows for about the cost of one step (micro or wx row
-layout), two drafts from these heads are nearly free: any acceptance is a gain.
+On a CPU whose engine verifies 1-4 rows for about the cost of one step (the wx4 row
+layout; 1-3 rows in micro or wx), a chain of up to three drafts from these heads is nearly
+free: any acceptance is a gain.
 """
 
 from __future__ import annotations
@@ -129,6 +130,23 @@ class TopDraftHeads(nn.Module):
         with torch.no_grad():
             self.out_norm.copy_(norm.to(self.out_norm.dtype))
         return self.bind(model)
+
+    def deepened(self, depth: int) -> TopDraftHeads:
+        """The same heads with `depth` > config.depth steps, bound like these: the new steps
+        start as copies of the last one (a step maps (state, token) to the next state at
+        any depth, so the last step is the closest warm start for training them)."""
+        if depth <= self.config.depth:
+            raise ValueError(f"depth {depth} is not deeper than the heads' {self.config.depth}")
+        cfg = TopHeadsConfig.from_dict({**self.config.to_dict(), "depth": depth, "training": {}})
+        deeper = TopDraftHeads(cfg, self.vocab_ids).to(device=self.out_norm.device, dtype=self.out_norm.dtype)
+        state = self.state_dict()
+        last = f"steps.{self.config.depth - 1}."
+        for i in range(self.config.depth, depth):
+            for key in [k for k in state if k.startswith(last)]:
+                state[f"steps.{i}." + key[len(last):]] = state[key].clone()
+        deeper.load_state_dict(state, strict=True)
+        deeper.lm_rows, deeper.embed = self.lm_rows, self.embed
+        return deeper
 
     # ---- maths -----------------------------------------------------------------------
 

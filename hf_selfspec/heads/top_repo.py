@@ -48,15 +48,21 @@ DEFAULT_REPRODUCE = (
 
 
 def _training_text(t: dict) -> str:
-    """Where the heads' training data came from, in words, from config.training."""
+    """Where the heads' training data came from, in words, from config.training (a chain of
+    fine-tunings is described newest first, down to the heads trained from scratch)."""
     own = "positions of the model's own batched greedy replies to ShareGPT train prompts"
     tf = "teacher-forced positions of the ShareGPT train split"
-    data = {"own": own, "both": f"{tf} and {own}"}.get(t.get("data"), tf)
-    text = f"{t.get('train_positions')} {data}, {t.get('epochs')} epochs, {t.get('train_seconds')} s"
-    init = t.get("init_training")
-    if init:
-        init_data = {"own": own, "both": f"{tf} and {own}"}.get(init.get("data"), tf)
-        text = f"fine-tuned from heads trained on {init.get('train_positions')} {init_data}, on {text}"
+    parts = []
+    while t:
+        data = {"own": own, "both": f"{tf} and {own}"}.get(t.get("data"), tf)
+        what = f"{t.get('train_positions')} {data}, {t.get('epochs')} epochs, {t.get('train_seconds')} s"
+        if t.get("new_steps_only"):
+            what = f"the added steps alone (earlier steps frozen) on {what}"
+        parts.append(what)
+        t = t.get("init_training") or {}
+    if not parts:
+        return "not recorded in config.json"
+    text = parts[0] + "".join(f"; fine-tuned from heads trained on {p}" for p in parts[1:])
     return text + " on a 2-core CPU"
 
 
@@ -79,7 +85,7 @@ def render_top_card(heads: TopDraftHeads) -> str:
         f"  kind: {TOP_KIND}",
         f"  depth: {cfg.depth}",
         f"  top1_agreement_per_step: {steps}",
-        f"  expected_tau_two_drafts: {t.get(prefix + 'tau_thr0.0')}",
+        f"  expected_tau_full_chain: {t.get(prefix + 'tau_thr0.0')}",  # all `depth` drafts
         f"  training_positions: {t.get('train_positions')}",
         "---", "",
     ]
@@ -124,7 +130,7 @@ out = model.generate(**inputs, assistant="self")
 ```
 
 {measured}
-Drafting cost: {t.get('draft_cost_in_steps')} of a full step for both drafts.
+Drafting cost: {t.get('draft_cost_in_steps')} of a full step for all {cfg.depth} drafts.
 Training: {_training_text(t)}. Reproduce: `{t.get('reproduce', DEFAULT_REPRODUCE)}`.
 """
     return "\n".join(meta) + body
