@@ -45,7 +45,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("layout", ["fixed", "wx", "wx4"])
+@pytest.mark.parametrize("layout", ["fixed", "wx", "wx4", "kernel"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_draft_model_output_equals_ar(models, case, layout):
     main, partial, other = models

@@ -10,7 +10,7 @@ from hf_selfspec.engine.layered import UnsupportedModelError
 from hf_selfspec.engine.programs import Engine, EngineConfig, RowLayout
 
 
-@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine"), ("wx4", "hf"), ("wx4", "engine")])
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine"), ("wx4", "hf"), ("wx4", "engine"), ("kernel", "hf"), ("kernel", "engine")])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
 @pytest.mark.parametrize("seed", [0, 1])
@@ -39,7 +39,7 @@ def _block_rows(engine, tokens, positions):
     return engine.embed(tokens), meta
 
 
-@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx", "wx4"])
+@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx", "wx4", "kernel"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_rows_are_invariant_to_the_other_rows(kind, layout):
     """Row i of a step with n real rows == the same row computed alone (same width), for
@@ -110,7 +110,7 @@ def test_bad_engine_config():
         EngineConfig(width=8, capacity=4)
 
 
-@pytest.mark.parametrize("layout", ["wx", "wx4"])
+@pytest.mark.parametrize("layout", ["wx", "wx4", "kernel"])
 def test_step_costs_are_per_program_and_monotone(layout):
     """The draft budget's cost curve: one figure per width, 1.0 for one row, never falling
     with more rows, and equal for widths that run the same programs (wx4: 1-4 rows are one

@@ -3,7 +3,7 @@
 A token's row must be computed bit for bit the same whether it is an AR step (1 real
 row), a catch-up of m rows or a verification of n rows: this is what makes speculative
 greedy output identical to the engine's own AR output. Libraries choose GEMM kernels by
-shape, so the engine fixes the shapes. Five row layouts, chosen per machine by a bitwise
+shape, so the engine fixes the shapes. Six row layouts, chosen per machine by a bitwise
 self-test at start-up and, among those that pass, by measured cost (`RowLayout`):
 
   fixed   every GEMM, norm and elementwise op runs on exactly `width` rows (real rows
@@ -32,6 +32,13 @@ self-test at start-up and, among those that pass, by measured cost (`RowLayout`)
           4 / 8 columns 0.77 / 0.88 / 0.76 / 1.10x. A whole verify step (attention on
           chunks of 4 query rows): 1-4 rows cost one AR step, 8 rows 1.7x (wx: 4 rows 1.7x,
           8 rows 2.9x), so three drafts are free and seven cost 0.7 of a step.
+
+  kernel  our own C++ product (selfspec_kernels/cpu_rows.cpp: every dot product runs the same
+          AVX2 instruction sequence whatever the rows, so it is row-invariant by
+          construction, and a step streams each weight once): no padding, 1 row costs one
+          weight stream and 8 rows ~1.5x. Measured on the same AMD EPYC, all 211 weights:
+          1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms vs wx4's 42-53 / 71-80 ms. Built once per
+          machine (needs AVX2/FMA, a C++ compiler and ninja; float32 models on the CPU).
 
 `auto` measures the GEMMs of the model's own weights for an AR step, a 4-row step and a
 `width`-row step in each layout that passes its self-test and takes the cheapest (micro
@@ -74,8 +81,8 @@ DEFAULT_CAPACITY = 2048
 # 2-core CI machine a best-of-2 per width gave 4-row costs from 1.0x to 1.4x between runs.
 STEP_COST_ROUNDS = 7
 
-RowLayoutName = Literal["auto", "fixed", "micro", "gemv", "wx", "wx4"]
-ROW_LAYOUTS = ("auto", "fixed", "micro", "gemv", "wx", "wx4")
+RowLayoutName = Literal["auto", "fixed", "micro", "gemv", "wx", "wx4", "kernel"]
+ROW_LAYOUTS = ("auto", "fixed", "micro", "gemv", "wx", "wx4", "kernel")
 PrefillName = Literal["hf", "engine"]
 
 
@@ -152,13 +159,23 @@ class RowLayout:
             if name == "gemv" else {})
         # query rows per attention call: fixed shapes, so a row's attention never depends
         # on how many rows share the step (micro: 3, as cheap as the 1-3 row GEMMs)
-        self.attention_rows = width if name == "fixed" else 4 if name == "wx4" else 3
+        self.attention_rows = width if name == "fixed" else 4 if name in ("wx4", "kernel") else 3
+        self._kernel = None
+        if name == "kernel":
+            from selfspec_kernels.cpu_rows import build_error, load_rows_linear
+
+            self._kernel = load_rows_linear()
+            if self._kernel is None:
+                raise ValueError(f"row_layout='kernel' is not available here: {build_error()}; "
+                                 "use row_layout='auto'")
 
     def rows(self, num_real: int) -> int:
         if self.name == "fixed":
             return self.width
         if self.name == "wx4":
             return -(-num_real // 4) * 4  # pad to whole 4-column blocks
+        if self.name == "kernel":
+            return num_real
         return num_real if self.name == "gemv" else max(num_real, 2)  # micro, wx: pad 1 to 2
 
     def attention_chunks(self, num_real: int) -> int:
@@ -171,6 +188,8 @@ class RowLayout:
             if x.shape[0] <= 3:
                 return x @ wt
             return torch.cat([x[lo:lo + 3] @ wt for lo in range(0, x.shape[0], 3)])
+        if self.name == "kernel":
+            return self._kernel(x.contiguous(), layer.weight)
         if self.name == "wx4":
             w = layer.weight
             if x.shape[0] <= 8:
@@ -223,6 +242,20 @@ class RowLayout:
             layers, lambda layer, x: _wx_product(layer.weight.detach(), x), ref_rows=4, sizes=(4, 8))
 
     @staticmethod
+    def kernel_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
+        """Our C++ product on 1, 2, 3, 4 and 8 rows (row-invariant by construction; checked
+        like the others). False where it cannot be built or the weights are not float32."""
+        from selfspec_kernels.cpu_rows import load_rows_linear
+
+        kernel = load_rows_linear()
+        if kernel is None or any(lin.weight.dtype != torch.float32 or lin.weight.device.type != "cpu"
+                                 or not lin.weight.is_contiguous() for lin in layers):
+            return False
+        return RowLayout._rows_invariant(
+            layers, lambda layer, x: kernel(x.contiguous(), layer.weight.detach()), ref_rows=1,
+            sizes=(2, 3, 4, 8))
+
+    @staticmethod
     def gemv_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
         """x @ W^T on 1, 2 and 3 rows (the gemv layout)."""
         return RowLayout._rows_invariant(
@@ -266,8 +299,15 @@ class Engine:
         lw = self.view.layers[0]
         shapes = [lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down, self.view.lm_head]
         tests = {"micro": RowLayout.micro_is_row_invariant, "gemv": RowLayout.gemv_is_row_invariant,
-                 "wx": RowLayout.wx_is_row_invariant, "wx4": RowLayout.wx4_is_row_invariant}
+                 "wx": RowLayout.wx_is_row_invariant, "wx4": RowLayout.wx4_is_row_invariant,
+                 "kernel": RowLayout.kernel_is_row_invariant}
         if wanted in tests:
+            if wanted == "kernel" and not tests[wanted](shapes):
+                from selfspec_kernels.cpu_rows import build_error
+
+                raise ValueError(
+                    "row_layout='kernel' needs a float32 model on an AVX2 CPU and the compiled "
+                    f"kernel ({build_error() or 'it built'}); use row_layout='auto'.")
             if not tests[wanted](shapes):
                 raise ValueError(
                     f"row_layout={wanted!r} was asked for, but this BLAS does not compute its 1-3 row "

@@ -1,0 +1,59 @@
+"""Row-invariant tall-skinny products on the CPU: `rows_linear(x, w)` = x @ w^T, computed
+so that a row's result is bit-identical whatever the other rows (see cpu_rows.cpp).
+
+The C++ source is compiled once per machine with torch's own extension builder (ninja +
+the system C++ compiler; ~45 s, cached under ~/.cache/torch_extensions) the first time
+`load_rows_linear()` is called; `scripts/setup.sh` does it at install time. Needs an
+x86-64 CPU with AVX2 and FMA and float32 tensors; where it cannot be built,
+`load_rows_linear()` returns None and says why in `build_error()`, and the engine uses
+another row layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_rows.cpp")
+_error: str | None = None
+
+
+def cpu_supports_kernel() -> bool:
+    """AVX2 + FMA (torch reports AVX2 or AVX512 capability on such x86-64 CPUs)."""
+    try:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except Exception:  # noqa: BLE001 (old torch without the query)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def load_rows_linear():
+    """The compiled `rows_linear(x [R, K], w [O, K]) -> [R, O]` (float32, contiguous), or
+    None when this machine cannot build or run it (`build_error()` says why)."""
+    global _error
+    if not cpu_supports_kernel():
+        _error = f"the CPU lacks AVX2/FMA (torch capability {torch.backends.cpu.get_cpu_capability()!r})"
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+        module = load_inline(
+            name="selfspec_cpu_rows", cpp_sources=[SOURCE.read_text()], functions=["rows_linear"],
+            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
+        _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+        return None
+    return module.rows_linear
+
+
+def build_error() -> str | None:
+    """Why `load_rows_linear()` returned None (None when it built)."""
+    return _error
+
+
+def rows_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64 (for tests: the kernel's error is fp32 rounding)."""
+    return (x.double() @ w.double().t()).to(x.dtype)
