@@ -102,3 +102,26 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     assert "fine-tuned from heads trained on 679841 teacher-forced" in card
     assert "Reproduce: `python x.py`" in card
     assert "| chat | 1.7 | 1.9x |" in card and "Reproduce: `python bench.py`" in card
+
+
+def test_float16_storage_round_trip(tmp_path):
+    """storage_dtype='float16' (the shipped heads): half the file, the heads run in the
+    model's dtype with their weights rounded to float16, and a bad dtype is refused."""
+    from hf_selfspec.heads.top import TopHeadsConfig
+
+    model = tiny_model("llama", seed=0, layers=4)
+    heads = random_top_heads(model)
+    save_top_heads(heads, tmp_path / "fp32")
+    heads.config.storage_dtype = "float16"
+    save_top_heads(heads, tmp_path / "fp16")
+    size = lambda d: (tmp_path / d / "heads.safetensors").stat().st_size  # noqa: E731
+    assert size("fp16") < 0.6 * size("fp32")
+    loaded = load_top_heads(tmp_path / "fp16", model)
+    assert loaded.out_norm.dtype == torch.float32
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(p.half().float())
+    f = torch.randn(model.config.hidden_size)
+    assert loaded.draft(f, 5, 2, [0.0, 0.0]) == heads.draft(f, 5, 2, [0.0, 0.0])
+    with pytest.raises(ValueError, match="storage_dtype"):
+        TopHeadsConfig.from_dict({**heads.config.to_dict(), "storage_dtype": "int8"})

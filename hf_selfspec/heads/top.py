@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 TOP_KIND = "top_draft"
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,6 +48,9 @@ class TopHeadsConfig:
     adapter_dim: int
     reduced_vocab: int
     rms_norm_eps: float = 1e-5
+    # dtype of the weights in heads.safetensors (they run in the model's dtype): the shipped
+    # heads are stored as float16, which leaves their drafts' own-eval tau unchanged (1.843)
+    storage_dtype: str = "float32"
     kind: str = TOP_KIND
     format_version: int = 1
     training: dict = field(default_factory=dict)
@@ -60,6 +64,8 @@ class TopHeadsConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.reduced_vocab > self.vocab_size:
             raise ValueError("reduced_vocab exceeds vocab_size")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .top import TOP_KIND, TopDraftHeads, TopHeadsConfig
+from .top import STORAGE_DTYPES, TOP_KIND, TopDraftHeads, TopHeadsConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -142,7 +142,8 @@ def save_top_heads(heads: TopDraftHeads, folder, thresholds: list[float] | None 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    stored = STORAGE_DTYPES[heads.config.storage_dtype]
+    state = {k: v.to(stored) if v.is_floating_point() else v for k, v in state.items()}
     save_file(state, str(folder / WEIGHTS_FILE), metadata={"format": "pt", "kind": TOP_KIND})
     (folder / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
     if thresholds is None:
