@@ -133,6 +133,24 @@ def test_three_step_top_heads_equal_engine_ar(setup, thresholds):
     assert (exits[2] > 0) == (thresholds == (ALWAYS,) * 3)  # step 2 drafts only after step 1 did
 
 
+@pytest.mark.parametrize("prompt_len", [250, 254])
+def test_blocks_that_cross_a_key_block_boundary(setup, prompt_len):
+    """Drafted rows on both sides of a KEY_BLOCK boundary (slot 256): the verify step
+    attends over one more key block than the AR step of its first rows would, and must
+    still give the AR output (masked blocks contribute exactly nothing)."""
+    from hf_selfspec.engine.attention import KEY_BLOCK
+
+    model, engine, heads = setup
+    assert prompt_len < (prompt_len // KEY_BLOCK + 1) * KEY_BLOCK < prompt_len + 24
+    cases = (dict(thresholds=(ALWAYS, ALWAYS), lookup="off", adaptive=False), dict(lookup="only", adaptive=False))
+    for cfg in cases:
+        decoder = SelfSpecDecoder(engine, heads, DecodeConfig(**cfg))
+        p = prompt(prompt_len, prompt_len, 12)
+        r = decoder.generate(p, 24)
+        assert r.tokens == engine.generate_ar(p, 24)
+        assert r.stats.drafted > 0
+
+
 def test_branches_are_really_taken(setup):
     """The cases above must exercise acceptance by heads and by copies, and rejection."""
     model, engine, heads = setup
