@@ -126,3 +126,12 @@ def test_step_costs_are_per_program_and_monotone(layout):
         assert len(set(costs[1:5])) == 1 and len(set(costs[5:9])) == 1
     assert engine.one_row_seconds > 0
     assert engine.generate_ar(prompt, 12) == before
+
+
+def test_kernel_layout_needs_float32_weights():
+    """The C++ row kernel takes float32 weights: asked for on a bfloat16 model it is refused
+    with a clear error before any work, and `auto` picks another layout there."""
+    model = tiny_model("llama", seed=6).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel"))
+    assert Engine(model, EngineConfig(width=8, capacity=256)).layout.name != "kernel"

@@ -251,8 +251,9 @@ class RowLayout:
         if kernel is None or any(lin.weight.dtype != torch.float32 or lin.weight.device.type != "cpu"
                                  or not lin.weight.is_contiguous() for lin in layers):
             return False
+        shapes = list({tuple(lin.weight.shape): lin for lin in layers}.values())  # one per shape
         return RowLayout._rows_invariant(
-            layers, lambda layer, x: kernel(x.contiguous(), layer.weight.detach()), ref_rows=1,
+            shapes, lambda layer, x: kernel(x.contiguous(), layer.weight.detach()), ref_rows=1,
             sizes=(2, 3, 4, 8))
 
     @staticmethod
@@ -300,7 +301,9 @@ class Engine:
         shapes = [lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down, self.view.lm_head]
         tests = {"micro": RowLayout.micro_is_row_invariant, "gemv": RowLayout.gemv_is_row_invariant,
                  "wx": RowLayout.wx_is_row_invariant, "wx4": RowLayout.wx4_is_row_invariant,
-                 "kernel": RowLayout.kernel_is_row_invariant}
+                 # the kernel takes float32 CPU weights stored contiguous: every weight, not
+                 # just the tested shapes (a tied or adapted model may hold other views)
+                 "kernel": lambda layers: RowLayout.kernel_is_row_invariant(self._all_linears())}
         if wanted in tests:
             if wanted == "kernel" and not tests[wanted](shapes):
                 from selfspec_kernels.cpu_rows import build_error
