@@ -1,5 +1,6 @@
-"""Row-invariant tall-skinny products on the CPU: `rows_linear(x, w)` = x @ w^T, computed
-so that a row's result is bit-identical whatever the other rows (see cpu_rows.cpp).
+"""Row-invariant kernels for the CPU engine (see cpu_rows.cpp): `rows_linear(x, w)` =
+x @ w^T and `rows_attention(q, k, v, limit, scale)`, each computed so that a row's result is
+bit-identical whatever the other rows.
 
 The C++ source is compiled once per machine with torch's own extension builder (ninja +
 the system C++ compiler; ~45 s, cached under ~/.cache/torch_extensions) the first time
@@ -29,9 +30,8 @@ def cpu_supports_kernel() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def load_rows_linear():
-    """The compiled `rows_linear(x [R, K], w [O, K]) -> [R, O]` (float32, contiguous), or
-    None when this machine cannot build or run it (`build_error()` says why)."""
+def _load_module():
+    """The compiled extension, or None when this machine cannot build or run it."""
     global _error
     if not cpu_supports_kernel():
         _error = f"the CPU lacks AVX2/FMA (torch capability {torch.backends.cpu.get_cpu_capability()!r})"
@@ -41,12 +41,28 @@ def load_rows_linear():
 
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
         module = load_inline(
-            name="selfspec_cpu_rows", cpp_sources=[SOURCE.read_text()], functions=["rows_linear"],
+            name="selfspec_cpu_rows", cpp_sources=[SOURCE.read_text()],
+            functions=["rows_linear", "rows_attention"],
             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
         _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         return None
-    return module.rows_linear
+    return module
+
+
+def load_rows_linear():
+    """The compiled `rows_linear(x [R, K], w [O, K]) -> [R, O]` (float32, contiguous), or
+    None when this machine cannot build or run it (`build_error()` says why)."""
+    module = _load_module()
+    return None if module is None else module.rows_linear
+
+
+def load_rows_attention():
+    """The compiled `rows_attention(q [R, Hq, d], k [Hkv, S, d], v [Hkv, S, d], limit int64
+    [R], scale) -> o [R, Hq * d]` (float32, contiguous): row r sees slots [0, limit[r]].
+    None when this machine cannot build or run it (`build_error()` says why)."""
+    module = _load_module()
+    return None if module is None else module.rows_attention
 
 
 def build_error() -> str | None:
@@ -57,3 +73,17 @@ def build_error() -> str | None:
 def rows_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What the kernel computes, in float64 (for tests: the kernel's error is fp32 rounding)."""
     return (x.double() @ w.double().t()).to(x.dtype)
+
+
+def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             limit: torch.Tensor, scale: float) -> torch.Tensor:
+    """What `rows_attention` computes, in float64 (for tests)."""
+    R, Hq, d = q.shape
+    group = Hq // k.shape[0]
+    kk = k.double().repeat_interleave(group, 0)  # [Hq, S, d]
+    vv = v.double().repeat_interleave(group, 0)
+    scores = torch.einsum("rhd,hsd->rhs", q.double() * scale, kk)
+    hidden = torch.arange(k.shape[1])[None, :] > limit[:, None]  # [R, S]
+    scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+    o = torch.einsum("rhs,hsd->rhd", scores.softmax(-1), vv)
+    return o.reshape(R, Hq * d).to(q.dtype)

@@ -1,12 +1,20 @@
-"""The CPU row kernel (selfspec_kernels/cpu_rows.cpp): x @ w^T to fp32 rounding, and a row's
-result bit for bit the same whatever the other rows (the engine's `kernel` layout)."""
+"""The CPU row kernels (selfspec_kernels/cpu_rows.cpp): x @ w^T and attention over the KV
+cache to fp32 rounding, and a row's result bit for bit the same whatever the other rows
+(the engine's `kernel` layout)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from selfspec_kernels.cpu_rows import build_error, cpu_supports_kernel, load_rows_linear, rows_linear_reference
+from selfspec_kernels.cpu_rows import (
+    build_error,
+    cpu_supports_kernel,
+    load_rows_attention,
+    load_rows_linear,
+    rows_attention_reference,
+    rows_linear_reference,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernel(), reason="the kernel needs an AVX2/FMA CPU")
 
@@ -50,3 +58,64 @@ def test_bad_input_is_refused(kernel):
         kernel(torch.randn(8, 2).t(), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="x \\[R, K\\]"):
         kernel(torch.randn(2, 8), torch.randn(4, 9))
+
+
+@pytest.fixture(scope="module")
+def attention():
+    fn = load_rows_attention()
+    assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
+    return fn
+
+
+def _cache(gen, hkv, slots, d):
+    return torch.randn(hkv, slots, d, generator=gen), torch.randn(hkv, slots, d, generator=gen)
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 16), (4, 2, 12), (2, 1, 128)])
+def test_attention_matches_float64_reference(attention, hq, hkv, d):
+    gen = torch.Generator().manual_seed(hq * 100 + d)
+    k, v = _cache(gen, hkv, 600, d)
+    for limits in ([0], [5], [3, 4, 5, 6], [255, 256, 257], [599, 17, 300, 1, 2, 3, 4, 598]):
+        q = torch.randn(len(limits), hq, d, generator=gen)
+        lim = torch.tensor(limits)
+        o = attention(q, k, v, lim, d ** -0.5)
+        assert o.shape == (len(limits), hq * d)
+        torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, d ** -0.5),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_attention_row_is_bit_identical_whatever_the_other_rows(attention):
+    """A row's output depends on its query, its key limit and the cache up to that limit
+    only: not on the number of rows, their places or how far the others see."""
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d = 9, 3, 64
+    k, v = _cache(gen, hkv, 1100, d)
+    q_row = torch.randn(1, hq, d, generator=gen)
+    for limit in (0, 3, 254, 255, 256, 700):
+        alone = attention(q_row, k, v, torch.tensor([limit]), 0.125)[0]
+        for r in (2, 3, 4, 5, 8, 9):
+            for place in {0, r // 2, r - 1}:
+                q = torch.randn(r, hq, d, generator=gen)
+                q[place] = q_row[0]
+                lim = torch.randint(0, 1100, (r,), generator=gen)
+                lim[place] = limit
+                assert torch.equal(attention(q, k, v, lim, 0.125)[place], alone), (limit, r, place)
+        # slots past the limit are never read
+        k2, v2 = k.clone(), v.clone()
+        k2[:, limit + 1:] = float("nan")
+        v2[:, limit + 1:] = float("nan")
+        assert torch.equal(attention(q_row, k2, v2, torch.tensor([limit]), 0.125)[0], alone)
+
+
+def test_attention_bad_input_is_refused(attention):
+    gen = torch.Generator().manual_seed(0)
+    k, v = _cache(gen, 2, 16, 8)
+    q = torch.randn(2, 4, 8, generator=gen)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        attention(q, k, v, torch.tensor([3, 16]), 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        attention(q, k, v, torch.tensor([3, 4], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        attention(torch.randn(2, 3, 8), k, v, torch.tensor([3, 4]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        attention(q.double(), k, v, torch.tensor([3, 4]), 1.0)

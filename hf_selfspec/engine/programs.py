@@ -37,7 +37,10 @@ self-test at start-up and, among those that pass, by measured cost (`RowLayout`)
           AVX2 instruction sequence whatever the rows, so it is row-invariant by
           construction, and a step streams each weight once): no padding, 1 row costs one
           weight stream and 8 rows ~1.5x. Measured on the same AMD EPYC, all 211 weights:
-          1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms vs wx4's 42-53 / 71-80 ms. Built once per
+          1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms vs wx4's 42-53 / 71-80 ms. Attention too
+          is our C++ kernel (`rows_attention`: each row and head on its own, up to its key
+          limit, in one fixed order), one call per layer instead of the PyTorch block
+          attention's ~12 small ops per key block and chunk of rows. Built once per
           machine (needs AVX2/FMA, a C++ compiler and ninja; float32 models on the CPU).
 
 `auto` measures the GEMMs of the model's own weights for an AR step, a 4-row step and a
@@ -48,7 +51,7 @@ budget plans with.
 
 Pad rows reuse row 0's position and write their KV to a trash slot no real row can see.
 Attention runs on fixed chunks of query rows (`RowLayout.attention_rows`) and is
-row-invariant (see attention.py).
+row-invariant (see attention.py); in the kernel layout, on each row alone (cpu_rows.cpp).
 
 Programs (all share `run_layers`):
   ar          1 row, all layers, LM head, argmax
@@ -159,13 +162,15 @@ class RowLayout:
             if name == "gemv" else {})
         # query rows per attention call: fixed shapes, so a row's attention never depends
         # on how many rows share the step (micro: 3, as cheap as the 1-3 row GEMMs)
-        self.attention_rows = width if name == "fixed" else 4 if name in ("wx4", "kernel") else 3
-        self._kernel = None
+        # (kernel: one row per attention "chunk", each row computed on its own)
+        self.attention_rows = width if name == "fixed" else 4 if name == "wx4" else 1 if name == "kernel" else 3
+        self._kernel = self.kernel_attention = None
         if name == "kernel":
-            from selfspec_kernels.cpu_rows import build_error, load_rows_linear
+            from selfspec_kernels.cpu_rows import build_error, load_rows_attention, load_rows_linear
 
             self._kernel = load_rows_linear()
-            if self._kernel is None:
+            self.kernel_attention = load_rows_attention()
+            if self._kernel is None or self.kernel_attention is None:
                 raise ValueError(f"row_layout='kernel' is not available here: {build_error()}; "
                                  "use row_layout='auto'")
 
@@ -391,8 +396,9 @@ class Engine:
         positions_t, slots_t, limit_t = self._meta[0], self._meta[1], self._meta[2]
         num_keys = (max(limits) // KEY_BLOCK + 1) * KEY_BLOCK
         a = self.layout.attention_rows
-        # CUDA: the Triton kernel reads limit_t itself (runner.triton_attention), no masks
-        biases = [] if uses_row_attention(self) else [
+        # CUDA: the Triton kernel reads limit_t itself (runner.triton_attention); kernel
+        # layout: the C++ attention reads it (cpu_rows.cpp); no masks for either
+        biases = [] if uses_row_attention(self) or self.layout.kernel_attention else [
             visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group)
             for c in range(self.layout.attention_chunks(n))]
         rows = self.layout.rows(n)
@@ -424,7 +430,8 @@ class Engine:
         A = self.layout.attention_rows
         # CUDA: the Triton kernel, which reads the key limits from the metadata buffer, so
         # a captured graph replays at any position (runner.py)
-        attend = triton_attention(self, meta) if uses_row_attention(self) else None
+        attend = (triton_attention(self, meta) if uses_row_attention(self)
+                  else self._kernel_attention(meta) if self.layout.kernel_attention else None)
         if attend is None:
             QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
             q_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
@@ -458,6 +465,18 @@ class Engine:
             x = rms_norm(h, lw.post_norm, v.eps)
             h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
         return h[:n]
+
+    def _kernel_attention(self, meta: StepMeta):
+        """Attention of one step through the C++ row kernel (kernel layout, float32 CPU):
+        `attend(q [Hq, R, d], layer) -> o [R, Hq*d]`, row r seeing slots [0, key_limit[r]]
+        (row-invariant by construction: selfspec_kernels/cpu_rows.cpp)."""
+        fn, limits = self.layout.kernel_attention, meta.key_limit[:meta.rows]
+        k_cache, v_cache, scale = self.k_cache, self.v_cache, self.view.scaling
+
+        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
+            return fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale)
+
+        return attend
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream after the last layer [n, H] -> (logits [n, V], final hidden
