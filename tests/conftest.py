@@ -17,8 +17,18 @@ torch.set_num_threads(int(os.environ.get("HF_SELFSPEC_TEST_THREADS", min(2, os.c
 
 def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: int = 2,
                vocab: int = 256, hidden: int = 128, tie: bool = False):
-    """A random-weight Llama or Qwen3 causal LM small enough for exhaustive tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A random-weight causal LM small enough for exhaustive tests: kind "llama", "qwen3"
+    (q/k norms), "qwen2" (q/k/v biases) or "llama_bias" (attention_bias and mlp_bias).
+    Biases get random values (HF initialises them to zero, which would hide a layout that
+    drops them)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -29,8 +39,16 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
+    elif kind == "llama_bias":
+        model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     else:
         raise ValueError(kind)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
     return model.eval()
 
 

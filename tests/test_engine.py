@@ -23,6 +23,19 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
         assert engine.generate_ar(prompt, 24) == hf_greedy(model, prompt, 24), prompt_len
 
 
+@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx", "wx4", "kernel"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama_bias"])
+def test_engine_ar_matches_hf_greedy_with_linear_biases(kind, layout):
+    """Layouts that compute the product themselves must add the layer's bias."""
+    model = tiny_model(kind, seed=2)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    engine = Engine(model, EngineConfig(width=8, capacity=512, row_layout=layout))
+    gen = torch.Generator().manual_seed(7)
+    for prompt_len in (1, 9, 77):
+        prompt = torch.randint(3, 256, (prompt_len,), generator=gen).tolist()
+        assert engine.generate_ar(prompt, 24) == hf_greedy(model, prompt, 24), prompt_len
+
+
 def test_engine_ar_stops_at_eos():
     model = tiny_model("llama", seed=3)
     engine = Engine(model, EngineConfig(width=4, capacity=256))

@@ -187,7 +187,14 @@ class RowLayout:
         return -(-num_real // self.attention_rows)
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        """x [rows, in] -> [rows, out], the row-invariant way."""
+        """x [rows, in] -> [rows, out] (+ the layer's bias: Qwen2's q/k/v, Llama with
+        attention_bias / mlp_bias), the row-invariant way."""
+        if self.name in ("fixed", "micro"):
+            return self._product(x, layer)  # nn.Linear adds its bias itself
+        y = self._product(x, layer)
+        return y if layer.bias is None else y + layer.bias
+
+    def _product(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
         if self.name == "gemv":
             wt = self.transposed[id(layer)]
             if x.shape[0] <= 3:
