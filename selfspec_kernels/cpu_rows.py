@@ -1,6 +1,6 @@
 """Row-invariant kernels for the CPU engine (see cpu_rows.cpp): `rows_linear(x, w)` =
-x @ w^T and `rows_attention(q, k, v, limit, scale)`, each computed so that a row's result is
-bit-identical whatever the other rows.
+x @ w^T, `rows_attention(q, k, v, limit, scale)` and a whole decoder layer built from them,
+`rows_layer`, each computed so that a row's result is bit-identical whatever the other rows.
 
 The C++ source is compiled once per machine with torch's own extension builder (ninja +
 the system C++ compiler; ~45 s, cached under ~/.cache/torch_extensions) the first time
@@ -42,7 +42,7 @@ def _load_module():
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
         module = load_inline(
             name="selfspec_cpu_rows", cpp_sources=[SOURCE.read_text()],
-            functions=["rows_linear", "rows_attention"],
+            functions=["rows_linear", "rows_attention", "rows_layer"],
             extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
         _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
@@ -63,6 +63,14 @@ def load_rows_attention():
     None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_attention
+
+
+def load_rows_layer():
+    """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
+    eps, scale) -> h after one Llama/Qwen3 decoder layer` (see cpu_rows.cpp), or None when
+    this machine cannot build or run it (`build_error()` says why)."""
+    module = _load_module()
+    return None if module is None else module.rows_layer
 
 
 def build_error() -> str | None:
