@@ -13,6 +13,8 @@ another row layout.
 from __future__ import annotations
 
 import functools
+import os
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -36,9 +38,17 @@ def _load_module():
     if not cpu_supports_kernel():
         _error = f"the CPU lacks AVX2/FMA (torch capability {torch.backends.cpu.get_cpu_capability()!r})"
         return None
+    path = os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load_inline
 
+        # Always the ninja installed with this Python (the `ninja` dependency) when there is
+        # one: ninja versions hash a build command differently, so a system ninja found
+        # first on PATH in one process (venv not activated) and the venv's in another
+        # would each rebuild the kernel (~1 min) for the other.
+        scripts = sysconfig.get_path("scripts")
+        if scripts and (Path(scripts) / "ninja").exists():
+            os.environ["PATH"] = scripts + os.pathsep + path
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
         module = load_inline(
             name="selfspec_cpu_rows", cpp_sources=[SOURCE.read_text()],
@@ -47,6 +57,8 @@ def _load_module():
     except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
         _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         return None
+    finally:
+        os.environ["PATH"] = path
     return module
 
 
