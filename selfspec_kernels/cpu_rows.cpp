@@ -214,10 +214,17 @@ constexpr int64_t kMaxHeadDim = 256;
 
 // q [R, Hq, d] (after RoPE, unscaled), k/v [Hkv, S, d] one layer's cache, limit int64 [R]
 // (the last slot row r sees) -> o [R, Hq * d]; all float32 contiguous.
+//
+// Trees: `path` int64 [R, P] (P may be 0: every row a chain) lists, per row, the slots of its
+// own path in the draft tree (ancestors then itself, in depth order; -1 pads after them). With
+// c_r such slots, row r sees logical keys j = 0 .. limit[r]: key j < limit[r] + 1 - c_r at slot j
+// (the committed prefix), the last c_r keys at path[r][...] in order. A row's keys are then the
+// exact keys a chain row at the same position would see, visited in the same order with the
+// same arithmetic, so a tree row is bit-identical to that chain row.
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale);
+                             double scale, torch::Tensor path);
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale) {
+                             double scale, torch::Tensor path) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
               "rows_attention: float32 q, k, v");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
@@ -235,6 +242,19 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     TORCH_CHECK(lp[r] >= 0 && lp[r] < S, "rows_attention: a key limit is outside the cache");
     keys = std::max(keys, lp[r] + 1);
   }
+  TORCH_CHECK(path.dtype() == torch::kInt64 && path.dim() == 2 && (path.size(1) == 0 || path.size(0) == R),
+              "rows_attention: path int64 [R, P] (P = 0: no tree)");
+  auto pth = path.contiguous();
+  const int64_t P = pth.size(1);
+  const int64_t* pp = pth.data_ptr<int64_t>();
+  std::vector<int64_t> tree_keys(R, 0);  // c_r: the row's path slots (its last c_r keys)
+  for (int64_t r = 0; r < R && P > 0; ++r) {
+    while (tree_keys[r] < P && pp[r * P + tree_keys[r]] >= 0) {
+      TORCH_CHECK(pp[r * P + tree_keys[r]] < S, "rows_attention: a path slot is outside the cache");
+      ++tree_keys[r];
+    }
+    TORCH_CHECK(tree_keys[r] <= lp[r] + 1, "rows_attention: a row's path is longer than its keys");
+  }
   const int64_t G = Hq / Hkv, stride = (keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
   auto out = torch::empty({R, Hq * d}, q.options());
   auto scores = torch::empty({R * Hq, stride}, q.options());
@@ -250,13 +270,16 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     alignas(32) float acc[kMaxHeadDim];
     for (int64_t item = i0; item < i1; ++item) {  // item = r * Hq + h
       const int64_t r = item / Hq, h = item % Hq, L = lp[r] + 1, L8 = (L + 7) / 8 * 8;
+      const int64_t Lp = L - tree_keys[r];  // keys [0, Lp) contiguous, [Lp, L) on the path
+      const int64_t* row_path = pp + r * P;
       const float* kh = kp + (h / G) * S * d;
       const float* vh = vp + (h / G) * S * d;
       float* s = sp + item * stride;
       for (int64_t i = 0; i < d; ++i) qs[i] = qp[item * d + i] * sc;
       int64_t j = 0;
-      for (; j + 4 <= L; j += 4) dot4(qs, kh + j * d, d, s + j);
-      for (; j < L; ++j) s[j] = dot(qs, kh + j * d, d);
+      for (; j + 4 <= Lp; j += 4) dot4(qs, kh + j * d, d, s + j);
+      for (; j < Lp; ++j) s[j] = dot(qs, kh + j * d, d);
+      for (; j < L; ++j) s[j] = dot(qs, kh + row_path[j - Lp] * d, d);
       float m = s[0];
       for (j = 1; j < L; ++j) m = std::max(m, s[j]);
       for (j = L; j < L8; ++j) s[j] = -INFINITY;  // exp8 -> exp(-87): zeroed below
@@ -274,9 +297,16 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
       }
       const float l = hsum(lv);
       for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
-      if (d == 64) weighted_sum<64>(s, vh, 0, L, acc);
-      else if (d == 128) weighted_sum<128>(s, vh, 0, L, acc);
-      else weighted_sum_any(s, vh, d, 0, L, acc);
+      // keys in order of j: the contiguous prefix, then each path key (the same FMA per lane)
+      if (d == 64) weighted_sum<64>(s, vh, 0, Lp, acc);
+      else if (d == 128) weighted_sum<128>(s, vh, 0, Lp, acc);
+      else weighted_sum_any(s, vh, d, 0, Lp, acc);
+      for (j = Lp; j < L; ++j) {
+        const float* vj = vh + row_path[j - Lp] * d;
+        if (d == 64) weighted_sum<64>(s + j, vj, 0, 1, acc);
+        else if (d == 128) weighted_sum<128>(s + j, vj, 0, 1, acc);
+        else weighted_sum_any(s + j, vj, d, 0, 1, acc);
+      }
       float* o = op + item * d;  // out[r, h*d : (h+1)*d]
       const __m256 lvec = _mm256_set1_ps(l);
       for (int64_t c = 0; c < d8; c += 8) _mm256_storeu_ps(o + c, _mm256_div_ps(_mm256_load_ps(acc + c), lvec));
@@ -360,14 +390,15 @@ void silu_mul(const float* __restrict g, const float* __restrict u, float* __res
 // K and V of row r at slot slots[r] of k_cache / v_cache [Hkv, S, d]. weights: input norm
 // [H], q [Hq*d, H], k [Hkv*d, H], v [Hkv*d, H], o [H, Hq*d], post norm [H], gate [I, H],
 // up [I, H], down [H, I], then q norm [d] and k norm [d] (Qwen3) or nothing. cos / sin
-// [R, d] at the rows' positions; limit [R] the last slot each row sees. All float32
+// [R, d] at the rows' positions; limit [R] the last (logical) key each row sees, path [R, P]
+// its tree slots (see rows_attention; P = 0 for chains). All float32
 // contiguous, no biases (the caller uses the PyTorch path for biased layers).
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor limit, double eps, double scale);
+                         torch::Tensor limit, double eps, double scale, torch::Tensor path);
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor limit, double eps, double scale) {
+                         torch::Tensor limit, double eps, double scale, torch::Tensor path) {
   TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "rows_layer: 9 weights, or 11 with q/k norms");
   for (const auto& t : weights)
     TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "rows_layer: float32 contiguous weights");
@@ -406,7 +437,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
       std::memcpy(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d * sizeof(float));
     }
   }
-  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale);
+  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path);
   auto h1 = h + rows_linear(o, weights[4]);
   rms_norm_rows(h1.data_ptr<float>(), weights[5].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
   auto gate = rows_linear(x, weights[6]);

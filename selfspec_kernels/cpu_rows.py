@@ -71,7 +71,9 @@ def load_rows_linear():
 
 def load_rows_attention():
     """The compiled `rows_attention(q [R, Hq, d], k [Hkv, S, d], v [Hkv, S, d], limit int64
-    [R], scale) -> o [R, Hq * d]` (float32, contiguous): row r sees slots [0, limit[r]].
+    [R], scale, path int64 [R, P]) -> o [R, Hq * d]` (float32, contiguous): row r sees
+    logical keys [0, limit[r]]; with P = 0 (`NO_PATH`) key j is slot j, otherwise the row's
+    last c_r keys are its c_r path slots (draft trees; -1 pads: see cpu_rows.cpp).
     None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_attention
@@ -79,10 +81,14 @@ def load_rows_attention():
 
 def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
-    eps, scale) -> h after one Llama/Qwen3 decoder layer` (see cpu_rows.cpp), or None when
+    eps, scale, path) -> h after one Llama/Qwen3 decoder layer` (see cpu_rows.cpp), or None when
     this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_layer
+
+
+# `path` argument of rows_attention / rows_layer for steps without a tree
+NO_PATH = torch.zeros(0, 0, dtype=torch.long)
 
 
 def build_error() -> str | None:
@@ -96,14 +102,21 @@ def rows_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             limit: torch.Tensor, scale: float) -> torch.Tensor:
+                             limit: torch.Tensor, scale: float,
+                             path: torch.Tensor | None = None) -> torch.Tensor:
     """What `rows_attention` computes, in float64 (for tests)."""
     R, Hq, d = q.shape
     group = Hq // k.shape[0]
     kk = k.double().repeat_interleave(group, 0)  # [Hq, S, d]
     vv = v.double().repeat_interleave(group, 0)
     scores = torch.einsum("rhd,hsd->rhs", q.double() * scale, kk)
-    hidden = torch.arange(k.shape[1])[None, :] > limit[:, None]  # [R, S]
+    slots = torch.arange(k.shape[1])
+    visible = torch.zeros(R, k.shape[1], dtype=torch.bool)
+    for r in range(R):
+        tree = [] if path is None or path.shape[1] == 0 else [int(s) for s in path[r] if s >= 0]
+        visible[r] = slots <= int(limit[r]) - len(tree)
+        visible[r, tree] = True
+    hidden = ~visible  # [R, S]
     scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
     o = torch.einsum("rhs,hsd->rhd", scores.softmax(-1), vv)
     return o.reshape(R, Hq * d).to(q.dtype)

@@ -12,6 +12,7 @@ from selfspec_kernels.cpu_rows import (
     cpu_supports_kernel,
     load_rows_attention,
     load_rows_linear,
+    NO_PATH,
     rows_attention_reference,
     rows_linear_reference,
 )
@@ -64,7 +65,7 @@ def test_bad_input_is_refused(kernel):
 def attention():
     fn = load_rows_attention()
     assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
-    return fn
+    return lambda q, k, v, limit, scale, path=NO_PATH: fn(q, k, v, limit, scale, path)
 
 
 def _cache(gen, hkv, slots, d):
@@ -119,3 +120,63 @@ def test_attention_bad_input_is_refused(attention):
         attention(torch.randn(2, 3, 8), k, v, torch.tensor([3, 4]), 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         attention(q.double(), k, v, torch.tensor([3, 4]), 1.0)
+
+
+def _tree_case(gen, pos0, depth, hkv=3, d=64, slots=700):
+    """A cache where a chain row at position pos0 + depth sees slots [0, pos0 + depth], and
+    the same keys and values laid out as a tree: the prefix in place, the path's keys at
+    scattered slots (what a draft tree's rows write), everything else NaN."""
+    k, v = _cache(gen, hkv, slots, d)
+    chain_k, chain_v = k.clone(), v.clone()
+    path = sorted(torch.randperm(slots - pos0 - 1, generator=gen)[:depth] + pos0 + 1)
+    path = [pos0] + [int(s) for s in path]  # row 0 of a tree sits at slot pos0
+    tree_k = torch.full_like(k, float("nan"))
+    tree_v = torch.full_like(v, float("nan"))
+    tree_k[:, :pos0], tree_v[:, :pos0] = k[:, :pos0], v[:, :pos0]
+    for i, slot in enumerate(path):
+        tree_k[:, slot], tree_v[:, slot] = chain_k[:, pos0 + i], chain_v[:, pos0 + i]
+    return chain_k, chain_v, tree_k, tree_v, path
+
+
+@pytest.mark.parametrize("pos0", [1, 4, 7, 255, 300])
+def test_attention_tree_row_is_bit_identical_to_the_chain_row(attention, pos0):
+    """A tree row sees the committed prefix plus its own path's slots, in depth order, and
+    computes exactly what the chain row at the same position computes (same keys, same
+    order, same arithmetic); slots off its path (other branches, NaN here) are never read."""
+    gen = torch.Generator().manual_seed(pos0)
+    hq, d = 9, 64
+    for depth in range(0, 7):
+        chain_k, chain_v, tree_k, tree_v, path = _tree_case(gen, pos0, depth)
+        q = torch.randn(3, hq, d, generator=gen)
+        chain = attention(q, chain_k, chain_v, torch.tensor([pos0 + depth] * 3), 0.125)
+        table = torch.full((3, 8), -1, dtype=torch.long)
+        table[:, : depth + 1] = torch.tensor(path)
+        tree = attention(q, tree_k, tree_v, torch.tensor([pos0 + depth] * 3), 0.125, table)
+        assert torch.equal(tree, chain), (pos0, depth)
+        # mixed with chain rows (no path) in one call: each row as alone
+        table[1] = -1
+        mixed = attention(q, chain_k, chain_v, torch.tensor([pos0 + depth] * 3), 0.125,
+                          torch.where(table >= 0, torch.arange(pos0, pos0 + 8), -1))
+        assert torch.equal(mixed, chain)
+
+
+def test_attention_tree_matches_float64_reference(attention):
+    gen = torch.Generator().manual_seed(3)
+    k, v = _cache(gen, 2, 300, 16)
+    q = torch.randn(4, 4, 16, generator=gen)
+    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, -1], [100, 103, 105]])
+    lim = torch.tensor([100, 101, 101, 102])
+    o = attention(q, k, v, lim, 0.25, path)
+    torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, 0.25, path), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_bad_tree_path_is_refused(attention):
+    gen = torch.Generator().manual_seed(0)
+    k, v = _cache(gen, 2, 16, 8)
+    q = torch.randn(2, 4, 8, generator=gen)
+    with pytest.raises(RuntimeError, match="path slot is outside"):
+        attention(q, k, v, torch.tensor([3, 4]), 1.0, torch.tensor([[3, 16], [4, -1]]))
+    with pytest.raises(RuntimeError, match="longer than its keys"):
+        attention(q, k, v, torch.tensor([0, 4]), 1.0, torch.tensor([[0, 5], [4, -1]]))
+    with pytest.raises(RuntimeError, match="path int64"):
+        attention(q, k, v, torch.tensor([3, 4]), 1.0, torch.tensor([[3], [4], [5]]))

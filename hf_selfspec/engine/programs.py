@@ -74,6 +74,8 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
+from selfspec_kernels.cpu_rows import NO_PATH
+
 from .attention import KEY_BLOCK, block_attention, visible_bias
 from .layered import LayeredModel, rms_norm, rotate_half
 from .runner import triton_attention, uses_row_attention
@@ -131,6 +133,9 @@ class StepMeta:
     biases: list[torch.Tensor]  # per attention chunk: [G*A, nb*KEY_BLOCK] additive masks
     cos: torch.Tensor  # [rows, d]
     sin: torch.Tensor
+    # draft trees (kernel layout only): [n, P] int64, row r's path slots after the committed
+    # prefix (ancestors then itself, -1 pads; see cpu_rows.cpp rows_attention); [0, 0]: a chain
+    path: torch.Tensor = NO_PATH
 
 
 def row_chunks(rows: int) -> list[tuple[int, int]]:
@@ -414,10 +419,21 @@ class Engine:
 
     # ---- metadata -----------------------------------------------------------------------
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether a step's rows may form a draft tree (`make_meta(..., paths=...)`): the C++
+        row attention (kernel layout) visits a row's path slots in depth order, exactly as a
+        chain row's keys; the PyTorch block attention sums over masked key blocks, whose
+        order a scattered path would change."""
+        return self.layout.kernel_attention is not None
+
     def make_meta(
-        self, positions: Sequence[int], key_limits: Sequence[int] | None = None
+        self, positions: Sequence[int], key_limits: Sequence[int] | None = None,
+        slots: Sequence[int] | None = None, paths: Sequence[Sequence[int]] | None = None,
     ) -> StepMeta:
-        """Metadata for a step whose real rows sit at `positions` (chain: slot = position)."""
+        """Metadata for a step whose real rows sit at `positions` (chain: slot = position).
+        A draft tree gives each row's KV `slots` and its `paths` (the slots of its path
+        after the committed prefix, root first, itself last); key limits are the positions."""
         n = len(positions)
         if not 1 <= n <= self.width:
             raise ValueError(f"a step takes 1..{self.width} rows, got {n}")
@@ -425,7 +441,7 @@ class Engine:
         host = self._meta_host
         host[0, :n] = torch.as_tensor(positions)
         host[0, n:] = positions[0]
-        host[1, :n] = host[0, :n]
+        host[1, :n] = host[0, :n] if slots is None else torch.as_tensor(slots)
         host[1, n:] = self.trash_slot
         host[2, :n] = torch.as_tensor(limits)
         host[2, n:] = positions[0]
@@ -440,10 +456,29 @@ class Engine:
             for c in range(self.layout.attention_chunks(n))]
         rows = self.layout.rows(n)
         v = self.view
+        path = NO_PATH
+        if paths is not None:
+            if not self.supports_trees:
+                raise ValueError(f"draft trees need the kernel row layout (this engine uses "
+                                 f"{self.layout.name!r}); decode with chains (DecodeConfig(tree='off'))")
+            if len(paths) != n:
+                raise ValueError(f"{len(paths)} paths given for {n} rows")
+            path = torch.full((n, max(len(p) for p in paths)), -1, dtype=torch.long)
+            for r, row_path in enumerate(paths):
+                path[r, : len(row_path)] = torch.as_tensor(row_path)
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases,
-            v.cos[positions_t[:rows]], v.sin[positions_t[:rows]],
+            v.cos[positions_t[:rows]], v.sin[positions_t[:rows]], path,
         )
+
+    def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """Copy every layer's K and V from slot sources[i] to targets[i], in order (a draft
+        tree's accepted path, compacted to consecutive positions: targets never overwrite a
+        later source when both increase and targets[i] <= sources[i])."""
+        for src, dst in zip(sources, targets):
+            if src != dst:
+                self.k_cache[:, :, dst] = self.k_cache[:, :, src]
+                self.v_cache[:, :, dst] = self.v_cache[:, :, src]
 
     # ---- the maths of a step --------------------------------------------------------------
 
@@ -466,7 +501,7 @@ class Engine:
             h = h.contiguous()
             for li in range(start, end):
                 h = layer(h, self._fused_layers[li], self.k_cache[li], self.v_cache[li], cos, sin,
-                          slots, limits, v.eps, v.scaling)
+                          slots, limits, v.eps, v.scaling, meta.path)
             return h
         lin = self.layout.linear
         h = self._pad(h, R)
@@ -516,10 +551,10 @@ class Engine:
         `attend(q [Hq, R, d], layer) -> o [R, Hq*d]`, row r seeing slots [0, key_limit[r]]
         (row-invariant by construction: selfspec_kernels/cpu_rows.cpp)."""
         fn, limits = self.layout.kernel_attention, meta.key_limit[:meta.rows]
-        k_cache, v_cache, scale = self.k_cache, self.v_cache, self.view.scaling
+        k_cache, v_cache, scale, path = self.k_cache, self.v_cache, self.view.scaling, meta.path
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
-            return fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale)
+            return fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path)
 
         return attend
 
