@@ -32,6 +32,9 @@ class DecodeStats:
     verify_time: float = 0.0
     total_time: float = 0.0
     lossy: bool = False  # True when a lossy acceptance rule was on (not the model's own output)
+    # draft trees: cycles whose accepted path left the tree's first branch (a sibling or the
+    # other drafter's branch won: tokens a chain would not have committed)
+    off_chain_cycles: int = 0
 
     @property
     def decode_time(self) -> float:
@@ -77,6 +80,7 @@ class DecodeStats:
             "host_time": round(self.host_time, 4),
             "total_time": round(self.total_time, 4),
             "lossy": self.lossy,
+            "off_chain_cycles": self.off_chain_cycles,
         }
 
     def summary(self) -> str:

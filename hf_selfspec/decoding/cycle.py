@@ -42,9 +42,12 @@ from .draft_model import SOURCE_DRAFT_MODEL, DraftModelDrafter
 from .lookup import PromptLookup
 from .policy import DraftBudget
 from .sampling import RowScorer, sample, speculative_tokens
+from .tree import DraftTree
 
 LookupMode = Literal["off", "only", "first", "fallback"]
 LOOKUP_MODES = ("off", "only", "first", "fallback")
+TreeMode = Literal["auto", "on", "off"]
+TREE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,12 @@ class DecodeConfig:
     draft_confidence: with a draft model (classical speculative decoding), stop drafting at
                 the first token whose draft-model probability is below this (HF's
                 assistant_confidence_threshold); 0 = draft up to the budget.
+    tree:       draft trees (tree.py): the top-layer heads' chain, `siblings` step-0
+                alternatives of its first draft (each with head probability >=
+                sibling_min_prob) and the prompt-lookup copy, merged as a trie and verified
+                in one pass. "auto": where the engine supports them (kernel row layout) and
+                decoding is exact greedy with top-layer heads and/or lookup; "on": the same,
+                and an error where trees cannot be used; "off": chains only.
     """
 
     max_draft: int | None = None
@@ -81,8 +90,17 @@ class DecodeConfig:
     adaptive: bool = True
     lossy_top_k: int = 1
     draft_confidence: float = 0.4
+    tree: TreeMode = "auto"
+    siblings: int = 1
+    sibling_min_prob: float = 0.1
 
     def __post_init__(self):
+        if self.tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {self.tree!r}")
+        if not isinstance(self.siblings, int) or self.siblings < 0:
+            raise ValueError(f"siblings must be a non-negative int, got {self.siblings!r}")
+        if not 0.0 <= self.sibling_min_prob <= 1.0:
+            raise ValueError(f"sibling_min_prob must be in [0, 1], got {self.sibling_min_prob!r}")
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
         if self.max_draft is not None and (not isinstance(self.max_draft, int) or self.max_draft < 0):
@@ -214,6 +232,22 @@ class SelfSpecDecoder:
             PromptLookup(self.config.lookup_max_ngram, self.config.lookup_min_ngram, max(max_draft, 1))
             if use_lookup else None
         )
+        self.tree_reason = self._tree_obstacle()
+        if self.config.tree == "on" and self.tree_reason is not None:
+            raise ValueError(f"tree='on' cannot be used here: {self.tree_reason}; use tree='auto' or 'off'")
+        self.use_tree = self.config.tree != "off" and self.tree_reason is None
+
+    def _tree_obstacle(self) -> str | None:
+        """Why draft trees cannot be used with this engine and drafter (None: they can)."""
+        if not self.engine.supports_trees:
+            return f"the engine's {self.engine.layout.name!r} row layout has no tree attention (needs 'kernel')"
+        if self.head_list:
+            return "exit heads climb layers row by row (trees take top-layer heads and/or prompt lookup)"
+        if self.draft_engine is not None:
+            return "a draft model drafts chains"
+        if self.config.lossy_top_k > 1:
+            return "lossy acceptance is a chain rule"
+        return None
 
     def _resolve_thresholds(self) -> list[float]:
         n = self.num_sources
@@ -375,6 +409,81 @@ class SelfSpecDecoder:
         m, token = speculative_tokens(torch.softmax(scores, -1), block.drafts, block.q[1:])
         return block.drafts[:m] + [token], block.sources[1: m + 1] + [SOURCE_MODEL]
 
+    # ---- draft trees ----------------------------------------------------------------------
+
+    def draft_tree(self, out: list[int], final_before: torch.Tensor, budget: int, eos: set[int],
+                   stats: DecodeStats, policy: DraftBudget) -> tuple[DraftTree, dict[str, list[int]]]:
+        """A tree from the last committed token: the top-layer heads' chain and the lookup
+        copy (each at most what the policy expects to pay; the drafter with the higher live
+        acceptance first, so it keeps its rows when the width is short), then the step-0
+        siblings. Returns the tree and each branch's rows (for the policy's feedback)."""
+        tree = DraftTree(out[-1], min(self.engine.width, self.max_draft + 1))
+        branches: dict[str, list[int]] = {}
+        if budget <= 0:
+            return tree, branches
+        mode = self.config.lookup
+        head_chain, alternatives = [], []
+        head_budget = min(budget, policy.budget(self._drafter_key))
+        if self.top is not None and head_budget > 0:
+            head_chain, alternatives = self.top.draft_with_alternatives(
+                final_before, out[-1], head_budget, self.thresholds, self.config.siblings)
+            stats.head_evaluations += 1
+        copies: list[int] = []
+        copy_budget = min(budget, policy.budget(SOURCE_COPY))
+        if self.lookup is not None and copy_budget > 0 and not (mode == "fallback" and head_chain):
+            copies = self.lookup.propose(copy_budget)
+        order = [(SOURCE_COPY, copies), (self._drafter_key, [t for t, _c, _s in head_chain])]
+        if policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key):
+            order.reverse()
+        for drafter, tokens in order:
+            if tokens:
+                source = SOURCE_COPY if drafter == SOURCE_COPY else None
+                rows = []
+                for i, token in enumerate(tokens):  # head drafts labelled by their step
+                    parent = rows[-1] if rows else 0
+                    row = tree.add(parent, token, source or head_source(head_chain[i][2]))
+                    if row is None:
+                        break
+                    rows.append(row)
+                    if token in eos:
+                        break
+                branches[drafter] = rows
+        for token, prob in alternatives:
+            if prob >= self.config.sibling_min_prob and tree.add(0, token, head_source(0)) is None:
+                break
+        for row in range(1, len(tree)):
+            if tree.sources[row] != SOURCE_COPY:
+                stats.exits_per_head[int(tree.sources[row][len("head"):])] += 1
+        stats.drafted += len(tree) - 1
+        return tree, branches
+
+    def verify_tree(self, tree: DraftTree, position: int, masked_rows: int, eos: list[int]):
+        """The model's token after every row of the tree, as `verify_block`: (argmax [n],
+        logits [n, V], scores [n, V], final hidden [n, H]). Rows at depth < masked_rows
+        may not end the text (min_new_tokens)."""
+        engine = self.engine
+        positions, slots, paths = tree.layout(position)
+        meta = (engine.make_meta(positions) if tree.is_chain
+                else engine.make_meta(positions, slots=slots, paths=paths))
+        logits, argmax, final = engine.verify(engine.embed(tree.tokens), 0, meta)
+        if masked_rows > 0 and eos:
+            scores = logits.clone()
+            masked = torch.tensor([d < masked_rows for d in tree.depth], device=scores.device)
+            scores[masked.nonzero()[:, 0][:, None], torch.tensor(eos, device=scores.device)] = float("-inf")
+            return scores.argmax(-1).tolist(), logits, scores, final
+        return argmax.tolist(), logits, logits, final
+
+    def commit_tree(self, tree: DraftTree, position: int, model_tokens: list[int]):
+        """Walk the tree with the model's tokens; move the accepted rows' KV to consecutive
+        slots. Returns (tokens, sources, rows of the committed tokens' logits)."""
+        accepted = tree.walk(model_tokens)
+        self.engine.move_kv([position + r for r in accepted],
+                            [position + 1 + j for j in range(len(accepted))])
+        last = accepted[-1] if accepted else 0
+        tokens = [tree.tokens[r] for r in accepted] + [model_tokens[last]]
+        sources = [tree.sources[r] for r in accepted] + [SOURCE_MODEL]
+        return tokens, sources, [0] + accepted
+
     # ---- the loop ------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -445,6 +554,34 @@ class SelfSpecDecoder:
         if self._drafter is not None:  # a draft-model token costs its step, in main-model steps
             policy.draft_costs["draft_model"] = (
                 self.draft_engine.one_row_seconds / engine.one_row_seconds if self.config.adaptive else 0.0)
+        use_tree = self.use_tree and not do_sample
+        if do_sample and self.config.tree == "on":
+            raise ValueError("tree='on' is a greedy option: speculative sampling verifies chains "
+                             "(use tree='auto' or 'off')")
+        while not done and use_tree:
+            budget = min(self.max_draft, max_new_tokens - len(out) - 1)
+            t0 = time.perf_counter()
+            tree, branches = self.draft_tree(out, final_before, budget, eos, stats, policy)
+            t1 = time.perf_counter()
+            masked_rows = max(0, min_new_tokens - len(out))
+            model_tokens, logits, scores, finals = self.verify_tree(tree, position, masked_rows, eos_list)
+            tokens, sources, rows = self.commit_tree(tree, position, model_tokens)
+            stats.verify_time += time.perf_counter() - t1
+            stats.draft_time += t1 - t0
+            stats.cycles += 1
+            final_before = finals[rows[-1]]
+            stats.accepted += len(tokens) - 1
+            stats.off_chain_cycles += any(tree.depth[r] != r for r in rows)
+            accepted = set(rows)
+            for drafter, branch in branches.items():
+                policy.update(drafter, len(branch), sum(r in accepted for r in branch))
+            position += len(tokens)
+            before = len(out)
+            done = self._commit(out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit)
+            if collect_logits:
+                kept = rows[: len(out) - before]
+                kept_logits.extend(logits[kept])
+                kept_scores.extend(scores[kept])
         while not done:
             block = _Block(engine, out[-1], position)
             block.final_before = final_before  # final hidden of the row that produced out[-1]

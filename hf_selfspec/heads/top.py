@@ -168,16 +168,29 @@ class TopDraftHeads(nn.Module):
         """Chain up to `max_tokens` drafts after `token`, from the final hidden state
         [H] of the row that produced it; stop at the first step whose confidence is
         below its threshold. Returns [(token, confidence, step)]."""
-        out = []
+        return self.draft_with_alternatives(final_hidden, token, max_tokens, thresholds, 0)[0]
+
+    @torch.no_grad()
+    def draft_with_alternatives(self, final_hidden: torch.Tensor, token: int, max_tokens: int,
+                                thresholds: list[float], alternatives: int):
+        """`draft`'s chain, and the next `alternatives` tokens of step 0 after its argmax
+        as [(token, probability)] (siblings of the first draft in a draft tree; [] when
+        the chain is empty)."""
+        out, others = [], []
         h = final_hidden.reshape(1, -1)
         prev = torch.tensor([token], device=h.device)
         for i in range(min(max_tokens, len(self.steps))):
             h, logits = self.step_logits(i, h, prev)
-            probs = torch.softmax(logits.float(), dim=-1)
-            conf, index = probs.max(dim=-1)
-            conf_value = float(conf)
+            probs = torch.softmax(logits.float(), dim=-1)[0]
+            if i == 0 and alternatives > 0:
+                top_p, top_i = probs.topk(1 + alternatives)
+                conf_value, index = float(top_p[0]), top_i[0]
+                others = list(zip(self.vocab_ids[top_i[1:]].tolist(), top_p[1:].tolist()))
+            else:
+                conf, index = probs.max(dim=-1)
+                conf_value = float(conf)
             if conf_value < thresholds[i]:
                 break
-            prev = self.vocab_ids[index]
+            prev = self.vocab_ids[index].reshape(1)
             out.append((int(prev), conf_value, i))
-        return out
+        return out, (others if out else [])

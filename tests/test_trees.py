@@ -1,0 +1,185 @@
+"""Draft trees: the trie, and output == the engine's AR output on every branch of a tree
+cycle (sibling accepted, copy and head rows merged, compaction with gaps, EOS inside a
+branch, the tree full), with real drafters and with trees built from the AR output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_decoding import prompt, random_heads, random_top_heads
+
+from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+from hf_selfspec.decoding.tree import DraftTree
+from hf_selfspec.engine.programs import Engine, EngineConfig
+
+
+def test_trie_merges_branches_and_lays_out_rows():
+    tree = DraftTree(7, width=8)
+    assert tree.add_branch([1, 2, 3], "copy") == [1, 2, 3]
+    assert tree.add_branch([1, 2, 9, 4], "head0") == [1, 2, 4, 5]  # shares rows 1, 2
+    assert tree.add_branch([5], "head0") == [6]
+    assert tree.add_branch([6, 7, 8], "copy") == [7]  # full: width 8
+    assert tree.room == 0 and tree.add(0, 11, "copy") is None
+    assert tree.depth == [0, 1, 2, 3, 3, 4, 1, 1]
+    assert not tree.is_chain
+    positions, slots, paths = tree.layout(100)
+    assert positions == [100, 101, 102, 103, 103, 104, 101, 101]
+    assert slots == list(range(100, 108))
+    assert paths[5] == [100, 101, 102, 104, 105] and paths[6] == [100, 106]
+    # the model's token after each row: 1 after the root, 2 after row 1, 9 after row 2, ...
+    model = [1, 2, 9, 0, 4, 0, 0, 0]
+    assert tree.walk(model) == [1, 2, 4, 5]
+    assert tree.walk([5, 0, 0, 0, 0, 0, 0, 0]) == [6]
+    assert tree.walk([3, 0, 0, 0, 0, 0, 0, 0]) == []
+    assert tree.add_branch([4, 5, 6], "copy", stop_tokens={4}) == []  # still full
+    chain = DraftTree(7, width=4)
+    assert chain.add_branch([1, 2, 3, 4], "copy", stop_tokens={2}) == [1, 2]  # EOS ends it
+    assert chain.is_chain
+
+
+@pytest.fixture(scope="module")
+def kernel_setup():
+    model = tiny_model("llama", seed=0, layers=4)
+    engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
+    return model, engine
+
+
+class OracleTrees(SelfSpecDecoder):
+    """Builds each cycle's tree from the known AR output: a wrong first branch, then the
+    right continuation as a later branch (so the accepted rows sit after a gap), decoys
+    hanging off it, optionally the tree filled to the width."""
+
+    def __init__(self, engine, reference, shape, **config):
+        super().__init__(engine, None, DecodeConfig(lookup="off", tree="on", adaptive=False, **config))
+        self.reference = reference
+        self.shape = shape
+
+    def draft_tree(self, out, final_before, budget, eos, stats, policy):
+        tree = DraftTree(out[-1], self.engine.width)
+        n = len(out)
+        truth = self.reference[n: n + budget]
+        if not truth or budget <= 0:
+            return tree, {}
+        wrong = (truth[0] + 1) % self.engine.view.vocab_size
+        if self.shape == "sibling":  # row 1 wrong (+ a chain under it), the truth as a sibling
+            tree.add_branch([wrong, truth[0], wrong], "head0")
+            tree.add_branch(truth[:2], "head0")
+        elif self.shape == "merged":  # two branches sharing the truth's first tokens
+            tree.add_branch(truth[:2] + [wrong], "copy")
+            tree.add_branch(truth[:4], "head0")
+        elif self.shape == "deep_gap":  # decoys between every accepted row
+            parent = 0
+            for token in truth[:3]:
+                tree.add(parent, (token + 2) % self.engine.view.vocab_size, "copy")
+                parent = tree.add(parent, token, "head0")
+        elif self.shape == "full":  # the truth last, after rows that fill most of the width
+            for k in range(1, 5):
+                tree.add(0, (truth[0] + k) % self.engine.view.vocab_size, "copy")
+            tree.add_branch(truth, "head0")  # cut where the tree is full
+        stats.drafted += len(tree) - 1
+        return tree, {}
+
+
+@pytest.mark.parametrize("shape", ["sibling", "merged", "deep_gap", "full"])
+def test_oracle_trees_equal_engine_ar(kernel_setup, shape):
+    """Accepted rows at scattered slots (compaction with gaps), a sibling or a later branch
+    accepted, a tree full to the width: the output is the engine's AR output, and the
+    accepted path really left the first branch."""
+    _, engine = kernel_setup
+    for seed, (length, alphabet) in enumerate([(5, 256), (40, 12), (90, 256)]):
+        p = prompt(seed, length, alphabet)
+        expected = engine.generate_ar(p, 40)
+        result = OracleTrees(engine, expected, shape).generate(p, 40)
+        assert result.tokens == expected, (shape, seed)
+        if shape != "merged":
+            assert result.stats.off_chain_cycles > 0
+        assert result.stats.accepted > 0
+
+
+def test_oracle_tree_compaction_is_what_keeps_it_exact(kernel_setup, monkeypatch):
+    """Without moving the accepted rows' KV to consecutive slots the output differs: the
+    parity test above can fail."""
+    _, engine = kernel_setup
+    p = prompt(3, 30)
+    expected = engine.generate_ar(p, 40)
+    monkeypatch.setattr(engine, "move_kv", lambda sources, targets: None)
+    assert OracleTrees(engine, expected, "deep_gap").generate(p, 40).tokens != expected
+
+
+def test_eos_inside_an_accepted_branch_and_min_new_tokens(kernel_setup):
+    """An EOS drafted mid-branch ends the text right after it; min_new_tokens masks EOS on
+    the rows whose depth is before it (HF semantics), as in AR."""
+    _, engine = kernel_setup
+    for seed in range(3):
+        p = prompt(seed, 20)
+        full = engine.generate_ar(p, 40)
+        eos = full[7]
+        expected = full[: full.index(eos) + 1]
+        result = OracleTrees(engine, full, "sibling").generate(p, 40, eos_token_ids=[eos])
+        assert result.tokens == expected
+        top = random_top_heads(engine.view.model, depth=3)
+        config = dict(thresholds=0.0, lookup="first", siblings=3, sibling_min_prob=0.0, adaptive=False)
+        tree = SelfSpecDecoder(engine, top, DecodeConfig(tree="on", **config))
+        chain = SelfSpecDecoder(engine, top, DecodeConfig(tree="off", **config))
+        masked = tree.generate(p, 40, eos_token_ids=[eos], min_new_tokens=12)
+        assert masked.tokens == chain.generate(p, 40, eos_token_ids=[eos], min_new_tokens=12).tokens
+        assert eos not in masked.tokens[:12] and (masked.tokens[-1] == eos or len(masked.tokens) == 40)
+
+
+@pytest.mark.parametrize("lookup", ["off", "first", "only", "fallback"])
+@pytest.mark.parametrize("siblings, min_prob, thresholds", [(3, 0.0, 0.0), (1, 0.1, 0.0), (2, 0.0, 0.5)])
+def test_real_tree_drafts_equal_engine_ar(kernel_setup, lookup, siblings, min_prob, thresholds):
+    """Top-layer heads' chain + siblings + the lookup copy, merged, on a repetitive prompt
+    (copies hit) and a random one: output == engine AR, and with siblings on, a sibling or
+    the other branch is accepted somewhere."""
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=3)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(
+        thresholds=thresholds, lookup=lookup, tree="on", siblings=siblings, sibling_min_prob=min_prob,
+        adaptive=False))
+    off_chain = 0
+    for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (60, 8)]):
+        p = prompt(seed, length, alphabet)
+        r = decoder.generate(p, 48)
+        assert r.tokens == engine.generate_ar(p, 48), seed
+        assert r.stats.new_tokens == r.stats.accepted + r.stats.cycles + 1
+        off_chain += r.stats.off_chain_cycles
+    if siblings == 3 and lookup in ("off", "first"):
+        assert off_chain > 0
+
+
+def test_logits_of_tree_cycles_are_the_committed_rows(kernel_setup):
+    """collect_logits returns, for each new token, the logits of the row that produced it
+    (the accepted path's rows, not the tree's first rows)."""
+    _, engine = kernel_setup
+    p = prompt(4, 30)
+    a = SelfSpecDecoder(engine, None, DecodeConfig(lookup="off", tree="off")).generate(p, 30, collect_logits=True)
+    b = OracleTrees(engine, a.tokens, "sibling").generate(p, 30, collect_logits=True)
+    assert a.tokens == b.tokens and b.stats.off_chain_cycles > 0
+    for la, lb, token in zip(a.logits, b.logits, b.tokens):
+        assert int(lb.argmax()) == token
+        torch.testing.assert_close(la, lb, rtol=0, atol=1e-5)
+
+
+def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=2)
+    other = Engine(model, EngineConfig(width=8, capacity=400, row_layout="fixed"))
+    with pytest.raises(ValueError, match="row layout has no tree attention"):
+        SelfSpecDecoder(other, top, DecodeConfig(tree="on", thresholds=0.0))
+    with pytest.raises(ValueError, match="exit heads"):
+        SelfSpecDecoder(engine, random_heads(model, [1, 3]), DecodeConfig(tree="on", thresholds=0.0))
+    with pytest.raises(ValueError, match="lossy"):
+        SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0, lossy_top_k=2))
+    with pytest.raises(ValueError, match="greedy option"):
+        SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0)).generate([5, 6], 5, do_sample=True)
+    with pytest.raises(ValueError, match="tree must be"):
+        DecodeConfig(tree="yes")
+    with pytest.raises(ValueError, match="kernel"):
+        other.make_meta([3, 4], slots=[3, 4], paths=[[3], [3, 4]])
+    # auto: chains there, with the same output
+    auto = SelfSpecDecoder(other, top, DecodeConfig(thresholds=0.0))
+    assert not auto.use_tree and SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).use_tree
+    p = prompt(1, 12)
+    assert auto.generate(p, 20).tokens == other.generate_ar(p, 20)
