@@ -18,6 +18,7 @@ JSON (and a PNG plot when matplotlib is installed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -36,10 +37,16 @@ from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_heads",
            "self_lookup", "self")
 DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
+# draft structures, each = the shipped default policy with one change (--methods to pick)
+TREE_METHODS = ("self_chain", "self_tree_merge", "self_tree_sib1", "self_tree_sib3")
 SELF_DECODE = {
-    "self_heads": DecodeConfig(lookup="off"),
-    "self_lookup": DecodeConfig(lookup="only"),
-    "self": None,  # the shipped default policy
+    "self_heads": dict(lookup="off"),
+    "self_lookup": dict(lookup="only"),
+    "self": {},  # the shipped default policy
+    "self_chain": dict(tree="off"),  # chains: copies pre-empt heads or heads draft alone
+    "self_tree_merge": dict(tree="on", siblings=0),  # heads' chain + lookup copy, one trie
+    "self_tree_sib1": dict(tree="on", siblings=1, sibling_min_prob=0.1),
+    "self_tree_sib3": dict(tree="on", siblings=3, sibling_min_prob=0.05),
 }
 
 
@@ -119,8 +126,8 @@ def main(argv=None):
     if args.draft_model:
         methods += [m for m in DRAFT_METHODS if m not in methods]
     for m in methods:
-        if m not in METHODS + DRAFT_METHODS:
-            ap.error(f"unknown method {m!r}; choose from {METHODS + DRAFT_METHODS}")
+        if m not in METHODS + DRAFT_METHODS + TREE_METHODS:
+            ap.error(f"unknown method {m!r}; choose from {METHODS + DRAFT_METHODS + TREE_METHODS}")
         if m in DRAFT_METHODS and not args.draft_model:
             ap.error(f"method {m} needs --draft-model")
 
@@ -147,7 +154,7 @@ def main(argv=None):
         draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype="float32").eval()
     state = {"eos": [tokenizer.eos_token_id], "early_exit_layer": args.early_exit_layer,
              "draft_model": draft_model,
-             "decode": {k: (v or model._selfspec.decode_config) for k, v in SELF_DECODE.items()}}
+             "decode": {k: dataclasses.replace(model._selfspec.decode_config, **v) for k, v in SELF_DECODE.items()}}
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     categories = [c for c in args.categories.split(",") if c]
 

@@ -183,3 +183,31 @@ def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
     assert not auto.use_tree and SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).use_tree
     p = prompt(1, 12)
     assert auto.generate(p, 20).tokens == other.generate_ar(p, 20)
+
+
+def test_trie_truncate_keeps_a_tree():
+    tree = DraftTree(7, width=8)
+    tree.add_branch([1, 2, 3], "copy")
+    tree.add_branch([4, 5], "head0")
+    tree.truncate(5)
+    assert tree.tokens == [7, 1, 2, 3, 4] and tree.children[4] == {} and tree.children[0] == {1: 1, 4: 4}
+    assert tree.add(4, 5, "head0") == 5
+
+
+def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
+    """Siblings ride along while a step of more rows costs about the same, and are left out
+    where one more row would make the step dear (the engine's measured cost curve)."""
+    from hf_selfspec.decoding.policy import DraftBudget
+    from hf_selfspec.stats import DecodeStats
+
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=3)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="off", siblings=3,
+                                                        sibling_min_prob=0.0))
+    final = torch.randn(model.config.hidden_size)
+    sizes = {}
+    for name, costs in {"flat": [1.0] * 9, "steep": [1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 9.0, 9.0, 9.0]}.items():
+        stats = DecodeStats(exits_per_head=[0, 0, 0])
+        tree, _ = decoder.draft_tree([5, 6], final, 7, set(), stats, DraftBudget(costs, 7, adaptive=False))
+        sizes[name] = len(tree)
+    assert sizes == {"flat": 7, "steep": 4}  # root + 3 chain drafts (+ 3 siblings when flat)

@@ -413,10 +413,15 @@ class SelfSpecDecoder:
 
     def draft_tree(self, out: list[int], final_before: torch.Tensor, budget: int, eos: set[int],
                    stats: DecodeStats, policy: DraftBudget) -> tuple[DraftTree, dict[str, list[int]]]:
-        """A tree from the last committed token: the top-layer heads' chain and the lookup
-        copy (each at most what the policy expects to pay; the drafter with the higher live
-        acceptance first, so it keeps its rows when the width is short), then the step-0
-        siblings. Returns the tree and each branch's rows (for the policy's feedback)."""
+        """A tree from the last committed token (tree.py). The drafter with the higher live
+        acceptance (top-layer heads or the lookup copy) drafts its chain first, as many
+        tokens as the policy pays for alone. Then extra rows, most likely first: the other
+        drafter's chain (its j-th token accepted with probability ~ rate^j) and the heads'
+        step-0 siblings (their head probability, at least sibling_min_prob); the tree keeps
+        the number of extra rows that maximises expected tokens per verification cost on
+        the engine's measured step-cost curve (so rows that ride in a step of about the same
+        cost are taken, rows that widen it are not). Returns the tree and each drafter's
+        rows (for the policy's feedback)."""
         tree = DraftTree(out[-1], min(self.engine.width, self.max_draft + 1))
         branches: dict[str, list[int]] = {}
         if budget <= 0:
@@ -432,25 +437,60 @@ class SelfSpecDecoder:
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
         if self.lookup is not None and copy_budget > 0 and not (mode == "fallback" and head_chain):
             copies = self.lookup.propose(copy_budget)
-        order = [(SOURCE_COPY, copies), (self._drafter_key, [t for t, _c, _s in head_chain])]
-        if policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key):
+        head_sources = [head_source(step) for _t, _c, step in head_chain]
+        drafted = {SOURCE_COPY: (copies, [SOURCE_COPY] * len(copies)),
+                   self._drafter_key: ([t for t, _c, _s in head_chain], head_sources)}
+        order = [SOURCE_COPY, self._drafter_key]
+        if policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key) or not copies:
             order.reverse()
-        for drafter, tokens in order:
-            if tokens:
-                source = SOURCE_COPY if drafter == SOURCE_COPY else None
-                rows = []
-                for i, token in enumerate(tokens):  # head drafts labelled by their step
-                    parent = rows[-1] if rows else 0
-                    row = tree.add(parent, token, source or head_source(head_chain[i][2]))
-                    if row is None:
-                        break
-                    rows.append(row)
-                    if token in eos:
-                        break
-                branches[drafter] = rows
-        for token, prob in alternatives:
-            if prob >= self.config.sibling_min_prob and tree.add(0, token, head_source(0)) is None:
+        first, second = order
+        # the first drafter's chain (its policy budget already weighed its cost)
+        rows: list[int] = []
+        expected = 1.0
+        for j, (token, source) in enumerate(zip(*drafted[first])):
+            row = tree.add(rows[-1] if rows else 0, token, source)
+            if row is None:
                 break
+            rows.append(row)
+            expected += policy.rate(first) ** (j + 1)
+            if token in eos:
+                break
+        branches[first] = rows
+        # extra rows, most likely first: (probability, order, parent branch position, token, source)
+        extras = []
+        tokens, sources = drafted[second]
+        for j, token in enumerate(tokens):
+            extras.append((policy.rate(second) ** (j + 1), len(extras), j, token, sources[j], second))
+            if token in eos:
+                break
+        for token, prob in alternatives:  # siblings of the heads' first draft
+            if prob >= self.config.sibling_min_prob:
+                extras.append((prob, len(extras), -1, token, head_source(0), "sibling"))
+        extras.sort(key=lambda e: (-e[0], e[1]))
+        costs = policy.costs
+        best_rows, best_value = len(tree), expected / costs[len(tree)]
+        second_rows: list[int] = []
+        for prob, _i, j, token, source, kind in extras:
+            if kind == second:
+                if j != len(second_rows):  # its parent did not make it
+                    continue
+                parent = second_rows[-1] if second_rows else 0
+            else:
+                parent = 0
+            before = len(tree)
+            row = tree.add(parent, token, source)
+            if row is None:
+                break
+            if kind == second:
+                second_rows.append(row)
+            if len(tree) > before:
+                expected += prob
+                value = expected / costs[len(tree)]
+                if value > best_value + 1e-9:
+                    best_rows, best_value = len(tree), value
+        tree.truncate(best_rows)
+        if second_rows:
+            branches[second] = [r for r in second_rows if r < best_rows]
         for row in range(1, len(tree)):
             if tree.sources[row] != SOURCE_COPY:
                 stats.exits_per_head[int(tree.sources[row][len("head"):])] += 1

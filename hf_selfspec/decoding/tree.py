@@ -72,6 +72,17 @@ class DraftTree:
                 break
         return rows
 
+    def truncate(self, rows: int) -> None:
+        """Keep the first `rows` rows (a parent always precedes its children, so what is
+        kept is a tree)."""
+        if rows >= len(self.tokens):
+            return
+        for name in ("tokens", "sources", "parent", "depth", "children"):
+            del getattr(self, name)[rows:]
+        for kids in self.children:
+            for token in [t for t, r in kids.items() if r >= rows]:
+                del kids[token]
+
     def path(self, row: int) -> list[int]:
         """Rows from the root to `row`, root first."""
         rows = []
