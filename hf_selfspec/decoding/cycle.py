@@ -459,8 +459,11 @@ class SelfSpecDecoder:
         # extra rows, most likely first: (probability, order, parent branch position, token, source)
         extras = []
         tokens, sources = drafted[second]
+        # the other chain's first token competes with the first chain's: it is only needed
+        # (and right) when the first chain's first draft is wrong
+        miss = 1.0 - policy.rate(first) if rows else 1.0
         for j, token in enumerate(tokens):
-            extras.append((policy.rate(second) ** (j + 1), len(extras), j, token, sources[j], second))
+            extras.append((miss * policy.rate(second) ** (j + 1), len(extras), j, token, sources[j], second))
             if token in eos:
                 break
         for token, prob in alternatives:  # siblings of the heads' first draft

@@ -78,6 +78,19 @@ class TopHeadsConfig:
         return cfg
 
 
+def _fast_linear(weight: torch.Tensor):
+    """x [n, K] @ w[O, K]^T through the C++ row kernel for float32 CPU weights, where it
+    builds (selfspec_kernels/cpu_rows.py); None otherwise (F.linear is used)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    from selfspec_kernels.cpu_rows import load_rows_linear
+
+    kernel = load_rows_linear()
+    if kernel is None:
+        return None
+    return lambda x, w: kernel(x.contiguous(), w.contiguous())
+
+
 class TopDraftStep(nn.Module):
     """One chained step: (state h [n, H], token embedding e [n, H]) -> next state."""
 
@@ -90,9 +103,9 @@ class TopDraftStep(nn.Module):
         self.up = nn.Linear(adapter, hidden, bias=False)
         nn.init.zeros_(self.up.weight)
 
-    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, e: torch.Tensor, linear=F.linear) -> torch.Tensor:
         x = torch.cat([_norm(h, self.h_norm, self.eps), _norm(e, self.e_norm, self.eps)], dim=-1)
-        return h + self.up(F.silu(self.down(x)))
+        return h + linear(F.silu(linear(x, self.down.weight)), self.up.weight)
 
 
 class TopDraftHeads(nn.Module):
@@ -129,6 +142,7 @@ class TopDraftHeads(nn.Module):
         self.embed = emb.detach()
         if self.out_norm.device != lm.device:
             self.to(lm.device)
+        self._fast_linear = _fast_linear(lm)
         return self
 
     def init_from_model(self, model) -> TopDraftHeads:
@@ -152,14 +166,20 @@ class TopDraftHeads(nn.Module):
                 state[f"steps.{i}." + key[len(last):]] = state[key].clone()
         deeper.load_state_dict(state, strict=True)
         deeper.lm_rows, deeper.embed = self.lm_rows, self.embed
+        deeper._fast_linear = getattr(self, "_fast_linear", None)
         return deeper
 
     # ---- maths -----------------------------------------------------------------------
 
     def step_logits(self, i: int, h: torch.Tensor, tokens: torch.Tensor):
-        """Step i: state h [n, H], previous tokens [n] -> (next state, logits [n, V])."""
-        h = self.steps[i](h, F.embedding(tokens, self.embed))
-        logits = F.linear(_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
+        """Step i: state h [n, H], previous tokens [n] -> (next state, logits [n, V]).
+        Drafting (no autograd) on a float32 CPU model runs the products through the C++
+        row kernel: one 8,192-row LM-head product took 0.8 ms there vs 1.9-2.4 ms with
+        F.linear (2-core AMD EPYC), most of a draft's cost."""
+        fast = getattr(self, "_fast_linear", None)
+        linear = fast if fast is not None and not torch.is_grad_enabled() else F.linear
+        h = self.steps[i](h, F.embedding(tokens, self.embed), linear)
+        logits = linear(_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
         return h, logits
 
     @torch.no_grad()
