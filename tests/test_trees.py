@@ -179,8 +179,9 @@ def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
     with pytest.raises(ValueError, match="kernel"):
         other.make_meta([3, 4], slots=[3, 4], paths=[[3], [3, 4]])
     # auto: chains there, with the same output
-    auto = SelfSpecDecoder(other, top, DecodeConfig(thresholds=0.0))
-    assert not auto.use_tree and SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).use_tree
+    auto = SelfSpecDecoder(other, top, DecodeConfig(thresholds=0.0, tree="auto"))
+    assert not auto.use_tree and SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, tree="auto")).use_tree
+    assert not SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).use_tree  # default: chains
     p = prompt(1, 12)
     assert auto.generate(p, 20).tokens == other.generate_ar(p, 20)
 
@@ -202,7 +203,7 @@ def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
 
     model, engine = kernel_setup
     top = random_top_heads(model, depth=3)
-    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="off", siblings=3,
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="off", tree="on",
                                                         sibling_min_prob=0.0))
     final = torch.randn(model.config.hidden_size)
     sizes = {}

@@ -76,9 +76,14 @@ class DecodeConfig:
     tree:       draft trees (tree.py): the top-layer heads' chain, `siblings` step-0
                 alternatives of its first draft (each with head probability >=
                 sibling_min_prob) and the prompt-lookup copy, merged as a trie and verified
-                in one pass. "auto": where the engine supports them (kernel row layout) and
-                decoding is exact greedy with top-layer heads and/or lookup; "on": the same,
-                and an error where trees cannot be used; "off": chains only.
+                in one pass, extra rows kept only while they pay on the measured step costs.
+                "off" (default): chains. "on": trees, and an error where they cannot be used;
+                "auto": trees where the engine supports them (kernel row layout) and decoding
+                is exact greedy with top-layer heads and/or lookup, chains elsewhere.
+                Measured on the 2-core CPU (scripts/bench.py, 20 prompts, two runs): trees
+                commit 8-11% more tokens per verification (tau 2.14-2.22 vs 1.99) but their
+                wider steps and extra drafting cost as much: 3.04-3.12x HF greedy vs 3.06-3.07x
+                for chains, within noise, so chains stay the default here.
     """
 
     max_draft: int | None = None
@@ -90,9 +95,9 @@ class DecodeConfig:
     adaptive: bool = True
     lossy_top_k: int = 1
     draft_confidence: float = 0.4
-    tree: TreeMode = "auto"
-    siblings: int = 1
-    sibling_min_prob: float = 0.1
+    tree: TreeMode = "off"
+    siblings: int = 3
+    sibling_min_prob: float = 0.05
 
     def __post_init__(self):
         if self.tree not in TREE_MODES:
