@@ -38,7 +38,7 @@ METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_
            "self_lookup", "self")
 DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
 # draft structures, each = the shipped default policy with one change (--methods to pick)
-TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1")
+TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_heads_tree")
 SELF_DECODE = {
     "self_heads": dict(lookup="off"),
     "self_lookup": dict(lookup="only"),
@@ -47,6 +47,7 @@ SELF_DECODE = {
     "self_tree": dict(tree="on"),  # heads' chain + lookup copy + up to 3 siblings, one trie
     "self_tree_merge": dict(tree="on", siblings=0),  # heads' chain + lookup copy only
     "self_tree_sib1": dict(tree="on", siblings=1, sibling_min_prob=0.1),
+    "self_heads_tree": dict(tree="on", lookup="off"),  # heads alone: chain + siblings
 }
 
 
