@@ -38,7 +38,8 @@ METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_
            "self_lookup", "self")
 DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
 # draft structures, each = the shipped default policy with one change (--methods to pick)
-TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_heads_tree")
+TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_heads_tree",
+                "self_heads_fixed")
 SELF_DECODE = {
     "self_heads": dict(lookup="off"),
     "self_lookup": dict(lookup="only"),
@@ -48,6 +49,7 @@ SELF_DECODE = {
     "self_tree_merge": dict(tree="on", siblings=0),  # heads' chain + lookup copy only
     "self_tree_sib1": dict(tree="on", siblings=1, sibling_min_prob=0.1),
     "self_heads_tree": dict(tree="on", lookup="off"),  # heads alone: chain + siblings
+    "self_heads_fixed": dict(lookup="off", adaptive=False),  # heads alone, every draft they allow
 }
 
 
@@ -147,7 +149,7 @@ def main(argv=None):
         heads = False
         attach_heads(model, False)
     if heads is False:
-        methods = [m for m in methods if m != "self_heads"]
+        methods = [m for m in methods if not m.startswith("self_heads")]
     draft_model = None
     if args.draft_model:
         from transformers import AutoModelForCausalLM
