@@ -6,7 +6,11 @@ Builds a random-weight Llama-style model on the GPU (no network, no download), t
      through CUDA graphs, the bare replay of the `ar` graph (GPU time, no host work), and
      lookup-only speculative decoding through the graphs, each against the HBM bound
      (bytes of weights read per step / bandwidth);
-  2. token parity on a few random prompts: graphs == eager and speculative == AR (the
+  2. where the GPU time of one `ar` graph replay goes: kernels grouped by name
+     (torch.profiler, CUDA activity), launches and microseconds per step;
+  3. the GPU time of a `verify` graph replay at each engine width W of --width-sweep (all W
+     rows real), against W = 1: what a wider verification costs here;
+  4. token parity on a few random prompts: graphs == eager and speculative == AR (the
      engine's invariants: must be 100%), engine AR == HF greedy (a measured rate; random
      weights give near-flat logits, so near-ties make early divergence likely in bf16).
 
@@ -46,6 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per generation (N)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--width-sweep", default="1,2,4,8,16,32",
+                   help="engine widths W whose `verify` graph replay is timed (what a wider "
+                        "verification costs on this GPU; empty: none)")
+    p.add_argument("--profile-steps", type=int, default=16,
+                   help="replays of the `ar` graph under torch.profiler for the kernel table (0: none)")
     return p.parse_args(argv)
 
 
@@ -80,6 +89,75 @@ def bytes_per_step(model, args, context: int) -> tuple[int, int]:
     head_dim = args.hidden // args.heads
     kv = 2 * args.layers * args.kv_heads * context * head_dim * element
     return weights, kv
+
+
+def print_kernel_table(runner, engine, prompt, steps: int, torch) -> None:
+    """Kernels of `steps` back-to-back `ar` graph replays (torch.profiler, CUDA activity),
+    grouped by name: launches and GPU microseconds per step, most expensive first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    program = runner.program(("ar",))
+    if program is None:
+        print("\n## kernels per `ar` step: no `ar` graph captured")
+        return
+    engine.prefill(prompt)
+    engine.make_meta([len(prompt)])
+    program.graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            program.graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages()
+              if (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) > 0]
+    total = sum(getattr(e, "device_time_total", None) or e.cuda_time_total for e in events)
+    launches = sum(e.count for e in events)
+    print(f"\n## kernels per `ar` step (torch.profiler over {steps} graph replays): "
+          f"{launches / steps:.0f} launches, {total / steps:.0f} us of kernel time")
+    print("| kernel | launches / step | us / step | share |")
+    print("|---|---|---|---|")
+    events.sort(key=lambda e: -(getattr(e, "device_time_total", None) or e.cuda_time_total))
+    for e in events[:15]:
+        t = getattr(e, "device_time_total", None) or e.cuda_time_total
+        print(f"| `{e.key[:70]}` | {e.count / steps:.0f} | {t / steps:.1f} | {t / total:.0%} |")
+
+
+def print_width_sweep(model, args, prompt, torch) -> None:
+    """GPU time of one `verify` graph replay (all layers, all W rows real) per engine width."""
+    from hf_selfspec.engine.programs import Engine, EngineConfig
+    from hf_selfspec.engine.runner import CudaGraphRunner
+
+    widths = [int(w) for w in args.width_sweep.split(",") if w.strip()]
+    if not widths:
+        return
+    print(f"\n## `verify` graph replay per engine width (context {len(prompt)}, all rows real)")
+    print("| W | ms / replay | x W = 1 | ms per row |")
+    print("|---|---|---|---|")
+    first = None
+    for width in widths:
+        engine = Engine(model, EngineConfig(width=width, capacity=args.capacity, row_layout="fixed"))
+        runner = CudaGraphRunner(engine)
+        runner.warmup([("verify", 0)])
+        program = runner.program(("verify", 0))
+        if program is None:
+            print(f"| {width} | capture failed: {runner.fallback_reason} | - | - |")
+            continue
+        engine.prefill(prompt)
+        engine.make_meta(list(range(len(prompt), len(prompt) + width)))
+        for _ in range(3):
+            program.graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        reps = 50
+        begin.record()
+        for _ in range(reps):
+            program.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        ms = begin.elapsed_time(end) / reps
+        first = first or ms
+        print(f"| {width} | {ms:.3f} | {ms / first:.2f} | {ms / width:.3f} |")
+        del runner, engine
+        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
@@ -212,6 +290,14 @@ def main(argv=None) -> int:
             print(f"| {name} | - | - | - |")
             continue
         print(f"| {name} | {ms:.3f} | {1e3 / ms:.0f} | {bound_ms / ms:.0%} |")
+
+    # diagnostics: no invariant depends on them, so an error is printed and the run goes on
+    for diagnostic in (lambda: print_kernel_table(runner, engine, prompt, args.profile_steps, torch),
+                       lambda: print_width_sweep(model, args, prompt, torch)):
+        try:
+            diagnostic()
+        except Exception as error:  # noqa: BLE001 - report and go on
+            print(f"\n(diagnostic failed: {type(error).__name__}: {error})")
 
     if failed:
         print("\nFAILED:\n  " + "\n  ".join(failed))

@@ -7,12 +7,11 @@ set -uo pipefail  # no -e: one run should report every phase, even after a failu
 cd "$(dirname "$0")/.."
 status=0
 
-# --no-deps: keep the preinstalled torch/triton/transformers; --no-build-isolation: an
-# isolated build would fetch setuptools from the network
-if ! pip install -q --no-deps --no-build-isolation -e .; then
-    echo "pip install -e . failed: importing from the source tree instead" >&2
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# Import the package from the source tree: on the H200 machine (2026-12-04) `pip install
+# --no-deps --no-build-isolation -e .` succeeded but left `hf_selfspec` unimportable outside
+# pytest's rootdir (scripts/gpu_check.py failed with ModuleNotFoundError), and no network
+# is needed for a path
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
 
 echo "== tests (CUDA graphs, Triton kernel) =="

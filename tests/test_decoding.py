@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, tiny_model
+from conftest import engine_or_skip, hf_greedy, tiny_model
 
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine.programs import Engine, EngineConfig
@@ -61,7 +61,7 @@ def prompt(seed, length, alphabet=256):
 @pytest.fixture(scope="module", params=["fixed", "micro", "gemv", "wx", "wx4", "kernel"])
 def setup(request):
     model = tiny_model("llama", seed=0, layers=4)
-    engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout=request.param))
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=400, row_layout=request.param))
     heads = random_heads(model, [1, 3])
     return model, engine, heads
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, perturbed_copy, tiny_model
+from conftest import engine_or_skip, hf_greedy, perturbed_copy, tiny_model
 
 from hf_selfspec import attach_heads
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
@@ -30,7 +30,7 @@ def models():
 
 
 def engine_of(model, layout="wx"):
-    return Engine(model, EngineConfig(width=8, capacity=400, row_layout=layout))
+    return engine_or_skip(model, EngineConfig(width=8, capacity=400, row_layout=layout))
 
 
 CASES = {

@@ -212,3 +212,36 @@ def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
         tree, _ = decoder.draft_tree([5, 6], final, 7, set(), stats, DraftBudget(costs, 7, adaptive=False))
         sizes[name] = len(tree)
     assert sizes == {"flat": 7, "steep": 4}  # root + 3 chain drafts (+ 3 siblings when flat)
+
+
+@pytest.mark.parametrize("tree", ["off", "on"])
+def test_a_paying_copy_is_drafted_when_the_heads_do_not_pay(kernel_setup, tree):
+    """lookup="first": the heads' higher live rate must not silence a copy that pays when
+    the heads themselves get no budget this cycle (else nothing drafts, the copy's rate is
+    never updated and the loop is stuck in AR steps on copyable text: measured on an
+    adversarial prompt, tau 1.2 instead of 2.8). Both the chain and the tree cycle."""
+    from hf_selfspec.decoding.cycle import _Block
+    from hf_selfspec.decoding.policy import DraftBudget
+    from hf_selfspec.stats import DecodeStats
+
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=3)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="first", tree=tree))
+    text = [5, 6, 7, 8, 9, 5, 6]
+    decoder.lookup.reset(text)
+    assert decoder.lookup.propose(3) == [7, 8, 9]
+    # flat verification costs: any copy pays; a head draft costs a whole step: heads never pay
+    policy = DraftBudget([1.0] * 9, 7, draft_costs={"head": 1.0, "copy": 0.0})
+    policy.tracker("head").successes, policy.tracker("head").trials = 9.0, 10.0  # rate 0.9
+    policy.tracker("copy").successes, policy.tracker("copy").trials = 3.0, 10.0  # rate 0.3
+    assert policy.rate("copy") < policy.rate("head")
+    stats = DecodeStats(exits_per_head=[0, 0, 0])
+    final = torch.randn(model.config.hidden_size)
+    if tree == "on":
+        drafted, branches = decoder.draft_tree(text, final, 7, set(), stats, policy)
+        assert drafted.tokens[1:4] == [7, 8, 9] and set(branches) == {"copy"}
+    else:
+        block = _Block(engine, text[-1], len(text))
+        block.final_before, block.committed = final, text
+        decoder.draft_block(block, 7, set(), stats, policy)
+        assert block.tokens[1:4] == [7, 8, 9] and set(block.sources[1:]) == {"copy"}

@@ -348,13 +348,16 @@ class SelfSpecDecoder:
         copies: list[int] = []
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
         has_heads = bool(self.head_list) or self.top is not None or self._drafter is not None
+        head_budget = min(budget, policy.budget(self._drafter_key))
         if self.lookup is not None and copy_budget > 0 and mode in ("only", "first"):
             copies = self.lookup.propose(copy_budget)
             # "first": a copy pre-empts the heads only while copies are accepted at least
-            # as often as head drafts on this text (live rates, policy.py)
-            if copies and mode == "first" and has_heads and policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key):
+            # as often as head drafts on this text (live rates, policy.py); when the heads
+            # do not pay this cycle (budget 0), a copy that pays is drafted whatever their
+            # rate (else neither drafts and the copy's rate could never recover)
+            if (copies and mode == "first" and has_heads and head_budget > 0
+                    and policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key)):
                 copies = []
-        head_budget = min(budget, policy.budget(self._drafter_key))
         if not copies and self.head_list and mode != "only":
             self._draft_from_heads(block, head_budget, eos, stats, scorer)
         if not copies and self.top is not None and head_budget > 0:
@@ -446,7 +449,9 @@ class SelfSpecDecoder:
         drafted = {SOURCE_COPY: (copies, [SOURCE_COPY] * len(copies)),
                    self._drafter_key: ([t for t, _c, _s in head_chain], head_sources)}
         order = [SOURCE_COPY, self._drafter_key]
-        if policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key) or not copies:
+        # the heads go first when their live rate is higher and they draft this cycle (a
+        # copy that pays goes first when the heads' budget is 0, as in draft_block)
+        if not copies or (head_chain and policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key)):
             order.reverse()
         first, second = order
         # the first drafter's chain (its policy budget already weighed its cost)
