@@ -38,11 +38,21 @@ inline void tile(const float* __restrict w, const float* __restrict x, int64_t K
   for (int i = 0; i < NW; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) acc[i][c] = _mm256_setzero_ps();
+  // software prefetch of each weight row PF floats ahead, once per 64-byte line: it changes
+  // no arithmetic, only keeps memory busy while several x rows are multiplied (measured on a
+  // 2-core Xeon, all SmolLM2 layer weights: 4 rows 24.7 -> 19.5 ms, 8 rows 33 -> 23-26 ms,
+  // 1 row unchanged at the memory bound); further ahead for the 5-8 row tiles, whose one or
+  // two weight rows per pass are consumed more slowly
+  constexpr int64_t PF = NX <= 4 ? 256 : 1024;
   const int64_t k8 = K - K % 8;
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[NW];
 #pragma GCC unroll 8
     for (int i = 0; i < NW; ++i) wv[i] = _mm256_loadu_ps(w + i * K + k);
+    if ((k & 15) == 0) {
+#pragma GCC unroll 8
+      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) {
       const __m256 xv = _mm256_loadu_ps(x + c * K + k);
