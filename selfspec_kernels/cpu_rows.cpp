@@ -97,6 +97,12 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x [R, K], w [O, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rows_linear: contiguous inputs");
   const int64_t R = x.size(0), K = x.size(1), O = w.size(0);
+  if (R == 3) {  // through the 4-row tile with a zero row: the same arithmetic per dot product,
+                 // and faster than a 3-row tile (2-core Xeon, layer weights: 19.5 vs 21.2 ms)
+    auto x4 = torch::zeros({4, K}, x.options());
+    x4.narrow(0, 0, 3).copy_(x);
+    return rows_linear(x4, w).narrow(0, 0, 3);
+  }
   auto y = torch::empty({R, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
@@ -104,7 +110,6 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
   switch (R) {  // registers: NW * NX accumulators + NW weight vectors + 1 x vector <= 16
     case 1: run<4, 1, 0>(wp, xp, yp, K, O); break;
     case 2: run<4, 2, 0>(wp, xp, yp, K, O); break;
-    case 3: run<3, 3, 0>(wp, xp, yp, K, O); break;
     case 4: run<3, 4, 0>(wp, xp, yp, K, O); break;
     case 5: run<2, 5, 0>(wp, xp, yp, K, O); break;
     case 6: run<2, 6, 0>(wp, xp, yp, K, O); break;
