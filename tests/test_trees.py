@@ -245,3 +245,42 @@ def test_a_paying_copy_is_drafted_when_the_heads_do_not_pay(kernel_setup, tree):
         block.final_before, block.committed = final, text
         decoder.draft_block(block, 7, set(), stats, policy)
         assert block.tokens[1:4] == [7, 8, 9] and set(block.sources[1:]) == {"copy"}
+
+
+def test_a_copy_that_extends_the_heads_chain_is_not_cut_short(kernel_setup):
+    """The heads go first (higher live rate) and their 3 drafts are the copy's first 3
+    tokens: the copy's further rows compete with nothing, so they are weighed by the copy's
+    own rate (not by the heads' miss rate) and kept where the step cost pays for them.
+    (Weighed by the heads' 0.1 miss rate they were dropped: trees cut adversarial copies
+    short.) A copy that leaves the heads' chain still competes with it from there on."""
+    from hf_selfspec.decoding.policy import DraftBudget
+    from hf_selfspec.stats import DecodeStats
+
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=3)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="first", tree="on",
+                                                        sibling_min_prob=1.0))
+    final = torch.randn(model.config.hidden_size)
+    chain, _ = top.draft_with_alternatives(final, 6, 3, decoder.thresholds, 0)
+    heads_tokens = [t for t, _c, _s in chain]
+    assert len(heads_tokens) == 3
+    costs = [1.0] * 5 + [1.05, 1.10, 1.15, 1.20]  # rows beyond 4 cost 5% each
+
+    def tree_for(after):  # the copy proposes `after` (the text after the last "5 6")
+        text = [5, 6] + after + [5, 6]
+        decoder.lookup.reset(text)
+        policy = DraftBudget(costs, 7, draft_costs={"head": 0.0, "copy": 0.0})
+        policy.tracker("head").successes, policy.tracker("head").trials = 9.0, 10.0  # rate 0.9
+        policy.tracker("copy").successes, policy.tracker("copy").trials = 8.0, 10.0  # rate 0.8
+        assert decoder.lookup.propose(min(7, policy.budget("copy")))[:len(after)] == after
+        return decoder.draft_tree(text, final, 7, set(), DecodeStats(exits_per_head=[0, 0, 0]), policy)
+
+    extension = [t for t in range(40, 60) if t not in heads_tokens][:4]
+    tree, branches = tree_for(heads_tokens + extension)
+    assert tree.tokens[1:] == heads_tokens + extension and tree.is_chain
+    assert len(branches["copy"]) == 7
+    # a copy that leaves the heads' chain at its second token: its rows compete (x 0.1)
+    other = next(t for t in range(40, 60) if t not in heads_tokens + extension)
+    tree, branches = tree_for(heads_tokens[:1] + [other] + extension[:2])
+    assert tree.tokens[1:] == heads_tokens  # none of its own rows pays
+    assert branches["copy"] == [1]  # it shares the heads' first row (credited to both)

@@ -469,11 +469,20 @@ class SelfSpecDecoder:
         # extra rows, most likely first: (probability, order, parent branch position, token, source)
         extras = []
         tokens, sources = drafted[second]
-        # the other chain's first token competes with the first chain's: it is only needed
-        # (and right) when the first chain's first draft is wrong
-        miss = 1.0 - policy.rate(first) if rows else 1.0
+        # where the other chain leaves the first one (a different token at the same depth) it
+        # competes with it: from there on it is only needed (and right) when the first chain
+        # is wrong there. Where it agrees with the whole first chain and goes on past its end
+        # (a copy the heads' short chain began), nothing competes with its further rows.
+        first_tokens = [tree.tokens[r] for r in rows]
+        shared = 0
+        while (shared < min(len(tokens), len(first_tokens))
+               and tokens[shared] == first_tokens[shared]):
+            shared += 1
+        diverges = shared < len(first_tokens)
+        miss = 1.0 - policy.rate(first)
         for j, token in enumerate(tokens):
-            extras.append((miss * policy.rate(second) ** (j + 1), len(extras), j, token, sources[j], second))
+            weight = miss if diverges and j >= shared else 1.0
+            extras.append((weight * policy.rate(second) ** (j + 1), len(extras), j, token, sources[j], second))
             if token in eos:
                 break
         for token, prob in alternatives:  # siblings of the heads' first draft
