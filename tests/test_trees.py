@@ -174,6 +174,19 @@ def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
         SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0, lossy_top_k=2))
     with pytest.raises(ValueError, match="greedy option"):
         SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0)).generate([5, 6], 5, do_sample=True)
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from hf_selfspec.decoding.sampling import RowScorer
+
+    def penalty(p):  # a processor whose score depends on the row's history (its path in a tree)
+        return RowScorer(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)]), p,
+                         model.config.vocab_size, torch.device("cpu"))
+    with pytest.raises(ValueError, match="logits processors"):
+        SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0)).generate([5, 6], 5, scorer=penalty([5, 6]))
+    p = prompt(2, 20)  # auto (the default): chains with processors, same tokens as without trees
+    auto_out = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).generate(p, 24, scorer=penalty(p))
+    chain_out = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, tree="off")).generate(p, 24, scorer=penalty(p))
+    assert auto_out.tokens == chain_out.tokens
     with pytest.raises(ValueError, match="tree must be"):
         DecodeConfig(tree="yes")
     with pytest.raises(ValueError, match="kernel"):
@@ -181,7 +194,8 @@ def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
     # auto: chains there, with the same output
     auto = SelfSpecDecoder(other, top, DecodeConfig(thresholds=0.0, tree="auto"))
     assert not auto.use_tree and SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, tree="auto")).use_tree
-    assert not SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).use_tree  # default: chains
+    assert SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).use_tree  # default: auto
+    assert not SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, tree="off")).use_tree
     p = prompt(1, 12)
     assert auto.generate(p, 20).tokens == other.generate_ar(p, 20)
 

@@ -77,13 +77,14 @@ class DecodeConfig:
                 alternatives of its first draft (each with head probability >=
                 sibling_min_prob) and the prompt-lookup copy, merged as a trie and verified
                 in one pass, extra rows kept only while they pay on the measured step costs.
-                "off" (default): chains. "on": trees, and an error where they cannot be used;
-                "auto": trees where the engine supports them (kernel row layout) and decoding
-                is exact greedy with top-layer heads and/or lookup, chains elsewhere.
-                Measured on the 2-core CPU (scripts/bench.py, 20 prompts, two runs): trees
-                commit 8-11% more tokens per verification (tau 2.14-2.22 vs 1.99) but their
-                wider steps and extra drafting cost as much: 3.04-3.12x HF greedy vs 3.06-3.07x
-                for chains, within noise, so chains stay the default here.
+                "auto" (default): trees where the engine supports them (kernel row layout)
+                and decoding is exact greedy with top-layer heads and/or lookup, chains
+                elsewhere (sampling, exit heads, a draft model, other layouts). "on": trees,
+                and an error where they cannot be used; "off": chains.
+                Measured (scripts/bench.py, 12 prompts, side by side, all identical): on a
+                2-core Intel Xeon trees 2.26-2.27x HF greedy vs 2.11-2.14x for chains in two
+                runs (chat, code, summarize +3-14%; adversarial copies -4 to -12%); on a 2-core
+                AMD EPYC, before the tree fixes of 2026-12-04, 3.04-3.12x vs 3.06-3.07x.
     """
 
     max_draft: int | None = None
@@ -95,7 +96,7 @@ class DecodeConfig:
     adaptive: bool = True
     lossy_top_k: int = 1
     draft_confidence: float = 0.4
-    tree: TreeMode = "off"
+    tree: TreeMode = "auto"
     siblings: int = 3
     sibling_min_prob: float = 0.05
 
@@ -622,10 +623,12 @@ class SelfSpecDecoder:
         if self._drafter is not None:  # a draft-model token costs its step, in main-model steps
             policy.draft_costs["draft_model"] = (
                 self.draft_engine.one_row_seconds / engine.one_row_seconds if self.config.adaptive else 0.0)
-        use_tree = self.use_tree and not do_sample
-        if do_sample and self.config.tree == "on":
-            raise ValueError("tree='on' is a greedy option: speculative sampling verifies chains "
-                             "(use tree='auto' or 'off')")
+        # logits processors score a row from its history, which in a tree is its path, not
+        # the rows before it: sampling and processors verify chains
+        use_tree = self.use_tree and not do_sample and scorer is None
+        if self.config.tree == "on" and (do_sample or scorer is not None):
+            raise ValueError("tree='on' is a greedy option without logits processors: speculative "
+                             "sampling and logits processors verify chains (use tree='auto' or 'off')")
         while not done and use_tree:
             budget = min(self.max_draft, max_new_tokens - len(out) - 1)
             t0 = time.perf_counter()
