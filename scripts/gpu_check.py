@@ -108,17 +108,19 @@ def print_kernel_table(runner, engine, prompt, steps: int, torch) -> None:
         for _ in range(steps):
             program.graph.replay()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages()
-              if (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) > 0]
-    total = sum(getattr(e, "device_time_total", None) or e.cuda_time_total for e in events)
+    def device_us(event) -> float:  # torch >= 2.4 names it device_time_total
+        return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+
+    events = [e for e in prof.key_averages() if device_us(e) > 0]
+    total = sum(device_us(e) for e in events)
     launches = sum(e.count for e in events)
     print(f"\n## kernels per `ar` step (torch.profiler over {steps} graph replays): "
           f"{launches / steps:.0f} launches, {total / steps:.0f} us of kernel time")
     print("| kernel | launches / step | us / step | share |")
     print("|---|---|---|---|")
-    events.sort(key=lambda e: -(getattr(e, "device_time_total", None) or e.cuda_time_total))
+    events.sort(key=lambda e: -device_us(e))
     for e in events[:15]:
-        t = getattr(e, "device_time_total", None) or e.cuda_time_total
+        t = device_us(e)
         print(f"| `{e.key[:70]}` | {e.count / steps:.0f} | {t / steps:.1f} | {t / total:.0%} |")
 
 
