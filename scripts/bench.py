@@ -38,17 +38,19 @@ METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_
            "self_lookup", "self")
 DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
 # draft structures, each = the shipped default policy with one change (--methods to pick)
-TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_heads_tree",
-                "self_heads_fixed")
+TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_tree_beam1",
+                "self_heads_tree", "self_heads_chain", "self_heads_fixed")
 SELF_DECODE = {
     "self_heads": dict(lookup="off"),
     "self_lookup": dict(lookup="only"),
     "self": {},  # the shipped default policy
     "self_chain": dict(tree="off"),  # chains: copies pre-empt heads or heads draft alone
-    "self_tree": dict(tree="on"),  # heads' chain + lookup copy + up to 3 siblings, one trie
+    "self_tree": dict(tree="on"),  # heads' dynamic tree + lookup copy, one trie
     "self_tree_merge": dict(tree="on", siblings=0),  # heads' chain + lookup copy only
     "self_tree_sib1": dict(tree="on", siblings=1, sibling_min_prob=0.1),
-    "self_heads_tree": dict(tree="on", lookup="off"),  # heads alone: chain + siblings
+    "self_tree_beam1": dict(tree="on", tree_beam=1),  # only the likeliest node of a step expanded
+    "self_heads_tree": dict(tree="on", lookup="off"),  # heads alone: their dynamic tree
+    "self_heads_chain": dict(tree="off", lookup="off"),  # heads alone: their chain
     "self_heads_fixed": dict(lookup="off", adaptive=False),  # heads alone, every draft they allow
 }
 

@@ -395,6 +395,69 @@ def trees(args):
         print(f"  {name:<48} {float(tau.mean()):.4f}")
 
 
+def dynamic_trees(args):
+    """Heads-only trees built from the heads' own probabilities (EAGLE-2's dynamic tree), on
+    the own-generation eval set: at each chain step the `--beam` most likely nodes so far
+    (product of the head probabilities along their path) are expanded by their `--children`
+    most likely next tokens; the tree is the N most likely nodes of all expanded ones (a
+    child is never more likely than its parent, so they form a tree). Prints tau for N =
+    1..--max-nodes drafts against the chain of the same N, the calibration of the path
+    probability (mean predicted vs accepted), and with --costs (verify cost of 1..W rows
+    in AR steps) the N that maximises tau per cost."""
+    torch.set_num_threads(args.threads)
+    model, _ = load_default_model_and_tokenizer()
+    from hf_selfspec.heads.top_repo import load_top_heads
+
+    heads = load_top_heads(args.heads, model)
+    D = heads.config.depth
+    f, x, y, agree = examples(torch.load(FEATURES / "own_eval.pt"), D)
+    sel = agree.all(1)
+    f, x, y = f[sel].to(heads.out_norm.dtype), x[sel], y[sel]
+    P, B, K = len(f), args.beam, args.children
+    cand_score, cand_flag, cand_depth = [], [], []
+    with torch.no_grad():
+        h = f[:, None]  # [P, n, H] frontier states
+        tok = x[:, :1]  # [P, n] frontier tokens
+        score = torch.ones(P, 1)
+        flag = torch.ones(P, 1, dtype=torch.bool)  # the node is on the model's path
+        for d in range(D):
+            n = h.shape[1]
+            hd, logits = heads.step_logits(d, h.reshape(P * n, -1), tok.reshape(-1))
+            probs = torch.softmax(logits.float(), -1)
+            p, idx = probs.topk(K, -1)  # [P*n, K]
+            child_tok = heads.vocab_ids[idx].reshape(P, n * K)
+            child_score = (score[:, :, None] * p.reshape(P, n, K)).reshape(P, n * K)
+            child_flag = (flag[:, :, None].expand(P, n, K).reshape(P, n * K)
+                          & (child_tok == y[:, d:d + 1]))
+            cand_score.append(child_score)
+            cand_flag.append(child_flag)
+            cand_depth.append(torch.full_like(child_score, d))
+            keep = child_score.topk(min(B, n * K), -1).indices  # [P, b]
+            h = hd.reshape(P, n, -1)[torch.arange(P)[:, None], keep // K]
+            tok, score, flag = child_tok.gather(1, keep), child_score.gather(1, keep), child_flag.gather(1, keep)
+    s, fl, dp = torch.cat(cand_score, 1), torch.cat(cand_flag, 1), torch.cat(cand_depth, 1)
+    order = torch.argsort(-(s - dp * 1e-7), dim=1)  # most likely first, parents before children on ties
+    fl_sorted, s_sorted = fl.gather(1, order).float(), s.gather(1, order)
+    tau = 1 + fl_sorted.cumsum(1).mean(0)  # tau with the first N nodes
+    pred = 1 + s_sorted.cumsum(1).mean(0)
+    # the chain of N drafts (top-1 at every step, what the chain decoder drafts)
+    with torch.no_grad():
+        hc, prev, alive, chain_tau = f, x[:, 0], torch.ones(P, dtype=torch.bool), [1.0]
+        for d in range(D):
+            hc, logits = heads.step_logits(d, hc, prev)
+            prev = heads.vocab_ids[logits.argmax(-1)]
+            alive = alive & (prev == y[:, d])
+            chain_tau.append(chain_tau[-1] + float(alive.float().mean()))
+    costs = [float(c) for c in args.costs.split(",")] if args.costs else None
+    print(f"{P} own-eval positions, depth {D}, beam {B}, children {K}")
+    print("| drafts N | tree tau | predicted (path prob.) | chain tau | tree tau / cost |")
+    print("|---|---|---|---|---|")
+    for N in range(1, min(args.max_nodes, s.shape[1]) + 1):
+        chain = f"{chain_tau[N]:.3f}" if N <= D else "-"
+        per_cost = (f"{float(tau[N - 1]) / costs[N + 1]:.3f}" if costs and N + 1 < len(costs) else "-")
+        print(f"| {N} | {float(tau[N - 1]):.3f} | {float(pred[N - 1]):.3f} | {chain} | {per_cost} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -421,6 +484,14 @@ def main(argv=None):
     tr.add_argument("--heads", default=str(Path(__file__).resolve().parent.parent / "hf_selfspec" / "default_heads"))
     tr.add_argument("--threads", type=int, default=2)
     tr.set_defaults(func=trees)
+    dt = sub.add_parser("dyn-trees", help="heads-only trees from the heads' path probabilities (own eval set)")
+    dt.add_argument("--beam", type=int, default=4)
+    dt.add_argument("--children", type=int, default=4)
+    dt.add_argument("--max-nodes", type=int, default=7)
+    dt.add_argument("--costs", default="", help="verify cost of 0..W rows in AR steps, e.g. 0,1,1.10,1.19,1.19,1.3,1.35,1.4,1.44")
+    dt.add_argument("--heads", default=str(Path(__file__).resolve().parent.parent / "hf_selfspec" / "default_heads"))
+    dt.add_argument("--threads", type=int, default=2)
+    dt.set_defaults(func=dynamic_trees)
     t = sub.add_parser("train")
     t.add_argument("--depth", type=int, default=2)
     t.add_argument("--adapter", type=int, default=512)

@@ -225,7 +225,7 @@ def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
         stats = DecodeStats(exits_per_head=[0, 0, 0])
         tree, _ = decoder.draft_tree([5, 6], final, 7, set(), stats, DraftBudget(costs, 7, adaptive=False))
         sizes[name] = len(tree)
-    assert sizes == {"flat": 7, "steep": 4}  # root + 3 chain drafts (+ 3 siblings when flat)
+    assert sizes == {"flat": 8, "steep": 4}  # the whole width when rows are free, else 3 drafts
 
 
 @pytest.mark.parametrize("tree", ["off", "on"])
@@ -272,13 +272,15 @@ def test_a_copy_that_extends_the_heads_chain_is_not_cut_short(kernel_setup):
 
     model, engine = kernel_setup
     top = random_top_heads(model, depth=3)
+    with torch.no_grad():  # confident heads: their chain's path probability is ~1 (trained heads'
+        top.out_norm.mul_(1000.0)  # nodes are weighed by it), the siblings' ~0
     decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="first", tree="on",
                                                         sibling_min_prob=1.0))
     final = torch.randn(model.config.hidden_size)
-    chain, _ = top.draft_with_alternatives(final, 6, 3, decoder.thresholds, 0)
+    chain = top.draft(final, 6, 3, decoder.thresholds)
     heads_tokens = [t for t, _c, _s in chain]
     assert len(heads_tokens) == 3
-    costs = [1.0] * 5 + [1.05, 1.10, 1.15, 1.20]  # rows beyond 4 cost 5% each
+    costs = [1.0] * 5 + [1.03, 1.06, 1.09, 1.12]  # rows beyond 4 cost 3% each
 
     def tree_for(after):  # the copy proposes `after` (the text after the last "5 6")
         text = [5, 6] + after + [5, 6]
@@ -298,3 +300,89 @@ def test_a_copy_that_extends_the_heads_chain_is_not_cut_short(kernel_setup):
     tree, branches = tree_for(heads_tokens[:1] + [other] + extension[:2])
     assert tree.tokens[1:] == heads_tokens  # none of its own rows pays
     assert branches["copy"] == [1]  # it shares the heads' first row (credited to both)
+
+
+def test_heads_dynamic_tree_nodes():
+    """TopDraftHeads.draft_tree: likeliest first, parents first, each node's probability the
+    product of the head probabilities along its path (recomputed here step by step), the
+    top-1 chain = `draft`'s chain, only the `beam` likeliest nodes of a step expanded, and
+    thresholds / min_prob / stop tokens limiting the tree as documented."""
+    model = tiny_model("llama", seed=0, layers=2)
+    top = random_top_heads(model, depth=3)
+    final = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    nodes = top.draft_tree(final, 6, 3, [0.0] * 3, children=3, beam=2, min_prob=0.0)
+    assert [n.step for n in nodes].count(0) == 3 and len(nodes) == 3 + 2 * 3 + 2 * 3
+    assert all(a.prob >= b.prob for a, b in zip(nodes, nodes[1:]))
+    with torch.no_grad():
+        for i, node in enumerate(nodes):
+            assert node.parent < i and (node.parent == -1) == (node.step == 0)
+            path = [node]
+            while path[-1].parent >= 0:
+                path.append(nodes[path[-1].parent])
+            path.reverse()
+            h, prev, prob = final.reshape(1, -1), torch.tensor([6]), 1.0
+            for step, n in enumerate(path):
+                h, logits = top.step_logits(step, h, prev)
+                prob *= float(torch.softmax(logits.float(), -1)[0, n.token])
+                prev = torch.tensor([n.token])
+            assert prob == pytest.approx(node.prob, rel=1e-4)
+    chain = [n.token for n in nodes if n.on_chain]
+    assert chain == [t for t, _c, _s in top.draft(final, 6, 3, [0.0] * 3)]
+    for step in (0, 1):  # the parents of step + 1 are the 2 likeliest nodes of step
+        likeliest = sorted((n.prob, i) for i, n in enumerate(nodes) if n.step == step)[-2:]
+        assert {n.parent for n in nodes if n.step == step + 1} == {i for _p, i in likeliest}
+    assert {n.step for n in top.draft_tree(final, 6, 3, [0.0, 1.01, 0.0], 3, 2, 0.0)} == {0}
+    only_chain = top.draft_tree(final, 6, 3, [0.0] * 3, children=3, beam=2, min_prob=1.0)
+    assert [n.token for n in only_chain] == chain and all(n.on_chain for n in only_chain)
+    stopped = top.draft_tree(final, 6, 3, [0.0] * 3, 3, 2, 0.0, stop_tokens={chain[0]})
+    first = next(i for i, n in enumerate(stopped) if n.on_chain)
+    assert not any(n.parent == first for n in stopped)
+
+
+@pytest.mark.parametrize("beam", [1, 2, 8])
+def test_dynamic_trees_equal_engine_ar(kernel_setup, beam):
+    """Heads' trees of every beam width (1: siblings of the chain only; 8: every node
+    expanded), rows off the top-1 chain at any depth: output == engine AR."""
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=3)
+    with torch.no_grad():  # flatter heads: more nodes above min_prob
+        top.out_norm.mul_(0.5)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(
+        thresholds=0.0, lookup="off", tree="on", siblings=3, sibling_min_prob=0.0, tree_beam=beam,
+        adaptive=False))
+    off_chain = 0
+    for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (40, 8)]):
+        p = prompt(seed, length, alphabet)
+        r = decoder.generate(p, 40)
+        assert r.tokens == engine.generate_ar(p, 40), seed
+        off_chain += r.stats.off_chain_cycles
+    assert off_chain > 0
+
+
+def test_tree_rows_follow_the_heads_calibration(kernel_setup):
+    """The heads' path probabilities are scaled by their live calibration (accepted rows /
+    predicted): heads found over-confident get fewer rows on the same cost curve."""
+    from hf_selfspec.decoding.policy import DraftBudget, ProbabilityCalibration
+    from hf_selfspec.stats import DecodeStats
+
+    calibration = ProbabilityCalibration()
+    assert calibration.scale == 1.0
+    for _ in range(50):
+        calibration.update(2.0, 0.5)
+    assert calibration.scale == pytest.approx(0.25, abs=0.01)
+    model, engine = kernel_setup
+    top = random_top_heads(model, depth=3)
+    with torch.no_grad():
+        top.out_norm.mul_(3.0)
+    decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="off", tree="on",
+                                                        sibling_min_prob=0.0))
+    final = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    costs = [1.0, 1.0] + [1.0 + 0.04 * n for n in range(1, 8)]
+    sizes = {}
+    for observed in (0.2, 2.0):
+        policy = DraftBudget(costs, 7, adaptive=False)
+        for _ in range(50):
+            policy.calibration("head").update(1.0, observed)
+        tree, _ = decoder.draft_tree([5, 6], final, 7, set(), DecodeStats(exits_per_head=[0, 0, 0]), policy)
+        sizes[observed] = len(tree)
+    assert sizes[0.2] < sizes[2.0]

@@ -73,10 +73,12 @@ class DecodeConfig:
     draft_confidence: with a draft model (classical speculative decoding), stop drafting at
                 the first token whose draft-model probability is below this (HF's
                 assistant_confidence_threshold); 0 = draft up to the budget.
-    tree:       draft trees (tree.py): the top-layer heads' chain, `siblings` step-0
-                alternatives of its first draft (each with head probability >=
-                sibling_min_prob) and the prompt-lookup copy, merged as a trie and verified
-                in one pass, extra rows kept only while they pay on the measured step costs.
+    tree:       draft trees (tree.py): the top-layer heads' dynamic tree (at each step the
+                `tree_beam` likeliest nodes, by path probability, are expanded by their
+                `siblings` + 1 likeliest next tokens; nodes off the heads' top-1 chain need
+                path probability >= sibling_min_prob) and the prompt-lookup copy, merged as
+                a trie and verified in one pass, rows kept only while they pay on the
+                measured step costs.
                 "auto" (default): trees where the engine supports them (kernel row layout)
                 and decoding is exact greedy with top-layer heads and/or lookup, chains
                 elsewhere (sampling, exit heads, a draft model, other layouts). "on": trees,
@@ -99,6 +101,7 @@ class DecodeConfig:
     tree: TreeMode = "auto"
     siblings: int = 3
     sibling_min_prob: float = 0.05
+    tree_beam: int = 4
 
     def __post_init__(self):
         if self.tree not in TREE_MODES:
@@ -107,6 +110,8 @@ class DecodeConfig:
             raise ValueError(f"siblings must be a non-negative int, got {self.siblings!r}")
         if not 0.0 <= self.sibling_min_prob <= 1.0:
             raise ValueError(f"sibling_min_prob must be in [0, 1], got {self.sibling_min_prob!r}")
+        if not isinstance(self.tree_beam, int) or self.tree_beam < 1:
+            raise ValueError(f"tree_beam must be a positive int, got {self.tree_beam!r}")
         if self.lookup not in LOOKUP_MODES:
             raise ValueError(f"lookup must be one of {LOOKUP_MODES}, got {self.lookup!r}")
         if self.max_draft is not None and (not isinstance(self.max_draft, int) or self.max_draft < 0):
@@ -422,15 +427,18 @@ class SelfSpecDecoder:
 
     def draft_tree(self, out: list[int], final_before: torch.Tensor, budget: int, eos: set[int],
                    stats: DecodeStats, policy: DraftBudget) -> tuple[DraftTree, dict[str, list[int]]]:
-        """A tree from the last committed token (tree.py). The drafter with the higher live
-        acceptance (top-layer heads or the lookup copy) drafts its chain first, as many
-        tokens as the policy pays for alone. Then extra rows, most likely first: the other
-        drafter's chain (its j-th token accepted with probability ~ rate^j) and the heads'
-        step-0 siblings (their head probability, at least sibling_min_prob); the tree keeps
-        the number of extra rows that maximises expected tokens per verification cost on
-        the engine's measured step-cost curve (so rows that ride in a step of about the same
-        cost are taken, rows that widen it are not). Returns the tree and each drafter's
-        rows (for the policy's feedback)."""
+        """A tree from the last committed token (tree.py). The top-layer heads propose a
+        dynamic tree (`TopDraftHeads.draft_tree`: the `tree_beam` likeliest nodes of each
+        step expanded by their `siblings + 1` likeliest next tokens), each node weighed by
+        its path probability times the heads' live calibration; the lookup copy proposes a
+        chain, its j-th token weighed by rate^j. When the copy's live acceptance is at least
+        the heads', its chain goes first, as many tokens as the policy pays for alone; the
+        rest are extra rows, likeliest first (a branch that leaves the first chain only
+        counts where that chain is wrong: x its miss rate). The tree keeps the number of
+        rows that maximises expected tokens per verification cost on the engine's measured
+        step-cost curve (rows that ride in a step of about the same cost are taken, rows
+        that widen it are not). Returns the tree and each drafter's chain rows (the heads'
+        top-1 chain, the copy) for the policy's feedback."""
         tree = DraftTree(out[-1], min(self.engine.width, self.max_draft + 1))
         branches: dict[str, list[int]] = {}
         if budget <= 0:
@@ -440,86 +448,98 @@ class SelfSpecDecoder:
         copy_budget = min(budget, policy.budget(SOURCE_COPY))
         if self.lookup is not None and copy_budget > 0 and mode != "fallback":
             copies = self.lookup.propose(copy_budget)
-        head_chain, alternatives = [], []
+        nodes = []
         head_budget = min(budget, policy.budget(self._drafter_key))
         # a copy that goes first (its live rate is at least the heads') and fills the tree
         # leaves no row for the heads: they are not evaluated (on long copies, ~4% of the time)
         copy_fills = (len(copies) >= tree.width - 1
                       and policy.rate(SOURCE_COPY) >= policy.rate(self._drafter_key))
         if self.top is not None and head_budget > 0 and not copy_fills:
-            head_chain, alternatives = self.top.draft_with_alternatives(
-                final_before, out[-1], head_budget, self.thresholds, self.config.siblings)
+            nodes = self.top.draft_tree(final_before, out[-1], min(budget, tree.width - 1), self.thresholds,
+                                        self.config.siblings + 1, self.config.tree_beam,
+                                        self.config.sibling_min_prob, eos)
             stats.head_evaluations += 1
-        if self.lookup is not None and copy_budget > 0 and mode == "fallback" and not head_chain:
+        if self.lookup is not None and copy_budget > 0 and mode == "fallback" and not nodes:
             copies = self.lookup.propose(copy_budget)
-        head_sources = [head_source(step) for _t, _c, step in head_chain]
-        drafted = {SOURCE_COPY: (copies, [SOURCE_COPY] * len(copies)),
-                   self._drafter_key: ([t for t, _c, _s in head_chain], head_sources)}
-        order = [SOURCE_COPY, self._drafter_key]
-        # the heads go first when their live rate is higher and they draft this cycle (a
-        # copy that pays goes first when the heads' budget is 0, as in draft_block)
-        if not copies or (head_chain and policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key)):
-            order.reverse()
-        first, second = order
-        # the first drafter's chain (its policy budget already weighed its cost)
-        rows: list[int] = []
+        head_chain = [n.token for n in nodes if n.on_chain]
+        heads_first = not copies or (nodes and policy.rate(SOURCE_COPY) < policy.rate(self._drafter_key))
         expected = 1.0
-        for j, (token, source) in enumerate(zip(*drafted[first])):
-            row = tree.add(rows[-1] if rows else 0, token, source)
-            if row is None:
-                break
-            rows.append(row)
-            expected += policy.rate(first) ** (j + 1)
-            if token in eos:
-                break
-        branches[first] = rows
-        # extra rows, most likely first: (probability, order, parent branch position, token, source)
-        extras = []
-        tokens, sources = drafted[second]
-        # where the other chain leaves the first one (a different token at the same depth) it
-        # competes with it: from there on it is only needed (and right) when the first chain
-        # is wrong there. Where it agrees with the whole first chain and goes on past its end
-        # (a copy the heads' short chain began), nothing competes with its further rows.
-        first_tokens = [tree.tokens[r] for r in rows]
-        shared = 0
-        while (shared < min(len(tokens), len(first_tokens))
-               and tokens[shared] == first_tokens[shared]):
-            shared += 1
-        diverges = shared < len(first_tokens)
-        miss = 1.0 - policy.rate(first)
-        for j, token in enumerate(tokens):
-            weight = miss if diverges and j >= shared else 1.0
-            extras.append((weight * policy.rate(second) ** (j + 1), len(extras), j, token, sources[j], second))
-            if token in eos:
-                break
-        for token, prob in alternatives:  # siblings of the heads' first draft
-            if prob >= self.config.sibling_min_prob:
-                extras.append((prob, len(extras), -1, token, head_source(0), "sibling"))
+        extras = []  # (weight, order, kind, index, token, source)
+        copy_rows: list[int] = []
+        if not heads_first:  # the copy's chain (its policy budget already weighed its cost)
+            rate = policy.rate(SOURCE_COPY)
+            for j, token in enumerate(copies):
+                row = tree.add(copy_rows[-1] if copy_rows else 0, token, SOURCE_COPY)
+                if row is None:
+                    break
+                copy_rows.append(row)
+                expected += rate ** (j + 1)
+                if token in eos:
+                    break
+            first_tokens = [tree.tokens[r] for r in copy_rows]
+            miss = 1.0 - rate
+        else:
+            first_tokens = head_chain
+            miss = 1.0 - policy.rate(self._drafter_key)
+        # a branch that leaves the first chain (a different token at the same depth) competes
+        # with it: from there on it is only needed (and right) when the first chain is wrong
+        # there. Where it agrees with the whole first chain and goes past its end (a copy the
+        # heads' short chain began), nothing competes with its further rows.
+        scale = policy.calibration(self._drafter_key).scale
+        leaves_first = []
+        for i, node in enumerate(nodes):
+            left = ((node.parent >= 0 and leaves_first[node.parent])
+                    or (node.step < len(first_tokens) and node.token != first_tokens[node.step]))
+            leaves_first.append(left)
+            weight = scale * node.prob * (miss if left and not heads_first else 1.0)
+            extras.append((weight, len(extras), "head", i, node.token, head_source(node.step)))
+        if heads_first:
+            shared = 0
+            while (shared < min(len(copies), len(first_tokens))
+                   and copies[shared] == first_tokens[shared]):
+                shared += 1
+            diverges = shared < len(first_tokens)
+            rate = policy.rate(SOURCE_COPY)
+            for j, token in enumerate(copies):
+                weight = miss if diverges and j >= shared else 1.0
+                extras.append((weight * rate ** (j + 1), len(extras), SOURCE_COPY, j, token, SOURCE_COPY))
+                if token in eos:
+                    break
         extras.sort(key=lambda e: (-e[0], e[1]))
         costs = policy.costs
         best_rows, best_value = len(tree), expected / costs[len(tree)]
-        second_rows: list[int] = []
-        for prob, _i, j, token, source, kind in extras:
-            if kind == second:
-                if j != len(second_rows):  # its parent did not make it
+        node_rows: dict[int, int] = {}
+        for weight, _order, kind, index, token, source in extras:
+            if kind == SOURCE_COPY:
+                if index != len(copy_rows):  # its parent did not make it
                     continue
-                parent = second_rows[-1] if second_rows else 0
+                parent = copy_rows[-1] if copy_rows else 0
             else:
-                parent = 0
+                parent_node = nodes[index].parent
+                if parent_node >= 0 and parent_node not in node_rows:
+                    continue
+                parent = node_rows[parent_node] if parent_node >= 0 else 0
             before = len(tree)
             row = tree.add(parent, token, source)
             if row is None:
                 break
-            if kind == second:
-                second_rows.append(row)
+            if kind == SOURCE_COPY:
+                copy_rows.append(row)
+            else:
+                node_rows[index] = row
             if len(tree) > before:
-                expected += prob
+                if kind != SOURCE_COPY:
+                    tree.predicted[row] = nodes[index].prob
+                expected += weight
                 value = expected / costs[len(tree)]
                 if value > best_value + 1e-9:
                     best_rows, best_value = len(tree), value
         tree.truncate(best_rows)
-        if second_rows:
-            branches[second] = [r for r in second_rows if r < best_rows]
+        if copy_rows:
+            branches[SOURCE_COPY] = [r for r in copy_rows if r < best_rows]
+        if nodes:
+            chain_rows = [node_rows[i] for i, n in enumerate(nodes) if n.on_chain and i in node_rows]
+            branches[self._drafter_key] = [r for r in chain_rows if r < best_rows]
         for row in range(1, len(tree)):
             if tree.sources[row] != SOURCE_COPY:
                 stats.exits_per_head[int(tree.sources[row][len("head"):])] += 1
@@ -646,6 +666,9 @@ class SelfSpecDecoder:
             accepted = set(rows)
             for drafter, branch in branches.items():
                 policy.update(drafter, len(branch), sum(r in accepted for r in branch))
+            if tree.predicted:
+                policy.calibration(self._drafter_key).update(
+                    sum(tree.predicted.values()), sum(r in accepted for r in tree.predicted))
             position += len(tokens)
             before = len(out)
             done = self._commit(out, stats, tokens, sources, max_new_tokens, eos, stop, on_commit)

@@ -32,6 +32,9 @@ class DraftTree:
         self.parent = [-1]
         self.depth = [0]
         self.children: list[dict[int, int]] = [{}]
+        # rows a drafter added with its own probability that the row's path is the model's
+        # (the heads' path probability): compared with what is accepted (calibration)
+        self.predicted: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -79,6 +82,7 @@ class DraftTree:
             return
         for name in ("tokens", "sources", "parent", "depth", "children"):
             del getattr(self, name)[rows:]
+        self.predicted = {r: p for r, p in self.predicted.items() if r < rows}
         for kids in self.children:
             for token in [t for t, r in kids.items() if r >= rows]:
                 del kids[token]
