@@ -39,7 +39,7 @@ METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_
 DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
 # draft structures, each = the shipped default policy with one change (--methods to pick)
 TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_tree_beam1",
-                "self_heads_tree", "self_heads_chain", "self_heads_fixed")
+                "self_heads_tree", "self_heads_chain", "self_heads_fixed", "self_heads_fixed_tree")
 SELF_DECODE = {
     "self_heads": dict(lookup="off"),
     "self_lookup": dict(lookup="only"),
@@ -51,7 +51,8 @@ SELF_DECODE = {
     "self_tree_beam1": dict(tree="on", tree_beam=1),  # only the likeliest node of a step expanded
     "self_heads_tree": dict(tree="on", lookup="off"),  # heads alone: their dynamic tree
     "self_heads_chain": dict(tree="off", lookup="off"),  # heads alone: their chain
-    "self_heads_fixed": dict(lookup="off", adaptive=False),  # heads alone, every draft they allow
+    "self_heads_fixed": dict(lookup="off", adaptive=False, tree="off"),  # heads alone, every draft, chains
+    "self_heads_fixed_tree": dict(lookup="off", adaptive=False, tree="on"),  # every row of their tree
 }
 
 

@@ -222,10 +222,13 @@ def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
     final = torch.randn(model.config.hidden_size)
     sizes = {}
     for name, costs in {"flat": [1.0] * 9, "steep": [1.0, 1.0, 1.0, 1.0, 1.0, 9.0, 9.0, 9.0, 9.0]}.items():
-        stats = DecodeStats(exits_per_head=[0, 0, 0])
-        tree, _ = decoder.draft_tree([5, 6], final, 7, set(), stats, DraftBudget(costs, 7, adaptive=False))
-        sizes[name] = len(tree)
-    assert sizes == {"flat": 8, "steep": 4}  # the whole width when rows are free, else 3 drafts
+        for adaptive in (True, False):
+            stats = DecodeStats(exits_per_head=[0, 0, 0])
+            policy = DraftBudget(costs, 7, adaptive=adaptive)
+            tree, _ = decoder.draft_tree([5, 6], final, 7, set(), stats, policy)
+            sizes[name, adaptive] = len(tree)
+    # the whole width when rows are free, else 3 drafts; adaptive=False keeps every row
+    assert sizes == {("flat", True): 8, ("steep", True): 4, ("flat", False): 8, ("steep", False): 8}
 
 
 @pytest.mark.parametrize("tree", ["off", "on"])
@@ -380,9 +383,9 @@ def test_tree_rows_follow_the_heads_calibration(kernel_setup):
     costs = [1.0, 1.0] + [1.0 + 0.04 * n for n in range(1, 8)]
     sizes = {}
     for observed in (0.2, 2.0):
-        policy = DraftBudget(costs, 7, adaptive=False)
+        policy = DraftBudget(costs, 7)
         for _ in range(50):
             policy.calibration("head").update(1.0, observed)
         tree, _ = decoder.draft_tree([5, 6], final, 7, set(), DecodeStats(exits_per_head=[0, 0, 0]), policy)
         sizes[observed] = len(tree)
-    assert sizes[0.2] < sizes[2.0]
+    assert sizes[0.2] < sizes[2.0], sizes

@@ -65,7 +65,8 @@ class DecodeConfig:
     adaptive:   True: the draft budget follows live acceptance and the measured step costs
                 (policy.py), so where drafts do not pay the loop takes plain AR steps (with
                 a one-draft probe every 16 cycles); False: draft whatever the thresholds
-                allow, up to max_draft (to measure heads, or force branches in tests)
+                allow, up to max_draft, and in trees keep every row the drafters propose
+                (to measure heads, or force branches in tests)
     lossy_top_k: LOSSY, opt-in. 1 (default) = exact: a draft is accepted only when it is the
                 model's token. k > 1 accepts a draft that is among the model's top-k at its
                 position, so the output is no longer the model's greedy output (it is still
@@ -437,7 +438,7 @@ class SelfSpecDecoder:
         counts where that chain is wrong: x its miss rate). The tree keeps the number of
         rows that maximises expected tokens per verification cost on the engine's measured
         step-cost curve (rows that ride in a step of about the same cost are taken, rows
-        that widen it are not). Returns the tree and each drafter's chain rows (the heads'
+        that widen it are not; with adaptive=False every proposed row is kept). Returns the tree and each drafter's chain rows (the heads'
         top-1 chain, the copy) for the policy's feedback."""
         tree = DraftTree(out[-1], min(self.engine.width, self.max_draft + 1))
         branches: dict[str, list[int]] = {}
@@ -532,7 +533,8 @@ class SelfSpecDecoder:
                     tree.predicted[row] = nodes[index].prob
                 expected += weight
                 value = expected / costs[len(tree)]
-                if value > best_value + 1e-9:
+                # adaptive=False (to measure the drafters): every row they propose is kept
+                if value > best_value + 1e-9 or not policy.adaptive:
                     best_rows, best_value = len(tree), value
         tree.truncate(best_rows)
         if copy_rows:
