@@ -29,6 +29,9 @@ def main(argv=None):
     ap.add_argument("--categories", default="chat,code,summarize,adversarial")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--lookup", default="first", help="DecodeConfig.lookup for every folder")
+    ap.add_argument("--adaptive", choices=["on", "off"], default="on",
+                    help="off: every draft / every tree row the heads propose (tau then does not "
+                         "depend on the measured step costs)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -45,7 +48,7 @@ def main(argv=None):
                                    max_new_tokens=args.max_new_tokens)[0, len(p):].tolist()
     print(f"{'heads':<40}" + "".join(f"{c:>13}" for c in categories) + f"{'all':>13}  identical")
     for folder in args.heads:
-        attach_heads(model, folder, decode=DecodeConfig(lookup=args.lookup))
+        attach_heads(model, folder, decode=DecodeConfig(lookup=args.lookup, adaptive=args.adaptive == "on"))
         per = {c: [0, 0] for c in categories}  # tokens, cycles
         identical = 0
         for i, (c, p) in enumerate(prompts):

@@ -138,15 +138,22 @@ def test_real_tree_drafts_equal_engine_ar(kernel_setup, lookup, siblings, min_pr
     decoder = SelfSpecDecoder(engine, top, DecodeConfig(
         thresholds=thresholds, lookup=lookup, tree="on", siblings=siblings, sibling_min_prob=min_prob,
         adaptive=False))
-    off_chain = 0
-    for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (60, 8)]):
-        p = prompt(seed, length, alphabet)
-        r = decoder.generate(p, 48)
-        assert r.tokens == engine.generate_ar(p, 48), seed
-        assert r.stats.new_tokens == r.stats.accepted + r.stats.cycles + 1
-        off_chain += r.stats.off_chain_cycles
+    off_chain = off_chain_cycles_of_ar_equal_runs(decoder, engine, [(1, 256), (17, 256), (60, 8)], 48)
     if siblings == 3 and lookup in ("off", "first"):
         assert off_chain > 0
+
+
+def off_chain_cycles_of_ar_equal_runs(decoder, engine, prompts, new_tokens):
+    """Generate from each (length, alphabet) prompt, check output == engine AR; returns the
+    number of cycles that accepted a row off the chain's positions."""
+    off_chain = 0
+    for seed, (length, alphabet) in enumerate(prompts):
+        p = prompt(seed, length, alphabet)
+        r = decoder.generate(p, new_tokens)
+        assert r.tokens == engine.generate_ar(p, new_tokens), seed
+        assert r.stats.new_tokens == r.stats.accepted + r.stats.cycles + 1
+        off_chain += r.stats.off_chain_cycles
+    return off_chain
 
 
 def test_logits_of_tree_cycles_are_the_committed_rows(kernel_setup):
@@ -353,13 +360,7 @@ def test_dynamic_trees_equal_engine_ar(kernel_setup, beam):
     decoder = SelfSpecDecoder(engine, top, DecodeConfig(
         thresholds=0.0, lookup="off", tree="on", siblings=3, sibling_min_prob=0.0, tree_beam=beam,
         adaptive=False))
-    off_chain = 0
-    for seed, (length, alphabet) in enumerate([(1, 256), (17, 256), (40, 8)]):
-        p = prompt(seed, length, alphabet)
-        r = decoder.generate(p, 40)
-        assert r.tokens == engine.generate_ar(p, 40), seed
-        off_chain += r.stats.off_chain_cycles
-    assert off_chain > 0
+    assert off_chain_cycles_of_ar_equal_runs(decoder, engine, [(1, 256), (17, 256), (40, 8)], 40) > 0
 
 
 def test_tree_rows_follow_the_heads_calibration(kernel_setup):
