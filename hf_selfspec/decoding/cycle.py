@@ -486,23 +486,21 @@ class SelfSpecDecoder:
         # with it: from there on it is only needed (and right) when the first chain is wrong
         # there. Where it agrees with the whole first chain and goes past its end (a copy the
         # heads' short chain began), nothing competes with its further rows.
+        def leaves_first(step: int, token: int, parent_left: bool) -> bool:
+            return parent_left or (step < len(first_tokens) and token != first_tokens[step])
+
         scale = policy.calibration(self._drafter_key).scale
-        leaves_first = []
+        left = []  # per head node: its path leaves the first chain (only the copy's can)
         for i, node in enumerate(nodes):
-            left = ((node.parent >= 0 and leaves_first[node.parent])
-                    or (node.step < len(first_tokens) and node.token != first_tokens[node.step]))
-            leaves_first.append(left)
-            weight = scale * node.prob * (miss if left and not heads_first else 1.0)
+            left.append(not heads_first and leaves_first(node.step, node.token,
+                                                         node.parent >= 0 and left[node.parent]))
+            weight = scale * node.prob * (miss if left[-1] else 1.0)
             extras.append((weight, len(extras), "head", i, node.token, head_source(node.step)))
         if heads_first:
-            shared = 0
-            while (shared < min(len(copies), len(first_tokens))
-                   and copies[shared] == first_tokens[shared]):
-                shared += 1
-            diverges = shared < len(first_tokens)
-            rate = policy.rate(SOURCE_COPY)
+            rate, copy_left = policy.rate(SOURCE_COPY), False
             for j, token in enumerate(copies):
-                weight = miss if diverges and j >= shared else 1.0
+                copy_left = leaves_first(j, token, copy_left)
+                weight = miss if copy_left else 1.0
                 extras.append((weight * rate ** (j + 1), len(extras), SOURCE_COPY, j, token, SOURCE_COPY))
                 if token in eos:
                     break
