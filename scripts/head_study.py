@@ -151,11 +151,13 @@ def collect_own(args):
     hook.remove()
 
 
-def examples(data, depth, agree_only=False):
+def examples(data, depth, agree_only=False, future=False):
     """Per position t in an assistant span: f_t, tokens tok_0..tok_{D-1} = x_{t+1..t+D},
     targets a_{t+1..t+D}; and whether the text from t on is the model's greedy continuation
-    (x_{t+1+i} == a_{t+i}) for each step."""
-    fs, toks, tgts, agree = [], [], [], []
+    (x_{t+1+i} == a_{t+i}) for each step. With `future`, also the final states
+    f_{t+1..t+D} [N, D, H] (float16) whose argmaxes the targets are: the model's whole
+    next-token distributions, for soft targets."""
+    fs, toks, tgts, agree, futures = [], [], [], [], []
     for ids, arg, fin, mask in zip(data["ids"], data["argmax"], data["final"], data["mask"]):
         T = len(ids)
         t = torch.nonzero(mask[: T - depth]).reshape(-1)
@@ -165,7 +167,10 @@ def examples(data, depth, agree_only=False):
         toks.append(torch.stack([ids[t + 1 + i] for i in range(depth)], 1))
         tgts.append(torch.stack([arg[t + 1 + i] for i in range(depth)], 1))
         agree.append(torch.stack([ids[t + 1 + i] == arg[t + i] for i in range(depth)], 1))
-    return torch.cat(fs).float(), torch.cat(toks).long(), torch.cat(tgts).long(), torch.cat(agree)
+        if future:
+            futures.append(torch.stack([fin[t + 1 + i] for i in range(depth)], 1).half())
+    out = (torch.cat(fs).float(), torch.cat(toks).long(), torch.cat(tgts).long(), torch.cat(agree))
+    return out + (torch.cat(futures),) if future else out
 
 
 def train(args):
@@ -190,10 +195,14 @@ def train(args):
         more = torch.load(path)
         tr = more if tr is None else {key: tr[key] + more[key] for key in tr}
     D = args.depth
-    f_tr, x_tr, y_tr, _ = examples(tr, D)
+    soft = args.loss == "soft"
+    f_tr, x_tr, y_tr, _, *fut = examples(tr, D, future=soft)
+    fut_tr = fut[0] if soft else None
+    del tr
     if args.max_positions and len(f_tr) > args.max_positions:  # equal-size comparisons
         keep = torch.randperm(len(f_tr), generator=torch.Generator().manual_seed(args.seed))[: args.max_positions]
         f_tr, x_tr, y_tr = f_tr[keep], x_tr[keep], y_tr[keep]
+        fut_tr = fut_tr[keep] if soft else None
     eval_sets = {}
     for name, file in (("tf_eval", "eval.pt"), ("own_eval", "own_eval.pt")):
         if (FEATURES / file).exists():
@@ -244,9 +253,15 @@ def train(args):
             idx = perm[b * args.batch:(b + 1) * args.batch]
             h = f_tr[idx]
             loss = 0.0
+            if soft:  # the model's distribution over the heads' vocabulary at each step
+                with torch.no_grad():
+                    teacher = torch.softmax(fut_tr[idx].float() @ heads.lm_rows.T, -1)  # [b, D, V]
             for i in range(D):
                 h, logits = heads.step_logits(i, h, x_tr[idx, i])
-                loss = loss + F.cross_entropy(logits.float(), remap[y_tr[idx, i]], ignore_index=-100)
+                if soft:
+                    loss = loss - (teacher[:, i] * F.log_softmax(logits.float(), -1)).sum(-1).mean()
+                else:
+                    loss = loss + F.cross_entropy(logits.float(), remap[y_tr[idx, i]], ignore_index=-100)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -261,7 +276,7 @@ def train(args):
         for key, value in evaluate(heads, f_ev, x_ev, y_ev, agree_ev, feed_drafts=args.variant == "chain").items():
             report[prefix + key] = value
     report.update(draft_cost_in_steps=draft_cost(model, heads), variant=args.variant, data=args.data)
-    report.update(train_positions=n, new_steps_only=bool(args.new_steps_only), vocab_coverage=round(covered, 4),
+    report.update(loss=args.loss, train_positions=n, new_steps_only=bool(args.new_steps_only), vocab_coverage=round(covered, 4),
                   train_seconds=round(time.time() - t0, 1), epochs=args.epochs, adapter=args.adapter)
     if args.init:  # provenance for the model card: what was fine-tuned
         report["init_training"] = init_training
@@ -511,6 +526,9 @@ def main(argv=None):
     t.add_argument("--new-steps-only", action="store_true",
                    help="with --init and a larger --depth: train only the added steps")
     t.add_argument("--reproduce", default=None, help="the full command chain, stored for the model card")
+    t.add_argument("--loss", choices=["hard", "soft"], default="hard",
+                   help="hard: cross-entropy to the model's argmax; soft: to the model's whole "
+                        "distribution over the heads' vocabulary (EAGLE's classification loss)")
     t.add_argument("--variant", choices=["chain", "medusa"], default="chain",
                    help="chain: steps see the drafted tokens (shipped); medusa: final state only (study)")
     t.set_defaults(func=train)

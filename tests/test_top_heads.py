@@ -91,6 +91,8 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
         "init_training": {"train_positions": 679841, "data": "tf"}, "reproduce": "python x.py",
         "end_to_end": {"setup": "2-core CPU", "command": "python bench.py",
                        "rows": {"chat": {"tau": 1.7, "speedup": 1.9}}},
+        "own_eval_dynamic_tree_tau": {"beam": 4, "children": 4, "tree": {"1": 1.5, "3": 2.01},
+                                      "chain": {"1": 1.5, "3": 1.92}},
     }
     save_top_heads(heads, tmp_path)
     card = (tmp_path / "README.md").read_text()
@@ -102,6 +104,7 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     assert "fine-tuned from heads trained on 679841 teacher-forced" in card
     assert "Reproduce: `python x.py`" in card
     assert "| chat | 1.7 | 1.9x |" in card and "Reproduce: `python bench.py`" in card
+    assert "| 3 | 2.01 | 1.92 |" in card and "4 likeliest nodes of each step" in card
 
 
 def test_float16_storage_round_trip(tmp_path):
@@ -125,3 +128,40 @@ def test_float16_storage_round_trip(tmp_path):
     assert loaded.draft(f, 5, 2, [0.0, 0.0]) == heads.draft(f, 5, 2, [0.0, 0.0])
     with pytest.raises(ValueError, match="storage_dtype"):
         TopHeadsConfig.from_dict({**heads.config.to_dict(), "storage_dtype": "int8"})
+
+
+def test_study_examples_align_chain_inputs_targets_and_future_states():
+    """scripts/head_study.py `examples`: per position t, the chain's inputs are the next tokens,
+    its targets the model's argmaxes there, and (future=True) the final states whose argmaxes
+    those targets are; positions too close to the reply's end or masked out are left out."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "head_study", Path(__file__).parent.parent / "scripts" / "head_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    g = torch.Generator().manual_seed(0)
+    data = {"ids": [], "argmax": [], "final": [], "mask": []}
+    for R in (9, 5):
+        final = torch.randn(R, 6, generator=g).half()
+        data["final"].append(final)
+        data["argmax"].append(final.float().argmax(-1).int())  # the "model's" greedy token
+        data["ids"].append(torch.randint(0, 6, (R,), generator=g, dtype=torch.int32))
+        mask = torch.ones(R, dtype=torch.bool)
+        mask[-1] = False
+        mask[1] = False
+        data["mask"].append(mask)
+    D = 3
+    f, x, y, agree, future = study.examples(data, D, future=True)
+    expected_t = [(0, t) for t in range(9 - D) if t != 1] + [(1, t) for t in range(5 - D) if t != 1]
+    assert len(f) == len(expected_t) == len(future)
+    for row, (r, t) in enumerate(expected_t):
+        ids, arg, fin = data["ids"][r], data["argmax"][r], data["final"][r]
+        assert torch.equal(f[row], fin[t].float())
+        for i in range(D):
+            assert x[row, i] == ids[t + 1 + i] and y[row, i] == arg[t + 1 + i]
+            assert bool(agree[row, i]) == bool(ids[t + 1 + i] == arg[t + i])
+            assert torch.equal(future[row, i], fin[t + 1 + i])
+            assert int(future[row, i].float().argmax()) == int(y[row, i])
+    assert len(study.examples(data, D)) == 4  # no future states unless asked

@@ -108,6 +108,15 @@ def render_top_card(heads: TopDraftHeads) -> str:
 Expected tokens per verification with {cfg.depth} drafts: {t.get(pre + 'tau_thr0.0')}
 (thresholds 0.2: {t.get(pre + 'tau_thr0.2')}).
 """)
+    tree = t.get("own_eval_dynamic_tree_tau")
+    if tree:  # scripts/head_study.py dyn-trees: the decoder's default draft structure
+        tables.append(
+            "## Their dynamic draft tree on the same replies\n\n"
+            f"The {tree.get('beam')} likeliest nodes of each step expanded by their {tree.get('children')} "
+            "likeliest next tokens, the N likeliest nodes kept (what the decoder drafts):\n\n"
+            "| drafts N | tokens per verification (tree) | chain of N |\n|---|---|---|\n"
+            + "\n".join(f"| {n} | {v} | {tree.get('chain', {}).get(n, '-')} |" for n, v in tree["tree"].items())
+            + "\n")
     e2e = t.get("end_to_end")
     if e2e:  # generate(assistant="self") vs HF greedy, as measured by scripts/bench.py
         tables.append(
