@@ -151,7 +151,7 @@ def collect_own(args):
     hook.remove()
 
 
-def examples(data, depth, agree_only=False, future=False):
+def examples(data, depth, future=False):
     """Per position t in an assistant span: f_t, tokens tok_0..tok_{D-1} = x_{t+1..t+D},
     targets a_{t+1..t+D}; and whether the text from t on is the model's greedy continuation
     (x_{t+1+i} == a_{t+i}) for each step. With `future`, also the final states
@@ -196,13 +196,13 @@ def train(args):
         tr = more if tr is None else {key: tr[key] + more[key] for key in tr}
     D = args.depth
     soft = args.loss == "soft"
-    f_tr, x_tr, y_tr, _, *fut = examples(tr, D, future=soft)
-    fut_tr = fut[0] if soft else None
+    f_tr, x_tr, y_tr, _, *future = examples(tr, D, future=soft)
+    fut_tr = future[0] if future else None
     del tr
     if args.max_positions and len(f_tr) > args.max_positions:  # equal-size comparisons
         keep = torch.randperm(len(f_tr), generator=torch.Generator().manual_seed(args.seed))[: args.max_positions]
         f_tr, x_tr, y_tr = f_tr[keep], x_tr[keep], y_tr[keep]
-        fut_tr = fut_tr[keep] if soft else None
+        fut_tr = fut_tr[keep] if future else None
     eval_sets = {}
     for name, file in (("tf_eval", "eval.pt"), ("own_eval", "own_eval.pt")):
         if (FEATURES / file).exists():
