@@ -5,6 +5,7 @@
     model.generate(**inputs, assistant="self")         # same tokens as greedy, faster
 """
 
+from . import _kernels_path  # noqa: F401 (hf_selfspec.kernels from a source tree; first)
 from .decoding.cycle import DecodeConfig
 from .engine.programs import EngineConfig
 from .integration import AutoSelfSpecModelForCausalLM, attach_heads, detach_heads

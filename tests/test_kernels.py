@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernel cannot run")
 
-from selfspec_kernels import row_attention, row_attention_reference
+from hf_selfspec.kernels import row_attention, row_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: both sides accumulate in fp32, only the summation order differs.
@@ -149,6 +149,6 @@ def test_wrong_input_raises(fn):
 
 
 def test_package_imports_without_triton():
-    """Importing selfspec_kernels must not import triton (it is optional)."""
-    code = "import sys, selfspec_kernels; assert 'triton' not in sys.modules"
+    """Importing hf_selfspec.kernels must not import triton (it is optional)."""
+    code = "import sys, hf_selfspec.kernels; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

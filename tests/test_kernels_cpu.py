@@ -1,4 +1,4 @@
-"""The CPU row kernels (selfspec_kernels/cpu_rows.cpp): x @ w^T and attention over the KV
+"""The CPU row kernels (kernels/cpu_rows.cpp): x @ w^T and attention over the KV
 cache to fp32 rounding, and a row's result bit for bit the same whatever the other rows
 (the engine's `kernel` layout)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from selfspec_kernels.cpu_rows import (
+from hf_selfspec.kernels.cpu_rows import (
     build_error,
     cpu_supports_kernel,
     load_rows_attention,

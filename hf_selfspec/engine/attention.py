@@ -7,8 +7,8 @@ fixed shape: keys are visited in blocks of `KEY_BLOCK` slots at absolute offsets
 row cannot see contributes exactly nothing (its scores are -inf: the running max is
 unchanged, the rescale factor is exp(0) = 1 and the added terms are 0), so a row's output
 is bit-identical whatever the number of blocks the widest row of the step needs, and
-whatever the other rows are. The GPU path uses the Triton kernel in `selfspec_kernels`,
-the CPU `kernel` row layout the C++ `rows_attention` (selfspec_kernels/cpu_rows.cpp).
+whatever the other rows are. The GPU path uses the Triton kernel in `hf_selfspec.kernels` (`kernels/`),
+the CPU `kernel` row layout the C++ `rows_attention` (kernels/cpu_rows.cpp).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ self-test at start-up and, among those that pass, by measured cost (`RowLayout`)
           chunks of 4 query rows): 1-4 rows cost one AR step, 8 rows 1.7x (wx: 4 rows 1.7x,
           8 rows 2.9x), so three drafts are free and seven cost 0.7 of a step.
 
-  kernel  our own C++ product (selfspec_kernels/cpu_rows.cpp: every dot product runs the same
+  kernel  our own C++ product (kernels/cpu_rows.cpp: every dot product runs the same
           AVX2 instruction sequence whatever the rows, so it is row-invariant by
           construction, and a step streams each weight once): no padding, 1 row costs one
           weight stream and 8 rows ~1.5x. Measured on the same AMD EPYC, all 211 weights:
@@ -74,7 +74,7 @@ from typing import Literal, Sequence
 import torch
 import torch.nn.functional as F
 
-from selfspec_kernels.cpu_rows import NO_PATH
+from hf_selfspec.kernels.cpu_rows import NO_PATH
 
 from .attention import KEY_BLOCK, block_attention, visible_bias
 from .layered import LayeredModel, rms_norm, rotate_half
@@ -175,7 +175,7 @@ class RowLayout:
         self.attention_rows = width if name == "fixed" else 4 if name == "wx4" else 1 if name == "kernel" else 3
         self._kernel = self.kernel_attention = self.kernel_layer = None
         if name == "kernel":
-            from selfspec_kernels.cpu_rows import (
+            from hf_selfspec.kernels.cpu_rows import (
                 build_error,
                 load_rows_attention,
                 load_rows_layer,
@@ -272,7 +272,7 @@ class RowLayout:
     def kernel_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
         """Our C++ product on 1, 2, 3, 4 and 8 rows (row-invariant by construction; checked
         like the others). False where it cannot be built or the weights are not float32."""
-        from selfspec_kernels.cpu_rows import load_rows_linear
+        from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
         kernel = load_rows_linear()
         if kernel is None or any(lin.weight.dtype != torch.float32 or lin.weight.device.type != "cpu"
@@ -353,7 +353,7 @@ class Engine:
                  "kernel": lambda layers: RowLayout.kernel_is_row_invariant(self._all_linears())}
         if wanted in tests:
             if wanted == "kernel" and not tests[wanted](shapes):
-                from selfspec_kernels.cpu_rows import build_error
+                from hf_selfspec.kernels.cpu_rows import build_error
 
                 raise ValueError(
                     "row_layout='kernel' needs a float32 model on an AVX2 CPU and the compiled "
@@ -554,7 +554,7 @@ class Engine:
     def _kernel_attention(self, meta: StepMeta):
         """Attention of one step through the C++ row kernel (kernel layout, float32 CPU):
         `attend(q [Hq, R, d], layer) -> o [R, Hq*d]`, row r seeing slots [0, key_limit[r]]
-        (row-invariant by construction: selfspec_kernels/cpu_rows.cpp)."""
+        (row-invariant by construction: kernels/cpu_rows.cpp)."""
         fn, limits = self.layout.kernel_attention, meta.key_limit[:meta.rows]
         k_cache, v_cache, scale, path = self.k_cache, self.v_cache, self.view.scaling, meta.path
 

@@ -53,7 +53,7 @@ def uses_row_attention(engine: Engine) -> bool:
 
 
 def triton_attention(engine: Engine, meta: StepMeta) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """Attention of one step through `selfspec_kernels.row_attention`, for `run_layers`.
+    """Attention of one step through `hf_selfspec.kernels.row_attention`, for `run_layers`.
 
     Returns `attend(q, layer)`: q [Hq, R, d] (after RoPE, model dtype, this step's KV already
     written at meta.slots) -> o [R, Hq*d] in q's dtype. Row r sees slots [0, key_limit[r]]:
@@ -62,7 +62,7 @@ def triton_attention(engine: Engine, meta: StepMeta) -> Callable[[torch.Tensor, 
     see no key and get zeros: their attention would be dropped anyway, and an AR step has
     W-1 of them. The per-step kernel arguments are built once here, not once per layer.
     """
-    from selfspec_kernels import row_attention
+    from hf_selfspec.kernels import row_attention
 
     rows = meta.rows
     pad = meta.slots[:rows] == engine.trash_slot

@@ -94,10 +94,10 @@ class TopHeadsConfig:
 
 def _fast_linear(weight: torch.Tensor):
     """x [n, K] @ w[O, K]^T through the C++ row kernel for float32 CPU weights, where it
-    builds (selfspec_kernels/cpu_rows.py); None otherwise (F.linear is used)."""
+    builds (kernels/cpu_rows.py); None otherwise (F.linear is used)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
-    from selfspec_kernels.cpu_rows import load_rows_linear
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
     kernel = load_rows_linear()
     if kernel is None:
