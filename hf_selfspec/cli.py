@@ -121,10 +121,16 @@ def _run_script(name: str, rest: list[str]) -> int:
 
 
 def cmd_push_heads(args) -> int:
+    """Validate a heads folder of any kind with the loader, then upload it (huggingface_hub)."""
     from hf_selfspec.heads import push_heads
 
-    url = push_heads(args.folder, args.repo_id, token=args.token, private=args.private)
-    print(f"pushed {args.folder} to {url}")
+    try:
+        commit = push_heads(args.folder, args.repo_id, token=args.token, private=args.private,
+                            revision=args.revision, commit_message=args.commit_message)
+    except (FileNotFoundError, ValueError) as e:  # a bad folder: say why, upload nothing
+        print(f"push-heads: {e}", file=sys.stderr)
+        return 2
+    print(f"pushed {args.folder} to {getattr(commit, 'commit_url', None) or commit}")
     return 0
 
 
@@ -160,11 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of scripts/train_heads.py")
     t.set_defaults(func=lambda a: _run_script("train_heads.py", a.rest))
 
-    p = sub.add_parser("push-heads", help="upload a heads folder to the Hub")
-    p.add_argument("folder")
-    p.add_argument("repo_id")
-    p.add_argument("--token", default=None)
-    p.add_argument("--private", action="store_true")
+    p = sub.add_parser("push-heads", help="validate a heads folder (any kind) and upload it to the Hub")
+    p.add_argument("folder", help="a folder written by save_heads (config.json, heads.safetensors, ...)")
+    p.add_argument("repo_id", help="Hub model repo ORG/NAME (created if needed)")
+    p.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
+    p.add_argument("--private", action="store_true", help="create the repo private")
+    p.add_argument("--revision", default=None, help="branch to upload to (created if needed)")
+    p.add_argument("--commit-message", default=None)
     p.set_defaults(func=cmd_push_heads)
     return parser
 

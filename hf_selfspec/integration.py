@@ -138,27 +138,19 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
 
 def _load_heads(model, heads, revision):
     """Heads of any kind (config.json says which) from a folder, a Hub id or an object."""
-    from .heads import ExitHeads, check_compatible, default_heads_path, load_heads
-    from .heads.repo import resolve_heads_folder
-    from .heads.top import TopDraftHeads
-    from .heads.top_repo import check_top_compatible, load_top_heads, read_kind
+    from .heads import ExitHeads, TopDraftHeads, check_compatible, default_heads_path, load_heads
 
     if heads is False:
         return None
-    if isinstance(heads, ExitHeads):
-        check_compatible(heads.config, model)
-        return heads.bind(model)
-    if isinstance(heads, TopDraftHeads):
-        check_top_compatible(heads.config, model)
+    if isinstance(heads, (ExitHeads, TopDraftHeads)):
+        heads.config.validate()
+        check_compatible(heads.config, model)  # refuses another shape, warns if near-identical
         return heads.bind(model)
     if heads is None:
         heads = default_heads_path()
         if not (heads / "config.json").is_file():
             raise FileNotFoundError(f"no default heads are shipped in {heads}; pass heads=... or heads=False")
-    folder = resolve_heads_folder(heads, revision)  # a folder, or a Hub repo id fetched/cached
-    if read_kind(folder) == "top_draft":
-        return load_top_heads(folder, model)
-    return load_heads(folder, model)
+    return load_heads(heads, model, revision=revision)  # a folder, or a Hub repo id fetched/cached
 
 
 def detach_heads(model):

@@ -217,6 +217,7 @@ def test_card_metadata(model, tmp_path):
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["library_name"] == "hf_selfspec"
     assert meta["base_model"] == heads.config.base_model
+    assert meta["base_model_relation"] == "adapter" and "exit-heads" in meta["tags"]
     assert meta["hf_selfspec"]["top1_agreement"] == [0.25, 0.3]
     assert meta["datasets"] == ["some/data"] and "license" in meta
     assert "| 1 | 100 | 16 | 0.250 |" in card
@@ -224,9 +225,10 @@ def test_card_metadata(model, tmp_path):
 
 def test_card_template_mirror():
     root = Path(__file__).resolve().parent.parent
-    mirror = root / "model_cards" / "heads_card.md.j2"
-    packaged = root / "hf_selfspec" / "model_cards" / "heads_card.md.j2"
-    assert mirror.read_text() == packaged.read_text()
+    for name in ("heads_card.md.j2", "top_heads_card.md.j2"):  # one template per head kind
+        mirror = root / "model_cards" / name
+        packaged = root / "hf_selfspec" / "model_cards" / name
+        assert mirror.read_text() == packaged.read_text()
 
 
 def test_wrong_base_model_is_an_error(model, tmp_path):

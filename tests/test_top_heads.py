@@ -96,7 +96,10 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     }
     save_top_heads(heads, tmp_path)
     card = (tmp_path / "README.md").read_text()
-    meta = yaml.safe_load(card.split("---")[1])["hf_selfspec"]
+    metadata = yaml.safe_load(card.split("---")[1])
+    assert metadata["library_name"] == "hf_selfspec" and metadata["base_model_relation"] == "adapter"
+    assert metadata["base_model"] == "tiny" and "draft-heads" in metadata["tags"]
+    meta = metadata["hf_selfspec"]
     assert meta["top1_agreement_per_step"] == [0.47, 0.45]
     assert meta["expected_tau_full_chain"] == 1.68
     assert card.index("own greedy replies to held-out") < card.index("teacher-forced, positions")

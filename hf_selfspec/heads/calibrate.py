@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import checks
+
 NEVER = 2.0  # threshold of a head that never reaches min_accept (confidence is <= 1)
 
 
@@ -207,32 +209,67 @@ class Calibration:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> Calibration:
-        """ValueError on malformed data (non-monotone knots, missing fields)."""
-        if not isinstance(data, dict) or not isinstance(data.get("heads"), list):
+    def from_dict(cls, data: dict, num_heads: int | None = None) -> Calibration:
+        """ValueError naming the field on malformed data: not an object, a head count other
+        than `num_heads`, knots that are not finite, in [0, 1] and non-decreasing, a
+        threshold outside [0, NEVER] (NaN included)."""
+        checks.need_object(data, "calibration")
+        if not isinstance(data.get("heads"), list):
             raise ValueError("calibration must be a JSON object with a 'heads' list")  # noqa: TRY004
+        heads_data = checks.need_list("heads", data["heads"], checks.MAX_LAYERS, num_heads)
+        default_bar = checks.need_number("min_accept", data.get("min_accept", 0.5), 0.0, 1.0)
         heads = []
-        for i, h in enumerate(data["heads"]):
+        for i, h in enumerate(heads_data):
             try:
-                head = HeadCalibration(
-                    knots_x=[float(v) for v in h["knots_x"]],
-                    knots_y=[float(v) for v in h["knots_y"]],
-                    threshold=float(h["threshold"]),
-                    min_accept=float(h.get("min_accept", data.get("min_accept", 0.5))),
-                    positions=int(h.get("positions", 0)),
-                    accept_rate=float(h.get("accept_rate", 0.0)),
-                )
+                heads.append(_head_from_dict(h, default_bar))
             except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"calibration head {i} is malformed: {e!r}") from None
-            if (
-                not head.knots_x
-                or len(head.knots_x) != len(head.knots_y)
-                or np.any(np.diff(head.knots_x) < 0)
-                or np.any(np.diff(head.knots_y) < 0)
-            ):
-                raise ValueError(
-                    f"calibration head {i}: knots must be non-empty, of one length "
-                    "and non-decreasing"
-                )
-            heads.append(head)
-        return cls(heads, float(data.get("min_accept", 0.5)))
+                raise ValueError(f"calibration head {i} is malformed: {e}") from None
+        return cls(heads, default_bar)
+
+
+def _head_from_dict(h, default_bar: float) -> HeadCalibration:
+    checks.need_object(h, "a calibration head")
+    for name in ("knots_x", "knots_y", "threshold"):
+        if name not in h:
+            raise ValueError(f"field {name!r} is missing")
+    xs = checks.need_list("knots_x", h["knots_x"], checks.MAX_KNOTS)
+    ys = checks.need_list("knots_y", h["knots_y"], checks.MAX_KNOTS, len(xs))
+    if not xs or not all(checks.is_number(v) and 0.0 <= v <= 1.0 for v in xs + ys):
+        raise ValueError("knots must be non-empty lists of finite numbers in [0, 1]")
+    if np.any(np.diff(xs) < 0) or np.any(np.diff(ys) < 0):
+        raise ValueError("knots must be non-empty, of one length and non-decreasing")
+    return HeadCalibration(
+        knots_x=[float(v) for v in xs],
+        knots_y=[float(v) for v in ys],
+        threshold=checks.need_number("threshold", h["threshold"], 0.0, NEVER),
+        min_accept=checks.need_number("min_accept", h.get("min_accept", default_bar), 0.0, 1.0),
+        positions=checks.need_int("positions", h.get("positions", 0), 0, 1 << 62),
+        accept_rate=checks.need_number("accept_rate", h.get("accept_rate", 0.0), 0.0, 1.0),
+    )
+
+
+class ChainCalibration:
+    """Top-layer heads' calibration: draft chain step i only when its confidence >=
+    thresholds[i]. P(accept) is the confidence itself (uncalibrated)."""
+
+    def __init__(self, thresholds: list[float]):
+        self.thresholds = [float(t) for t in thresholds]
+
+    def accept_prob(self, index, confidence):
+        return confidence
+
+    def to_dict(self) -> dict:
+        return {"kind": "top_draft", "thresholds": self.thresholds,
+                "rule": "draft step i when its confidence >= thresholds[i]"}
+
+    @classmethod
+    def from_dict(cls, data, depth: int) -> ChainCalibration:
+        """ValueError naming the field: not an object, another kind, not `depth` finite
+        thresholds in [0, NEVER]. A missing 'thresholds' means 0 (always draft)."""
+        checks.need_object(data, "calibration")
+        if data.get("kind", "top_draft") != "top_draft":
+            raise ValueError(f"field 'kind' must be 'top_draft', got {data.get('kind')!r}")
+        thresholds = checks.need_list(
+            "thresholds", data.get("thresholds", [0.0] * depth), checks.MAX_DEPTH, depth)
+        return cls([checks.need_number(f"thresholds[{i}]", t, 0.0, NEVER)
+                    for i, t in enumerate(thresholds)])

@@ -27,39 +27,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import checks
+from .base import (
+    final_norm,
+    fingerprint,
+    lm_head_weight,
+    model_name,
+    norm_eps,
+    rms_norm,
+    weight_probe,
+)
+
 if TYPE_CHECKING:  # pragma: no cover
     from .calibrate import Calibration
 
 FORMAT_VERSION = 1
 HEAD_KIND = "exit_head"
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same maths as HF's LlamaRMSNorm: normalise in fp32, scale in the input dtype.
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def final_norm(model) -> nn.Module:
-    """The final norm of a Llama-family HF causal LM (`model.model.norm`)."""
-    inner = getattr(model, "model", None)
-    norm = getattr(inner, "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
-        raise ValueError(
-            f"{type(model).__name__} has no final norm at model.model.norm: exit heads support "
-            "Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3, SmolLM)"
-        )
-    return norm
-
-
-def lm_head_weight(model) -> torch.Tensor:
-    """The LM-head matrix [vocab, hidden] of an HF causal LM."""
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "weight", None) is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
-    return head.weight
 
 
 class ExitHead(nn.Module):
@@ -135,13 +118,13 @@ class ExitHead(nn.Module):
         norm = final_norm(model)
         with torch.no_grad():
             self.out_norm.copy_(norm.weight.detach().float().to(self.out_norm.device))
-        self.eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", self.eps)))
+        self.eps = norm_eps(model, self.eps)
         return self.bind(model)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        h = _rms_norm(hidden, self.in_norm, self.eps)
+        h = rms_norm(hidden, self.in_norm, self.eps)
         h = h + self.up(F.silu(self.down(h)))
-        return _rms_norm(h, self.out_norm, self.eps)
+        return rms_norm(h, self.out_norm, self.eps)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V_k (+1)]; the last column is ⊥ when present."""
@@ -211,8 +194,8 @@ class HeadsConfig:
     adapter_dims: list[int]
     reject_class: bool = True
     rms_norm_eps: float = 1e-5
-    # A small sample of base weights: lets a model loaded in another dtype (bf16/fp16)
-    # match although its fingerprint differs (see repo.check_compatible).
+    # The fingerprint's weight sample: says how far another checkpoint of the same shape
+    # is from the heads' base model (see base.check_compatible).
     base_probe: list[float] = field(default_factory=list)
     # Free-form provenance for the model card: data, positions, time, measured agreement.
     training: dict = field(default_factory=dict)
@@ -220,7 +203,10 @@ class HeadsConfig:
     format_version: int = FORMAT_VERSION
 
     def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field."""
+        """Raise ValueError naming the first field of a wrong type, shape or range.
+
+        Sizes are bounded by the config's own dimensions (checked against the base model
+        by base.check_compatible before anything is allocated) and by checks.MAX_*."""
         if self.format_version != FORMAT_VERSION:
             raise ValueError(
                 f"heads format_version {self.format_version} is not supported (this "
@@ -228,28 +214,39 @@ class HeadsConfig:
             )
         if self.kind != HEAD_KIND:
             raise ValueError(
-                f"heads kind {self.kind!r} is not supported (supported: {HEAD_KIND!r})"
+                f"heads kind {self.kind!r} is not supported here (this config class reads {HEAD_KIND!r})"
             )
-        for name in ("num_layers", "hidden_size", "vocab_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        checks.need_str("base_model", self.base_model)
+        checks.need_str("base_fingerprint", self.base_fingerprint, 128)
+        checks.need_int("num_layers", self.num_layers, 2, checks.MAX_LAYERS)
+        checks.need_int("hidden_size", self.hidden_size, 1, checks.MAX_HIDDEN)
+        checks.need_int("vocab_size", self.vocab_size, 1, checks.MAX_VOCAB)
+        for name in ("layers", "vocab_sizes", "adapter_dims"):
+            checks.need_list(name, getattr(self, name), self.num_layers)
         n = len(self.layers)
         if n == 0:
             raise ValueError("layers is empty: a heads config needs at least one head")
         for name in ("vocab_sizes", "adapter_dims"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, layers has {n}")
-        if any(not isinstance(l, int) or not 1 <= l < self.num_layers for l in self.layers):
+        if any(not checks.is_int(l) or not 1 <= l < self.num_layers for l in self.layers):
             raise ValueError(f"layers {self.layers} must be integers in [1, {self.num_layers - 1}]")
         if list(self.layers) != sorted(set(self.layers)):
             raise ValueError(f"layers {self.layers} must be strictly increasing (shallow -> deep)")
-        if any(not isinstance(v, int) or not 1 <= v <= self.vocab_size for v in self.vocab_sizes):
+        if any(not checks.is_int(v) or not 1 <= v <= self.vocab_size for v in self.vocab_sizes):
             raise ValueError(f"vocab_sizes {self.vocab_sizes} must be in [1, {self.vocab_size}]")
-        if any(not isinstance(r, int) or r < 1 for r in self.adapter_dims):
-            raise ValueError(f"adapter_dims {self.adapter_dims} must be positive integers")
-        if not isinstance(self.base_fingerprint, str) or not self.base_fingerprint:
-            raise ValueError("base_fingerprint is missing")
+        max_r = checks.MAX_ADAPTER_FACTOR * self.hidden_size
+        if any(not checks.is_int(r) or not 1 <= r <= max_r for r in self.adapter_dims):
+            raise ValueError(
+                f"adapter_dims {self.adapter_dims} must be integers in [1, {max_r}] "
+                f"({checks.MAX_ADAPTER_FACTOR} x hidden_size)"
+            )
+        checks.need_bool("reject_class", self.reject_class)
+        checks.need_number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, open_lo=True)
+        checks.need_list("base_probe", self.base_probe, checks.MAX_PROBE)
+        if not all(checks.is_number(v) for v in self.base_probe):
+            raise ValueError("field 'base_probe' must hold finite numbers only")
+        checks.need_dict("training", self.training)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -257,30 +254,24 @@ class HeadsConfig:
     @classmethod
     def from_dict(cls, data: dict) -> HeadsConfig:
         """Build and validate; ValueError on missing or malformed fields (unknown keys ignored)."""
-        if not isinstance(data, dict):
-            raise ValueError(  # noqa: TRY004 (a bad file, reported like every other config error)
-                f"a heads config must be a JSON object, got {type(data).__name__}"
-            )
+        checks.need_object(data, "a heads config")
         names = {f.name for f in fields(cls)}
-        required = {
-            "base_model",
-            "base_fingerprint",
-            "num_layers",
-            "hidden_size",
-            "vocab_size",
-            "layers",
-            "vocab_sizes",
-            "adapter_dims",
-        }
-        missing = sorted(required - data.keys())
-        if missing:
-            raise ValueError(f"heads config misses {', '.join(missing)}")
+        checks.need_fields(data, REQUIRED_FIELDS)
         config = cls(**{k: v for k, v in data.items() if k in names})
-        config.layers = list(config.layers)
-        config.vocab_sizes = list(config.vocab_sizes)
-        config.adapter_dims = list(config.adapter_dims)
         config.validate()
         return config
+
+
+REQUIRED_FIELDS = (
+    "base_model",
+    "base_fingerprint",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "layers",
+    "vocab_sizes",
+    "adapter_dims",
+)
 
 
 class ExitHeads(nn.Module):
@@ -291,6 +282,8 @@ class ExitHeads(nn.Module):
         heads: nn.ModuleList[ExitHead], `heads[i].layer == config.layers[i]`.
         calibration: Calibration or None (confidence -> P(accept), thresholds).
     """
+
+    kind = HEAD_KIND
 
     def __init__(
         self,
@@ -341,18 +334,15 @@ class ExitHeads(nn.Module):
             vocab_ids: one LongTensor[V_k] per head (or one shared by all heads).
             adapter_dims: r per head or one int.
         """
-        from .repo import fingerprint, weight_probe
-
         cfg = model.config
         layers = [int(l) for l in layers]
         if isinstance(vocab_ids, torch.Tensor):
             vocab_ids = [vocab_ids] * len(layers)
         if isinstance(adapter_dims, int):
             adapter_dims = [adapter_dims] * len(layers)
-        norm = final_norm(model)
-        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-5)))
+        eps = norm_eps(model)
         config = HeadsConfig(
-            base_model=base_model or getattr(cfg, "_name_or_path", "") or type(model).__name__,
+            base_model=base_model or model_name(model),
             base_fingerprint=fingerprint(model),
             num_layers=cfg.num_hidden_layers,
             hidden_size=cfg.hidden_size,

@@ -1,40 +1,83 @@
-"""The heads repo format: a normal Hugging Face Hub model repo (or a local folder).
+"""The heads repo format, for every head kind: a normal Hugging Face Hub model repo (or a
+local folder).
 
-    config.json         HeadsConfig: base model id + fingerprint, layers, sizes, version
-    heads.safetensors   head weights (never pickle); LM-head rows are NOT stored
-    calibration.json    per-head confidence -> P(accept) maps and thresholds
-    README.md           model card (YAML metadata + measured agreement), from
-                        hf_selfspec/model_cards/heads_card.md.j2
+    config.json         the kind's config ("kind" says which: "exit_head" or "top_draft"):
+                        base model id, fingerprint and weight probe, sizes, format version
+    heads.safetensors   head weights (never pickle); the base model's LM-head rows and
+                        embeddings are NOT stored, they are gathered at bind time
+    calibration.json    per head (exit heads) or per chain step (top-layer heads): thresholds
+    README.md           model card (card.render_card)
 
-Loading heads made for another base model is an error that names both models, never a
-silent slowdown: `fingerprint(model)` hashes the model's dimensions and a fixed sample
-of its weights.
+Heads files are untrusted input. `load_heads` checks, in this order and before it
+allocates anything: every config.json and calibration.json field (type, shape, range),
+the config against the base model (base.check_compatible), and the shapes and dtypes of
+the safetensors header against the config; then the vocabulary ids (1-D, unique, in
+[0, vocab)). Every error is a ValueError (FileNotFoundError / OSError for missing files)
+that names the file and the field.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .calibrate import Calibration
-from .kinds import ExitHeads, HeadsConfig, final_norm, lm_head_weight
+# fingerprint and weight_probe: older callers import them from here
+from .base import check_compatible, fingerprint, weight_probe  # noqa: F401
+from .calibrate import Calibration, ChainCalibration
+from .card import render_card
+from .kinds import HEAD_KIND, ExitHeads, HeadsConfig
+from .top import STORAGE_DTYPES, TOP_KIND, TopDraftHeads, TopHeadsConfig
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
 CALIBRATION_FILE = "calibration.json"
 CARD_FILE = "README.md"
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE)
-CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "heads_card.md.j2"
+HUB_FILES = (*REQUIRED_FILES, CARD_FILE)  # what is downloaded and uploaded, nothing else
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64"}
 
-# Weight sample of the fingerprint: these many leading values of the first row of each
-# sampled matrix, from this many evenly spaced embedding rows and three decoder layers.
-_PROBE_VALUES = 16
-_PROBE_EMBED_ROWS = 8
+
+@dataclass(frozen=True)
+class HeadKind:
+    """How one kind of heads is read and written."""
+
+    name: str
+    config: type  # HeadsConfig / TopHeadsConfig: from_dict, validate, to_dict
+    module: type  # ExitHeads / TopDraftHeads: built from a config alone
+
+    def weights_dtype(self, config) -> torch.dtype:
+        """dtype of the floating-point tensors in heads.safetensors."""
+        if self.name == TOP_KIND:
+            return STORAGE_DTYPES[config.storage_dtype]
+        return torch.float32
+
+    def read_calibration(self, data, config):
+        if self.name == TOP_KIND:
+            return ChainCalibration.from_dict(data, config.depth)
+        return Calibration.from_dict(data, num_heads=len(config.layers))
+
+    def calibration_of(self, heads, thresholds=None):
+        """The calibration to save: heads without one get the identity map (exit heads:
+        threshold 0.6, labelled so) or threshold 0 per step (top-layer heads)."""
+        if self.name == TOP_KIND:
+            if thresholds is None:
+                thresholds = (heads.calibration.thresholds if heads.calibration is not None
+                              else [0.0] * heads.config.depth)
+            return ChainCalibration(thresholds)
+        if thresholds is not None:
+            raise ValueError("thresholds= is for top-layer heads; exit heads save their Calibration")
+        return heads.calibration or Calibration.uncalibrated(len(heads))
+
+
+KINDS = {
+    HEAD_KIND: HeadKind(HEAD_KIND, HeadsConfig, ExitHeads),
+    TOP_KIND: HeadKind(TOP_KIND, TopHeadsConfig, TopDraftHeads),
+}
 
 
 def default_heads_path() -> Path:
@@ -49,199 +92,13 @@ def exit_heads_path() -> Path:
     return Path(__file__).resolve().parent.parent / "exit_heads"
 
 
-# --------------------------------------------------------------------------- fingerprint
+# --------------------------------------------------------------------------- locate
 
 
-def _model_dims(model) -> dict:
-    cfg = model.config
-    return {
-        "model_type": getattr(cfg, "model_type", type(model).__name__),
-        "num_layers": cfg.num_hidden_layers,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": getattr(cfg, "intermediate_size", None),
-        "num_attention_heads": getattr(cfg, "num_attention_heads", None),
-        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
-        "vocab_size": int(lm_head_weight(model).shape[0]),
-    }
-
-
-@torch.no_grad()
-def _probe_tensor(model) -> torch.Tensor:
-    """A deterministic sample of weights, float32 [P]: embedding rows, 3 layers, final norm."""
-    parts = []
-    embed = model.get_input_embeddings().weight
-    rows = torch.linspace(0, embed.shape[0] - 1, _PROBE_EMBED_ROWS).long()
-    parts.append(embed[rows.to(embed.device), :_PROBE_VALUES].reshape(-1))
-    layers = model.model.layers
-    for i in sorted({0, len(layers) // 2, len(layers) - 1}):
-        for _name, p in layers[i].named_parameters():
-            if p.ndim == 2:
-                parts.append(p[0, :_PROBE_VALUES])
-    parts.append(final_norm(model).weight[:_PROBE_VALUES])
-    return torch.cat([p.detach().float().cpu() for p in parts])
-
-
-def weight_probe(model) -> list[float]:
-    """The fingerprint's weight sample as floats (stored in config.json)."""
-    return [float(f"{v:.6g}") for v in _probe_tensor(model).tolist()]
-
-
-def fingerprint(model) -> str:
-    """sha256 hex over the model's dimensions and a fixed sample of its weights.
-
-    Weights are rounded to bfloat16 first, so the fp32 and bf16 loads of one checkpoint
-    share a fingerprint. Cost: a few hundred values copied to the CPU (well under 50 ms).
-    """
-    h = hashlib.sha256(json.dumps(_model_dims(model), sort_keys=True).encode())
-    probe = _probe_tensor(model).to(torch.bfloat16).view(torch.int16).numpy()
-    h.update(probe.tobytes())
-    return h.hexdigest()
-
-
-def _model_name(model) -> str:
-    return getattr(model.config, "_name_or_path", "") or type(model).__name__
-
-
-def check_compatible(config: HeadsConfig, model) -> None:
-    """ValueError unless `model` is the base model the heads were trained for.
-
-    Accepted: an equal fingerprint, or equal dimensions and a weight sample equal within
-    2% (the same checkpoint in fp16 or another rounding).
-    """
-    dims = _model_dims(model)
-    wanted = {
-        "num_layers": config.num_layers,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-    }
-    advice = (
-        f"Load the heads with the model they were trained for ('{config.base_model}'), "
-        f"or train heads for this model: python scripts/train_heads.py --model <model> --out <folder>"
-    )
-    for key, value in wanted.items():
-        if dims[key] != value:
-            raise ValueError(
-                f"These heads are for '{config.base_model}' ({key}={value}), but the model "
-                f"'{_model_name(model)}' has {key}={dims[key]}. {advice}"
-            )
-    if fingerprint(model) == config.base_fingerprint:
-        return
-    probe = _probe_tensor(model).numpy()
-    stored = np.asarray(config.base_probe, dtype=np.float32)
-    if stored.shape == probe.shape and np.allclose(
-        probe, stored, rtol=2e-2, atol=2e-3 * max(float(np.abs(stored).max()), 1e-6)
-    ):
-        return
-    raise ValueError(
-        f"These heads are for '{config.base_model}' (fingerprint {config.base_fingerprint[:12]}), "
-        f"but the model '{_model_name(model)}' has other weights (fingerprint "
-        f"{fingerprint(model)[:12]}). {advice}"
-    )
-
-
-# --------------------------------------------------------------------------- model card
-
-
-def render_card(heads: ExitHeads) -> str:
-    """README.md text: YAML metadata + a table of measured per-head figures."""
-    import jinja2
-    import yaml
-
-    config, training = heads.config, dict(heads.config.training)
-    metrics = training.get("heads") or [{} for _ in heads.heads]
-    thresholds = heads.calibration.thresholds if heads.calibration else [None] * len(heads)
-    rows = []
-    for i, head in enumerate(heads.heads):
-        m = dict(metrics[i]) if i < len(metrics) else {}
-        m.update(
-            layer=head.layer,
-            vocab_size=head.vocab_size,
-            adapter_dim=head.adapter_dim,
-            threshold=thresholds[i],
-        )
-        if heads.calibration is not None:
-            m.setdefault("min_accept", heads.calibration.heads[i].min_accept)
-        rows.append(m)
-    metadata = {
-        "base_model": config.base_model,
-        "library_name": "hf_selfspec",
-        "license": training.get("license", "apache-2.0"),
-        "tags": [
-            "hf_selfspec",
-            "self-speculative-decoding",
-            "speculative-decoding",
-            "early-exit",
-            "exit-heads",
-        ],
-        "datasets": training.get("datasets", []),
-        "hf_selfspec": {
-            "kind": config.kind,
-            "format_version": config.format_version,
-            "layers": list(config.layers),
-            "top1_agreement": [r.get("eval_top1") for r in rows],
-            "covered_target_mass": [r.get("covered_mass_eval") for r in rows],
-            "training_positions": training.get("train_positions"),
-            "training_time_s": training.get("total_time_s"),
-        },
-    }
-    template = jinja2.Template(
-        CARD_TEMPLATE.read_text(encoding="utf-8"),
-        keep_trailing_newline=True,
-        undefined=jinja2.ChainableUndefined,
-    )
-    return template.render(
-        yaml=yaml.safe_dump(metadata, sort_keys=False, allow_unicode=True).strip(),
-        config=config,
-        training=training,
-        heads=rows,
-        fmt=_fmt,
-    )
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None or value == "":
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-# --------------------------------------------------------------------------- save / load
-
-
-def save_heads(heads: ExitHeads, folder: str | os.PathLike, card: bool = True) -> Path:
-    """Write config.json, heads.safetensors, calibration.json (and README.md) to `folder`.
-
-    Heads without a calibration get the identity map with threshold 0.6 (labelled so).
-    """
-    from safetensors.torch import save
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    heads.config.validate()
-    if heads.calibration is None:
-        heads.calibration = Calibration.uncalibrated(len(heads))
-    state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
-    # Float weights in fp32 whatever the model's dtype, so a file does not depend on it.
-    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    # save() + write_bytes rather than save_file: ordinary (umask) file permissions.
-    (folder / WEIGHTS_FILE).write_bytes(
-        save(
-            state,
-            metadata={
-                "format": "pt",
-                "hf_selfspec_format_version": str(heads.config.format_version),
-            },
-        )
-    )
-    (folder / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
-    (folder / CALIBRATION_FILE).write_text(json.dumps(heads.calibration.to_dict(), indent=2) + "\n")
-    if card:
-        (folder / CARD_FILE).write_text(render_card(heads), encoding="utf-8")
-    return folder
-
-
-def _resolve(source, revision, cache_dir, token, local_files_only) -> Path:
+def resolve_heads_folder(source, revision: str | None = None, *, cache_dir=None,
+                         token: str | bool | None = None, local_files_only: bool = False) -> Path:
+    """A local heads folder for `source`: the folder itself, or the Hub snapshot of a repo
+    id (huggingface_hub.snapshot_download: honours HF_HUB_OFFLINE and the local cache)."""
     path = Path(os.fspath(source)).expanduser()
     if path.is_dir():
         return path
@@ -250,118 +107,233 @@ def _resolve(source, revision, cache_dir, token, local_files_only) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(
-            snapshot_download(
-                repo_id=str(source),
-                revision=revision,
-                cache_dir=cache_dir,
-                token=token,
-                local_files_only=local_files_only,
-                allow_patterns=[*REQUIRED_FILES, CARD_FILE],
-            )
-        )
-    except Exception as e:  # network, auth, not in the offline cache, ...
+        return Path(snapshot_download(
+            repo_id=str(source), revision=revision, cache_dir=cache_dir, token=token,
+            local_files_only=local_files_only, allow_patterns=list(HUB_FILES)))
+    except Exception as e:
         raise OSError(
             f"could not get heads '{source}': not a local folder, and the Hub (or, offline, "
             f"the local cache) gave {type(e).__name__}: {e}"
         ) from e
 
 
-def resolve_heads_folder(source, revision: str | None = None) -> Path:
-    """A local heads folder for `source`: the folder itself, or the Hub snapshot of a repo
-    id (honours HF_HUB_OFFLINE and the local cache)."""
-    return _resolve(source, revision, None, None, False)
-
-
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path):
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}"
-        )
+        raise FileNotFoundError(f"{path} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def load_heads(
-    source,
-    model=None,
-    *,
-    revision: str | None = None,
-    cache_dir=None,
-    token: str | bool | None = None,
-    local_files_only: bool = False,
-) -> ExitHeads:
-    """Load heads from a local folder or a Hub repo id, check them against `model`, bind.
+def read_kind(folder) -> str:
+    """The kind config.json names ("exit_head" when it names none or cannot be read: the
+    loader then reports what is wrong with it)."""
+    try:
+        data = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return HEAD_KIND
+    kind = data.get("kind", HEAD_KIND) if isinstance(data, dict) else HEAD_KIND
+    return kind if isinstance(kind, str) else HEAD_KIND
+
+
+def _kind_of(data, path: Path) -> HeadKind:
+    if not isinstance(data, dict):  # a bad file: ValueError like every other
+        raise ValueError(  # noqa: TRY004
+            f"{path}: a heads config must be a JSON object, got a JSON {type(data).__name__}")
+    name = data.get("kind", HEAD_KIND)
+    if not isinstance(name, str) or name not in KINDS:
+        raise ValueError(f"{path}: field 'kind' must be one of {sorted(KINDS)}, got {name!r}")
+    return KINDS[name]
+
+
+def read_config(folder):
+    """(HeadKind, validated config) of a heads folder; ValueError naming file and field."""
+    path = Path(folder) / CONFIG_FILE
+    data = _read_json(path)
+    kind = _kind_of(data, path)
+    try:
+        return kind, kind.config.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_heads(source, model=None, *, revision: str | None = None, cache_dir=None,
+               token: str | bool | None = None, local_files_only: bool = False):
+    """Load heads of any kind from a local folder or a Hub repo id, check them against
+    `model`, bind them to it.
 
     Args:
-        source: folder path or Hub repo id ("org/name"). Hub downloads honour
-            HF_HUB_OFFLINE and the local cache (`cache_dir`, `local_files_only`).
+        source: folder path or Hub repo id ("org/name"); revision, cache_dir, token and
+            local_files_only go to huggingface_hub.snapshot_download.
         model: the base HF model; None loads without checking or binding (inspection).
+    Returns:
+        ExitHeads or TopDraftHeads, as config.json's "kind" says.
     Raises:
         FileNotFoundError / OSError: missing folder, files, or Hub repo.
-        ValueError: corrupt files, unsupported format, or heads for another model.
+        ValueError: malformed files (naming the file and field), an unsupported format, or
+            heads for another model. A near-identical checkpoint warns instead
+            (base.HeadsMismatchWarning).
     """
-    from safetensors.torch import load_file
-
-    folder = _resolve(source, revision, cache_dir, token, local_files_only)
-    config_path = folder / CONFIG_FILE
-    try:
-        config = HeadsConfig.from_dict(_read_json(config_path))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{config_path}: {e}") from None
+    folder = resolve_heads_folder(source, revision, cache_dir=cache_dir, token=token,
+                                  local_files_only=local_files_only)
+    for name in REQUIRED_FILES:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"{folder / name} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}")
+    kind, config = read_config(folder)
     calib_path = folder / CALIBRATION_FILE
     try:
-        calibration = Calibration.from_dict(_read_json(calib_path))
-    except ValueError as e:
+        calibration = kind.read_calibration(_read_json(calib_path), config)
+    except (TypeError, ValueError) as e:
         raise ValueError(f"{calib_path}: {e}") from None
-    if len(calibration.heads) != len(config.layers):
-        raise ValueError(
-            f"{calib_path} calibrates {len(calibration.heads)} heads, "
-            f"{config_path} declares {len(config.layers)}"
-        )
     if model is not None:
-        check_compatible(config, model)
-    weights_path = folder / WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise FileNotFoundError(
-            f"{weights_path} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}"
-        )
-    try:
-        state = load_file(str(weights_path))
-    except Exception as e:  # noqa: BLE001 (SafetensorError: truncated header, bad offsets; OSError)
-        raise ValueError(
-            f"{weights_path} is corrupt or truncated ({e}); download or save the heads again"
-        ) from None
-    heads = ExitHeads(config)
-    try:
-        heads.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise ValueError(f"{weights_path} does not match {config_path}: {e}") from None
+        try:
+            check_compatible(config, model)  # sizes are the model's own from here on
+        except ValueError as e:
+            raise ValueError(f"{folder / CONFIG_FILE}: {e}") from None
+    state = _read_weights(folder / WEIGHTS_FILE, kind, config)
+    heads = kind.module(config)
+    heads.load_state_dict(state, strict=True)  # keys, shapes and dtypes checked above
     heads.calibration = calibration
     if model is not None:
         heads.bind(model)
     return heads
 
 
-def push_heads(
-    folder,
-    repo_id: str,
-    token: str | None = None,
-    private: bool = False,
-    commit_message: str = "Upload hf_selfspec exit heads",
-):
-    """Upload a saved heads folder to the Hub as a model repo (created if needed)."""
-    from huggingface_hub import HfApi
+def _expected_state(kind: HeadKind, config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor the config implies, from a skeleton on the
+    meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        skeleton = kind.module(config)
+    floats = kind.weights_dtype(config)
+    return {k: (tuple(v.shape), floats if v.is_floating_point() else v.dtype)
+            for k, v in skeleton.state_dict().items()}
+
+
+def _read_weights(path: Path, kind: HeadKind, config) -> dict[str, torch.Tensor]:
+    """The tensors of heads.safetensors, after their header agrees with the config (names,
+    shapes, dtypes) and before the module is built; then finite floats and valid ids."""
+    from safetensors import safe_open
+
+    expected = _expected_state(kind, config)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype())
+                      for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            where = f"{path} does not match {path.parent / CONFIG_FILE}"
+            missing = sorted(expected.keys() - header.keys())
+            extra = sorted(header.keys() - expected.keys())
+            if missing or extra:
+                raise _Mismatch(f"{where}: missing tensors {missing}, unexpected tensors {extra}")
+            for name, (shape, dtype) in expected.items():
+                found_shape, found_dtype = header[name]
+                if found_shape != shape:
+                    raise _Mismatch(f"{where}: tensor {name!r} has shape {list(found_shape)}, "
+                                    f"the config implies {list(shape)}")
+                if found_dtype != _SAFETENSORS_DTYPES[dtype]:
+                    raise _Mismatch(f"{where}: tensor {name!r} has dtype {found_dtype}, "
+                                    f"the config implies {_SAFETENSORS_DTYPES[dtype]}")
+            state = {k: f.get_tensor(k) for k in expected}
+    except _Mismatch as e:
+        raise ValueError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 (SafetensorError: truncated header, bad offsets; OSError)
+        raise ValueError(
+            f"{path} is corrupt or truncated ({e}); download or save the heads again") from None
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{path}: tensor {name!r} holds NaN or infinite values")
+        if name.endswith("vocab_ids"):
+            _check_vocab_ids(path, name, tensor, config.vocab_size)
+    return state
+
+
+class _Mismatch(Exception):
+    """The safetensors header disagrees with the config (reported as a ValueError)."""
+
+
+def _check_vocab_ids(path: Path, name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError(f"{path}: tensor {name!r} must be a non-empty 1-D list of token ids")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{path}: tensor {name!r} holds token id {low if low < 0 else high}, "
+                         f"outside the vocabulary [0, {vocab_size})")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"{path}: tensor {name!r} holds duplicate token ids")
+
+
+# --------------------------------------------------------------------------- save / push
+
+
+def save_heads(heads, folder, card: bool = True, *, thresholds: list[float] | None = None,
+               repo_id: str | None = None, token: str | None = None,
+               revision: str | None = None, private: bool = False) -> Path:
+    """Write config.json, heads.safetensors, calibration.json (and README.md) to `folder`;
+    with `repo_id`, upload the folder to the Hub too (push_heads).
+
+    Args:
+        heads: ExitHeads or TopDraftHeads.
+        thresholds: top-layer heads only: per-step thresholds to store (default: the
+            heads' calibration, else 0 = always draft).
+    """
+    from safetensors.torch import save
+
+    kind = KINDS[heads.kind]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    heads.config.validate()
+    calibration = kind.calibration_of(heads, thresholds)
+    if kind.name == HEAD_KIND:
+        heads.calibration = calibration
+    stored = kind.weights_dtype(heads.config)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
+    # floats in the file's dtype whatever the model's, so a file does not depend on it
+    state = {k: v.to(stored) if v.is_floating_point() else v for k, v in state.items()}
+    # save() + write_bytes rather than save_file: ordinary (umask) file permissions
+    (folder / WEIGHTS_FILE).write_bytes(save(state, metadata={
+        "format": "pt", "kind": kind.name,
+        "hf_selfspec_format_version": str(heads.config.format_version)}))
+    (folder / CONFIG_FILE).write_text(json.dumps(heads.config.to_dict(), indent=2) + "\n")
+    (folder / CALIBRATION_FILE).write_text(json.dumps(calibration.to_dict(), indent=2) + "\n")
+    if card:
+        (folder / CARD_FILE).write_text(render_card(heads), encoding="utf-8")
+    if repo_id is not None:
+        push_heads(folder, repo_id, token=token, private=private, revision=revision)
+    return folder
+
+
+def push_heads(folder, repo_id: str, token: str | None = None, private: bool = False, *,
+               revision: str | None = None, commit_message: str | None = None):
+    """Upload a saved heads folder of any kind to the Hub as a model repo (created if
+    needed; `revision` a branch, created if needed). The folder is loaded first with the
+    kind-aware loader, so a malformed folder is refused before anything is uploaded; a
+    folder without README.md gets the card rendered from its config. Only the heads files
+    are uploaded. Returns huggingface_hub's CommitInfo."""
+    from huggingface_hub import HfApi, ModelCard
+
+    from .card import LIBRARY_NAME
 
     folder = Path(folder)
     for name in REQUIRED_FILES:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} is missing: save_heads() the heads first")
-    HeadsConfig.from_dict(_read_json(folder / CONFIG_FILE))  # refuse to push a bad config
+    heads = load_heads(folder)  # every file validated
+    card_path = folder / CARD_FILE
+    if not card_path.is_file():
+        card_path.write_text(render_card(heads), encoding="utf-8")
+    library = ModelCard.load(card_path).data.library_name
+    if library != LIBRARY_NAME:
+        raise ValueError(f"{card_path}: field 'library_name' must be {LIBRARY_NAME!r} (the Hub "
+                         f"shows how to load the heads from it), got {library!r}")
     api = HfApi(token=token)
     api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+    if revision is not None:
+        api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
     return api.upload_folder(
-        folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message=commit_message
-    )
+        folder_path=str(folder), repo_id=repo_id, repo_type="model", revision=revision,
+        commit_message=commit_message or f"Upload hf_selfspec {heads.kind} heads",
+        allow_patterns=list(HUB_FILES))

@@ -11,11 +11,7 @@ so each draft costs one small MLP and a reduced-vocabulary LM head, and no decod
 pass at all (Medusa's "no extra layers", conditioned on the drafted tokens like EAGLE, but
 position-wise). E (input embedding) and the LM-head rows of V are the base model's, frozen,
 gathered at bind time and never stored. Trained by self-distillation: step i predicts the
-model's own argmax (scripts/head_study.py).
-
-On a CPU whose engine verifies 1-4 rows for about the cost of one step (the wx4 row
-layout; 1-3 rows in micro or wx), a chain of up to three drafts from these heads is nearly
-free: any acceptance is a gain.
+model's own argmax (scripts/head_study.py). Measured figures: docs/head_study.md.
 """
 
 from __future__ import annotations
@@ -24,16 +20,16 @@ from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
+
+from . import checks
+from .base import final_norm, fingerprint, lm_head_weight, rms_norm, weight_probe
 
 TOP_KIND = "top_draft"
+FORMAT_VERSION = 1
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype)
+_norm = rms_norm  # the name scripts/context_heads_study.py imports
 
 
 class DraftNode(NamedTuple):
@@ -62,34 +58,73 @@ class TopHeadsConfig:
     adapter_dim: int
     reduced_vocab: int
     rms_norm_eps: float = 1e-5
-    # dtype of the weights in heads.safetensors (they run in the model's dtype): the shipped
-    # heads are stored as float16, which leaves their drafts' own-eval tau unchanged (1.843)
+    # dtype of the weights in heads.safetensors (they run in the model's dtype)
     storage_dtype: str = "float32"
     kind: str = TOP_KIND
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
     training: dict = field(default_factory=dict)
+    # The fingerprint's weight sample: says how far another checkpoint of the same shape
+    # is from the heads' base model (see base.check_compatible). Heads saved before it
+    # existed have none and load on a near-identical checkpoint with a warning.
+    base_probe: list[float] = field(default_factory=list)
 
     def validate(self) -> None:
+        """Raise ValueError naming the first field of a wrong type, shape or range."""
         if self.kind != TOP_KIND:
             raise ValueError(f"kind must be {TOP_KIND!r}, got {self.kind!r}")
-        for name in ("num_layers", "hidden_size", "vocab_size", "depth", "adapter_dim", "reduced_vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.reduced_vocab > self.vocab_size:
-            raise ValueError("reduced_vocab exceeds vocab_size")
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"heads format_version {self.format_version!r} is not supported (this "
+                f"hf_selfspec reads version {FORMAT_VERSION}); upgrade hf_selfspec"
+            )
+        checks.need_str("base_model", self.base_model)
+        checks.need_str("base_fingerprint", self.base_fingerprint, 128)
+        checks.need_int("num_layers", self.num_layers, 1, checks.MAX_LAYERS)
+        checks.need_int("hidden_size", self.hidden_size, 1, checks.MAX_HIDDEN)
+        checks.need_int("vocab_size", self.vocab_size, 1, checks.MAX_VOCAB)
+        checks.need_int("depth", self.depth, 1, checks.MAX_DEPTH)
+        checks.need_int(
+            "adapter_dim", self.adapter_dim, 1, checks.MAX_ADAPTER_FACTOR * self.hidden_size
+        )
+        if checks.is_int(self.reduced_vocab) and self.reduced_vocab > self.vocab_size:
+            raise ValueError(
+                f"field 'reduced_vocab' ({self.reduced_vocab}) exceeds vocab_size ({self.vocab_size})"
+            )
+        checks.need_int("reduced_vocab", self.reduced_vocab, 1, self.vocab_size)
+        checks.need_number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, open_lo=True)
         if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {self.storage_dtype!r}")
+            raise ValueError(
+                f"field 'storage_dtype' must be one of {sorted(STORAGE_DTYPES)}, got "
+                f"{self.storage_dtype!r}"
+            )
+        checks.need_list("base_probe", self.base_probe, checks.MAX_PROBE)
+        if not all(checks.is_number(v) for v in self.base_probe):
+            raise ValueError("field 'base_probe' must hold finite numbers only")
+        checks.need_dict("training", self.training)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> TopHeadsConfig:
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        cfg = cls(**known)
+        """Build and validate; ValueError on missing or malformed fields (unknown keys ignored)."""
+        checks.need_object(data, "a heads config")
+        checks.need_fields(data, REQUIRED_FIELDS)
+        cfg = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
         cfg.validate()
         return cfg
+
+
+REQUIRED_FIELDS = (
+    "base_model",
+    "base_fingerprint",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "depth",
+    "adapter_dim",
+    "reduced_vocab",
+)
 
 
 def _fast_linear(weight: torch.Tensor):
@@ -118,7 +153,7 @@ class TopDraftStep(nn.Module):
         nn.init.zeros_(self.up.weight)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        x = torch.cat([_norm(h, self.h_norm, self.eps), _norm(e, self.e_norm, self.eps)], dim=-1)
+        x = torch.cat([rms_norm(h, self.h_norm, self.eps), rms_norm(e, self.e_norm, self.eps)], dim=-1)
         return h + linear(F.silu(linear(x, self.down.weight)), self.up.weight)
 
 
@@ -128,6 +163,8 @@ class TopDraftHeads(nn.Module):
     kind = TOP_KIND
 
     def __init__(self, config: TopHeadsConfig, vocab_ids: torch.Tensor | None = None):
+        """Heads of the config's shapes (weights as initialised: load a state dict or
+        `init_from_model`); vocab_ids [reduced_vocab] full-vocabulary ids."""
         super().__init__()
         config.validate()
         self.config = config
@@ -145,7 +182,9 @@ class TopDraftHeads(nn.Module):
     # ---- binding ---------------------------------------------------------------------
 
     def bind(self, model) -> TopDraftHeads:
-        lm = model.get_output_embeddings().weight
+        """Gather the LM-head rows of the reduced vocabulary and the input embeddings from
+        `model`, and move the heads to its device and dtype."""
+        lm = lm_head_weight(model)
         emb = model.get_input_embeddings().weight
         if lm.shape[1] != self.config.hidden_size:
             raise ValueError(f"heads have hidden size {self.config.hidden_size}, the model {lm.shape[1]}")
@@ -160,9 +199,13 @@ class TopDraftHeads(nn.Module):
         return self
 
     def init_from_model(self, model) -> TopDraftHeads:
-        norm = model.model.norm.weight.detach()
+        """Start the output norm from the model's final norm, then bind. Heads made for this
+        very model (same fingerprint) record its weight probe in their config."""
+        norm = final_norm(model).weight.detach()
         with torch.no_grad():
             self.out_norm.copy_(norm.to(self.out_norm.dtype))
+        if not self.config.base_probe and self.config.base_fingerprint == fingerprint(model):
+            self.config.base_probe = weight_probe(model)
         return self.bind(model)
 
     def deepened(self, depth: int) -> TopDraftHeads:
@@ -188,12 +231,12 @@ class TopDraftHeads(nn.Module):
     def step_logits(self, i: int, h: torch.Tensor, tokens: torch.Tensor):
         """Step i: state h [n, H], previous tokens [n] -> (next state, logits [n, V]).
         Drafting (no autograd) on a float32 CPU model runs the products through the C++
-        row kernel: one 8,192-row LM-head product took 0.8 ms there vs 1.9-2.4 ms with
-        F.linear (2-core AMD EPYC), most of a draft's cost."""
+        row kernel, which is faster than F.linear there for the LM-head product, most of
+        a draft's cost (docs/head_study.md)."""
         fast = getattr(self, "_fast_linear", None)
         linear = fast if fast is not None and not torch.is_grad_enabled() else F.linear
         h = self.steps[i](h, F.embedding(tokens, self.embed), linear)
-        logits = linear(_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
+        logits = linear(rms_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
         return h, logits
 
     @torch.no_grad()
@@ -226,9 +269,7 @@ class TopDraftHeads(nn.Module):
         the step's threshold (as `draft` stops its chain), nor after a stop token; a child
         other than the top-1 chain's is kept only with path probability >= min_prob.
         Returns the nodes most likely first (a parent before its children): taking any
-        prefix of the list gives a tree. On held-out own replies (scripts/head_study.py
-        dyn-trees, beam 4, children 4) the shipped heads' first 3 nodes accept 2.015 tokens
-        per cycle vs 1.924 for their chain of 3, the first 7 nodes 2.312."""
+        prefix of the list gives a tree."""
         h = final_hidden.reshape(1, -1)
         tokens = torch.tensor([token], device=h.device)
         frontier = [(-1, 1.0, True)]  # (node index, path probability, on the top-1 chain)

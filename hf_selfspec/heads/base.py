@@ -1,0 +1,275 @@
+"""What every head kind needs to know about its base model: one RMSNorm, the final norm and
+LM head, a weight fingerprint, and the one compatibility check.
+
+Heads only propose tokens; the model verifies every one of them, so heads for a slightly
+different checkpoint cost speed, never exactness. The check therefore refuses only what
+cannot work (another shape or vocabulary, or weights so far away that the heads are
+another model's) and warns, saying how far, when the weights differ a little:
+
+    dimensions differ                        -> ValueError (refused)
+    fingerprint equal                        -> silent
+    probe equal up to the model's dtype       -> silent (the same checkpoint in fp16, say)
+    probe distance <= MAX_WEIGHT_DISTANCE     -> HeadsMismatchWarning naming the distance
+    probe distance >  MAX_WEIGHT_DISTANCE     -> ValueError (another model's weights)
+    no probe stored (older top-layer heads)   -> HeadsMismatchWarning (distance unknown)
+
+The probe is a fixed sample of a few hundred base weights (embedding rows, three decoder
+layers, the final norm) stored in config.json as `base_probe`; the distance is the relative
+distance ||w_model - w_heads|| / ||w_heads|| of each sampled weight, root-mean-square over
+them (see weight_distance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import warnings
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+
+# Weight sample of the fingerprint: these many leading values of the first row of each
+# sampled matrix, from this many evenly spaced embedding rows and three decoder layers.
+_PROBE_VALUES = 16
+_PROBE_EMBED_ROWS = 8
+# A relative distance of 0.5 means the weights differ by half their own size: no fine-tune
+# or quantisation of one checkpoint moves that far, two unrelated models of one shape do
+# (independent weights are ~1.4 apart), so beyond it the heads are another model's.
+MAX_WEIGHT_DISTANCE = 0.5
+# Probe values are stored with 9 significant digits (float32 round-trips); older heads
+# stored 6, i.e. a relative rounding of up to 5e-6.
+_STORAGE_RTOL = 1e-5
+
+
+class HeadsMismatchWarning(UserWarning):
+    """Heads load on a checkpoint whose weights differ a little from their base model's."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF's LlamaRMSNorm computes it: normalise in float32, then scale.
+
+    x [..., H], weight [H] -> [..., H] in weight's dtype (the heads cast their inputs to
+    their own dtype first, so for them this is exactly HF's maths)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(weight.dtype)
+
+
+def final_norm(model) -> nn.Module:
+    """The final norm of a Llama-family HF causal LM (`model.model.norm`)."""
+    inner = getattr(model, "model", None)
+    norm = getattr(inner, "norm", None)
+    if norm is None or not hasattr(norm, "weight"):
+        raise ValueError(
+            f"{type(model).__name__} has no final norm at model.model.norm: heads support "
+            "Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3, SmolLM)"
+        )
+    return norm
+
+
+def norm_eps(model, default: float = 1e-5) -> float:
+    """The final norm's epsilon (HF names it variance_epsilon or eps)."""
+    norm = final_norm(model)
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", default)))
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """The LM-head matrix [vocab, hidden] of an HF causal LM."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
+    return head.weight
+
+
+def model_name(model) -> str:
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def model_dims(model) -> dict:
+    """The dimensions heads depend on, plus what else the fingerprint hashes."""
+    cfg = model.config
+    return {
+        "model_type": getattr(cfg, "model_type", type(model).__name__),
+        "num_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "num_attention_heads": getattr(cfg, "num_attention_heads", None),
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
+        "vocab_size": int(lm_head_weight(model).shape[0]),
+    }
+
+
+@torch.no_grad()
+def probe_parts(model) -> list[torch.Tensor]:
+    """The weight sample, one float32 CPU tensor per sampled weight: evenly spaced
+    embedding rows, the first row of each matrix of three decoder layers, the final norm."""
+    parts = []
+    embed = model.get_input_embeddings().weight
+    rows = torch.linspace(0, embed.shape[0] - 1, _PROBE_EMBED_ROWS).long()
+    parts.append(embed[rows.to(embed.device), :_PROBE_VALUES].reshape(-1))
+    layers = model.model.layers
+    for i in sorted({0, len(layers) // 2, len(layers) - 1}):
+        for _name, p in layers[i].named_parameters():
+            if p.ndim == 2:
+                parts.append(p[0, :_PROBE_VALUES])
+    parts.append(final_norm(model).weight[:_PROBE_VALUES])
+    return [p.detach().float().cpu() for p in parts]
+
+
+def probe_tensor(model) -> torch.Tensor:
+    """The weight sample as one float32 tensor [P] (what the fingerprint hashes)."""
+    return torch.cat(probe_parts(model))
+
+
+def weight_probe(model) -> list[float]:
+    """The fingerprint's weight sample as floats (stored in config.json as base_probe)."""
+    return [float(f"{v:.9g}") for v in probe_tensor(model).tolist()]
+
+
+def fingerprint(model) -> str:
+    """sha256 hex over the model's dimensions and a fixed sample of its weights.
+
+    Weights are rounded to bfloat16 first, so the fp32 and bf16 loads of one checkpoint
+    share a fingerprint. Cheap: a few hundred values are copied to the CPU.
+    """
+    h = hashlib.sha256(json.dumps(model_dims(model), sort_keys=True).encode())
+    probe = probe_tensor(model).to(torch.bfloat16).view(torch.int16).numpy()
+    h.update(probe.tobytes())
+    return h.hexdigest()
+
+
+class BaseIdentity(Protocol):
+    """The config.json fields of every head kind that name the base model."""
+
+    base_model: str
+    base_fingerprint: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    base_probe: list[float]
+
+
+def weight_distance(config: BaseIdentity, model) -> float | None:
+    """How far `model`'s weights are from the heads' base model: per sampled weight the
+    relative distance ||probe_model - base_probe|| / ||base_probe||, root-mean-square over
+    the sampled weights (so the final norm's values near 1 do not swamp the matrices').
+    None without a stored probe; inf when the probes cannot be compared (another layout)."""
+    if not config.base_probe:
+        return None
+    parts = probe_parts(model)
+    stored = torch.tensor(config.base_probe, dtype=torch.float64)
+    if stored.numel() != sum(p.numel() for p in parts):
+        return float("inf")
+    squares = []
+    for found, base in zip(parts, stored.split([p.numel() for p in parts])):
+        found = found.double()
+        scale = max(float(base.norm()), float(found.norm()), 1e-30)
+        squares.append((float((found - base).norm()) / scale) ** 2)
+    return math.sqrt(sum(squares) / len(squares))
+
+
+def _same_up_to_dtype(config: BaseIdentity, model) -> bool:
+    """The stored probe equals the model's up to rounding to the model's dtype (the same
+    checkpoint loaded in fp16 has another fingerprint, though not other weights)."""
+    probe = probe_tensor(model).numpy().astype(np.float64)
+    stored = np.asarray(config.base_probe, dtype=np.float64)
+    if stored.shape != probe.shape:
+        return False
+    dtype = lm_head_weight(model).dtype
+    rtol = max(torch.finfo(dtype).eps if dtype.is_floating_point else 0.0, _STORAGE_RTOL)
+    atol = 1e-3 * rtol * max(float(np.abs(stored).max()), 1e-30)  # fp16 subnormals
+    return bool(np.all(np.abs(probe - stored) <= rtol * np.abs(stored) + atol))
+
+
+def check_compatible(config: BaseIdentity, model) -> None:
+    """Refuse heads that cannot fit `model`; warn (HeadsMismatchWarning) when they were
+    trained on slightly different weights. See the module docstring for the rule.
+
+    Raises:
+        ValueError: another layer count, hidden size or vocabulary, or weights further
+            than MAX_WEIGHT_DISTANCE from the heads' base model.
+    """
+    dims = model_dims(model)
+    advice = (
+        f"Load the heads with the model they were trained for ('{config.base_model}'), "
+        "or train heads for this model (hf-selfspec train-heads)."
+    )
+    for key in ("num_layers", "hidden_size", "vocab_size"):
+        if dims[key] != getattr(config, key):
+            raise ValueError(
+                f"These heads are for '{config.base_model}' ({key}={getattr(config, key)}), but "
+                f"the model '{model_name(model)}' has {key}={dims[key]}. {advice}"
+            )
+    found = fingerprint(model)
+    if found == config.base_fingerprint:
+        return
+    which = (
+        f"These heads are for '{config.base_model}' (fingerprint {config.base_fingerprint[:12]}), "
+        f"but the model '{model_name(model)}' has other weights (fingerprint {found[:12]})"
+    )
+    distance = weight_distance(config, model)
+    if distance is None:
+        warnings.warn(
+            f"{which}. The heads store no weight probe, so how far cannot be said; they load "
+            "anyway: outputs stay exact (the model verifies every draft), drafts may be "
+            "accepted less often. Re-save the heads to record a probe.",
+            HeadsMismatchWarning,
+            stacklevel=3,
+        )
+        return
+    if distance > MAX_WEIGHT_DISTANCE:
+        what = "another parameter layout" if distance == float("inf") else (
+            f"relative weight distance {distance:.3g} > {MAX_WEIGHT_DISTANCE}")
+        raise ValueError(f"{which}: {what}. {advice}")
+    if _same_up_to_dtype(config, model):
+        return
+    warnings.warn(
+        f"{which}: relative weight distance {distance:.2e} on the fingerprint's weight sample. "
+        "The heads load: outputs stay exact (the model verifies every draft); drafts may be "
+        "accepted less often the further the weights are.",
+        HeadsMismatchWarning,
+        stacklevel=3,
+    )
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+@runtime_checkable
+class DraftCalibration(Protocol):
+    """Per head (exit heads) or per chain step (top-layer heads): draft thresholds and the
+    calibrated P(accept) of a confidence."""
+
+    @property
+    def thresholds(self) -> list[float]: ...
+
+    def accept_prob(self, index: int, confidence): ...
+
+
+class TopHeadsProtocol(Protocol):
+    """What decoding uses of top-layer draft heads (`kind == "top_draft"`)."""
+
+    kind: Literal["top_draft"]
+    vocab_ids: torch.Tensor  # [V] full-vocabulary ids of the reduced vocabulary
+    steps: nn.ModuleList  # one per chain step; len == config.depth
+    calibration: DraftCalibration | None
+
+    def step_logits(self, i: int, h: torch.Tensor, tokens: torch.Tensor): ...
+
+    def draft(self, final_hidden, token: int, max_tokens: int, thresholds): ...
+
+    def draft_tree(self, final_hidden, token: int, depth: int, thresholds, children: int,
+                   beam: int, min_prob: float, stop_tokens=frozenset()): ...
+
+
+class ExitHeadsProtocol(Protocol):
+    """What decoding uses of exit heads (`kind == "exit_head"`): `heads[i]` reads the
+    residual after `heads[i].layer` layers and has `.propose(hidden)`, `.vocab_size`,
+    `.vocab_ids`."""
+
+    kind: Literal["exit_head"]
+    heads: nn.ModuleList
+    calibration: DraftCalibration | None
