@@ -242,10 +242,18 @@ def test_wrong_base_model_is_an_error(model, tmp_path):
 
 
 def test_same_model_in_other_dtype_loads(model, tmp_path):
+    """The same checkpoint in bf16 / fp16 loads without a mismatch warning: its weights
+    equal the stored probe up to the rounding of its dtype."""
+    import warnings
+
+    from hf_selfspec.heads import HeadsMismatchWarning
+
     save_heads(trained_like_heads(model), tmp_path)
     for dtype in (torch.bfloat16, torch.float16):
         other = tiny_model().to(dtype)
-        heads = load_heads(tmp_path, other)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", HeadsMismatchWarning)
+            heads = load_heads(tmp_path, other)
         conf, _ = heads[0].propose(torch.randn(2, 64, dtype=dtype))
         assert conf.shape == (2,)
     assert fingerprint(tiny_model().to(torch.bfloat16)) == fingerprint(model)
@@ -508,3 +516,32 @@ def test_shipped_exit_heads_load_and_propose():
     assert conf.shape == tokens.shape == (2,)
     with pytest.raises(ValueError, match="heads are for"):
         load_heads(folder, tiny_model())
+
+
+def test_heads_package_has_no_import_cycle():
+    """Every module of hf_selfspec/heads imports the others only one way (base first):
+    the graph of package-relative imports is acyclic."""
+    import ast
+
+    folder = Path(__file__).resolve().parent.parent / "hf_selfspec" / "heads"
+    graph = {}
+    for path in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                deps.update(n.split(".")[0] for n in names)
+        graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
+    graph.pop("__init__")
+    done: set[str] = set()
+
+    def visit(name, stack):
+        assert name not in stack, f"import cycle: {' -> '.join([*stack, name])}"
+        if name not in done:
+            for dep in graph.get(name, ()):
+                visit(dep, [*stack, name])
+            done.add(name)
+
+    for name in graph:
+        visit(name, [])
+    assert graph["base"] == set() and "repo" not in graph["kinds"] | graph["top"]

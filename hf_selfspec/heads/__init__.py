@@ -11,7 +11,15 @@
     train       training exit heads by self-distillation
 """
 
-from .base import HeadsMismatchWarning, check_compatible, fingerprint, weight_probe
+from .base import (
+    DraftCalibration,
+    ExitHeadsProtocol,
+    HeadsMismatchWarning,
+    TopHeadsProtocol,
+    check_compatible,
+    fingerprint,
+    weight_probe,
+)
 from .calibrate import Calibration, ChainCalibration, HeadCalibration, isotonic_fit
 from .card import render_card
 from .kinds import ExitHead, ExitHeads, HeadsConfig
@@ -29,13 +37,16 @@ from .top import TopDraftHeads, TopHeadsConfig
 __all__ = [
     "Calibration",
     "ChainCalibration",
+    "DraftCalibration",
     "ExitHead",
     "ExitHeads",
+    "ExitHeadsProtocol",
     "HeadCalibration",
     "HeadsConfig",
     "HeadsMismatchWarning",
     "TopDraftHeads",
     "TopHeadsConfig",
+    "TopHeadsProtocol",
     "check_compatible",
     "default_heads_path",
     "exit_heads_path",
