@@ -73,6 +73,8 @@ def validate_row_attention_inputs(
         raise ValueError(f"head_dim of q ({head_dim}) != head_dim of the cache ({kv_head_dim})")
     if head_dim < 1 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two (e.g. 64 or 128), got {head_dim}")
+    if num_q_heads < 1:
+        raise ValueError(f"q must have at least one query head, got shape {tuple(q.shape)}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})"

@@ -5,7 +5,8 @@
 // is computed alone or among n rows. Here every dot product runs the same instruction
 // sequence whatever the number of rows and whatever its neighbours: one 8-wide FMA
 // accumulator over k in order (blocks of 8), a fixed horizontal sum, then the scalar tail
-// k >= K - K % 8. How many weight rows and x rows share a pass only changes which dot
+// k >= K - K % 8 by std::fma (one rounding each: the same operation whatever the weight
+// dtype; before bf16 the compiler chose per tile whether to contract it). How many weight rows and x rows share a pass only changes which dot
 // products are in flight together, never the arithmetic of one of them, so a row's result
 // is bit-identical for any R (tests/test_kernels_cpu.py checks it bit for bit).
 //
@@ -13,11 +14,30 @@
 // rows: 2, 7-8 rows: 1 weight row against all x rows), so 1..8 rows cost about the memory
 // traffic of one. Measured on the 2-core AMD EPYC CI machine, all 211 weights of
 // SmolLM2-135M: 1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms against MKL's 4- / 8-column
-// products (the wx4 layout) 42-53 / 71-80 ms; streaming the same bytes (sum) takes 34 ms. Threads split the outputs o (at::parallel_for: torch's own pool and
-// thread count); a dot product never depends on the split.
+// products (the wx4 layout) 42-53 / 71-80 ms; streaming the same bytes (sum) takes 34 ms.
+// Threads split the outputs o (at::parallel_for: torch's own pool and thread count); a dot
+// product never depends on the split.
+//
+// Dtypes: weights (and the KV cache) may be float32, bfloat16 or float16; each element is
+// widened to float32 in registers (bf16: the 16 bits shifted left by 16; fp16: F16C
+// `_mm256_cvtph_ps`), both exact, and every product and sum runs in float32 in the order
+// above, so a bf16 / fp16 model reads half the bytes per step and a row stays bit-identical
+// whatever the other rows. Activations are float32 in and out (x given in bf16 / fp16 is
+// widened exactly first); callers round outputs as they need.
+//
+// Every entry point checks its arguments (dtypes, CPU device, contiguity, shapes, non-zero
+// sizes, slot and limit ranges) before any work and raises (RuntimeError) with a message that
+// says what was wrong: it never divides by zero or reads past a buffer.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -28,31 +48,72 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 elements of a weight row / cache row as float32 (exact widening) and one element
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static inline float load1(const float* p) { return *p; }
+};
+template <>
+struct Elem<c10::BFloat16> {
+  static inline __m256 load8(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline float load1(const c10::BFloat16* p) { return static_cast<float>(*p); }
+};
+template <>
+struct Elem<c10::Half> {
+  static inline __m256 load8(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
+};
+
+// f(T{}) with T the element type of a float32 / bfloat16 / float16 tensor
+template <typename F>
+inline void by_dtype(at::ScalarType s, const F& f) {
+  switch (s) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", s);
+  }
+}
+
+inline bool float_kind(const torch::Tensor& t) {
+  const auto s = t.scalar_type();
+  return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
+}
+
 // NW weight rows (w, stride K) times NX x rows (x, stride K); y[c * O + o + i].
 // NW and NX are compile-time so the NW * NX accumulators live in registers. With NREAL < NX
 // only NREAL x rows exist: the tile's spare columns re-read the last one and are not stored
 // (3 rows run in the 4-row tile this way, faster than a 3-row tile on a 2-core Xeon, layer
 // weights 19.5 vs 21.2 ms; each stored dot product's arithmetic is the same either way).
-template <int NW, int NX, int NREAL = NX>
-inline void tile(const float* __restrict w, const float* __restrict x, int64_t K, int64_t O,
+template <typename T, int NW, int NX, int NREAL = NX>
+inline void tile(const T* __restrict w, const float* __restrict x, int64_t K, int64_t O,
                  int64_t o, float* __restrict y) {
   __m256 acc[NW][NX];
 #pragma GCC unroll 8
   for (int i = 0; i < NW; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) acc[i][c] = _mm256_setzero_ps();
-  // software prefetch of each weight row PF floats ahead, once per 64-byte line: it changes
+  // software prefetch of each weight row PF bytes ahead, once per 64-byte line: it changes
   // no arithmetic, only keeps memory busy while several x rows are multiplied (measured on a
   // 2-core Xeon, all SmolLM2 layer weights: 4 rows 24.7 -> 19.5 ms, 8 rows 33 -> 23-26 ms,
   // 1 row unchanged at the memory bound); further ahead for the 5-8 row tiles, whose one or
   // two weight rows per pass are consumed more slowly
-  constexpr int64_t PF = NX <= 4 ? 256 : 1024;
+  constexpr int64_t PF = (NX <= 4 ? 1024 : 4096) / static_cast<int64_t>(sizeof(T));
+  constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
   const int64_t k8 = K - K % 8;
   for (int64_t k = 0; k < k8; k += 8) {
     __m256 wv[NW];
 #pragma GCC unroll 8
-    for (int i = 0; i < NW; ++i) wv[i] = _mm256_loadu_ps(w + i * K + k);
-    if ((k & 15) == 0) {
+    for (int i = 0; i < NW; ++i) wv[i] = Elem<T>::load8(w + i * K + k);
+    if ((k & (LINE - 1)) == 0) {
 #pragma GCC unroll 8
       for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), _MM_HINT_T0);
     }
@@ -66,59 +127,99 @@ inline void tile(const float* __restrict w, const float* __restrict x, int64_t K
   for (int i = 0; i < NW; ++i) {
     for (int c = 0; c < NREAL; ++c) {
       float s = hsum(acc[i][c]);
-      const float* wi = w + i * K;
+      const T* wi = w + i * K;
       const float* xc = x + c * K;
-      for (int64_t k = k8; k < K; ++k) s += wi[k] * xc[k];
+      for (int64_t k = k8; k < K; ++k) s = std::fma(Elem<T>::load1(wi + k), xc[k], s);
       y[c * O + o + i] = s;
     }
   }
 }
 
-// all R = NX1 + NX2 rows against every weight row, NW weight rows per tile; the second
-// group of rows re-reads the tile's weight rows from L1, not from memory
-template <int NW, int NX1, int NX2, int NREAL1 = NX1>
-void run(const float* wp, const float* xp, float* yp, int64_t K, int64_t O) {
-  at::parallel_for(0, O, 64, [&](int64_t o0, int64_t o1) {
+// output rows per thread task: threads split the outputs o in chunks of whole tiles
+constexpr int64_t kGrain = 64;
+
+// all R <= 8 rows against every weight row, NW weight rows per tile
+template <typename T, int NW, int NX, int NREAL = NX>
+void run(const T* wp, const float* xp, float* yp, int64_t K, int64_t O) {
+  at::parallel_for(0, O, kGrain, [&](int64_t o0, int64_t o1) {
     int64_t o = o0;
-    for (; o + NW <= o1; o += NW) {
-      tile<NW, NX1, NREAL1>(wp + o * K, xp, K, O, o, yp);
-      if constexpr (NX2 > 0) tile<NW, NX2>(wp + o * K, xp + NX1 * K, K, O, o, yp + NX1 * O);
-    }
-    for (; o < o1; ++o) {
-      tile<1, NX1, NREAL1>(wp + o * K, xp, K, O, o, yp);
-      if constexpr (NX2 > 0) tile<1, NX2>(wp + o * K, xp + NX1 * K, K, O, o, yp + NX1 * O);
-    }
+    for (; o + NW <= o1; o += NW) tile<T, NW, NX, NREAL>(wp + o * K, xp, K, O, o, yp);
+    for (; o < o1; ++o) tile<T, 1, NX, NREAL>(wp + o * K, xp, K, O, o, yp);
   });
+}
+
+// one weight row against x rows [r0, r0 + n), n in 1..8 (the 1-weight-row tiles)
+template <typename T>
+inline void tile_rows(const T* w, const float* x, int64_t K, int64_t O, int64_t o, float* y, int64_t n) {
+  switch (n) {
+    case 1: tile<T, 1, 1>(w, x, K, O, o, y); break;
+    case 2: tile<T, 1, 2>(w, x, K, O, o, y); break;
+    case 3: tile<T, 1, 3>(w, x, K, O, o, y); break;
+    case 4: tile<T, 1, 4>(w, x, K, O, o, y); break;
+    case 5: tile<T, 1, 5>(w, x, K, O, o, y); break;
+    case 6: tile<T, 1, 6>(w, x, K, O, o, y); break;
+    case 7: tile<T, 1, 7>(w, x, K, O, o, y); break;
+    default: tile<T, 1, 8>(w, x, K, O, o, y); break;
+  }
+}
+
+// R > 8 rows: each weight row is read from memory once, against the rows in blocks of 8
+// (the next blocks re-read it from L1): a wide verify step or the LM head streams its
+// weights once, not once per 8 rows
+template <typename T>
+void run_many(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  at::parallel_for(0, O, kGrain, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o)
+      for (int64_t r0 = 0; r0 < R; r0 += 8)
+        tile_rows<T>(wp + o * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(8, R - r0));
+  });
+}
+
+template <typename T>
+void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  switch (R) {  // registers: NW * NX accumulators + NW weight vectors + 1 x vector <= 16
+    case 1: run<T, 4, 1>(wp, xp, yp, K, O); break;
+    case 2: run<T, 4, 2>(wp, xp, yp, K, O); break;
+    case 3: run<T, 3, 4, 3>(wp, xp, yp, K, O); break;  // the 4-row tile, 3 rows stored
+    case 4: run<T, 3, 4>(wp, xp, yp, K, O); break;
+    case 5: run<T, 2, 5>(wp, xp, yp, K, O); break;
+    case 6: run<T, 2, 6>(wp, xp, yp, K, O); break;
+    case 7: run<T, 1, 7>(wp, xp, yp, K, O); break;
+    case 8: run<T, 1, 8>(wp, xp, yp, K, O); break;
+    default: run_many<T>(wp, xp, yp, R, K, O);  // each dot product is still computed alike
+  }
+}
+
+// the checks every product input passes: a CPU tensor of a float kind, dim 2, contiguous
+void check_matrix(const torch::Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK(t.defined(), fn, ": ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(float_kind(t), fn, ": ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2, fn, ": ", name, " must be 2-D, got ", t.dim(), "-D ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), fn, ": ", name, " must be contiguous (row-major), got strides ", t.strides());
 }
 
 }  // namespace
 
-// x [R, K] float32 contiguous, w [O, K] float32 contiguous -> y [R, O]
+// x [R, K] (float32; bf16 / fp16 widened exactly first), w [O, K] float32, bfloat16 or
+// float16, both contiguous CPU -> y [R, O] float32
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32, "rows_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_linear: x [R, K], w [O, K]");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "rows_linear: contiguous inputs");
+  check_matrix(x, "rows_linear", "x");
+  check_matrix(w, "rows_linear", "w");
+  TORCH_CHECK(x.size(1) == w.size(1), "rows_linear: x [R, K], w [O, K] must share K, got x ", x.sizes(),
+              " and w ", w.sizes());
+  TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && w.size(0) > 0,
+              "rows_linear: empty input (R, K and O must be >= 1), got x ", x.sizes(), " and w ", w.sizes());
+  if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
   const int64_t R = x.size(0), K = x.size(1), O = w.size(0);
   auto y = torch::empty({R, O}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  switch (R) {  // registers: NW * NX accumulators + NW weight vectors + 1 x vector <= 16
-    case 1: run<4, 1, 0>(wp, xp, yp, K, O); break;
-    case 2: run<4, 2, 0>(wp, xp, yp, K, O); break;
-    case 3: run<3, 4, 0, 3>(wp, xp, yp, K, O); break;  // the 4-row tile, 3 rows stored
-    case 4: run<3, 4, 0>(wp, xp, yp, K, O); break;
-    case 5: run<2, 5, 0>(wp, xp, yp, K, O); break;
-    case 6: run<2, 6, 0>(wp, xp, yp, K, O); break;
-    case 7: run<1, 7, 0>(wp, xp, yp, K, O); break;
-    case 8: run<1, 8, 0>(wp, xp, yp, K, O); break;
-    default:  // more rows: blocks of 8 (each dot product is still computed alike)
-      for (int64_t r0 = 0; r0 < R; r0 += 8) {
-        auto part = rows_linear(x.narrow(0, r0, std::min<int64_t>(8, R - r0)).contiguous(), w);
-        y.narrow(0, r0, part.size(0)).copy_(part);
-      }
-  }
+  by_dtype(w.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    linear_rows<T>(static_cast<const T*>(w.data_ptr()), xp, yp, R, K, O);
+  });
   return y;
 }
 
@@ -145,30 +246,33 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
 // reads measured no better.
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t d) {
+// q . k for one key row of d elements (cache type TC, widened in registers)
+template <typename TC>
+inline float dot(const float* __restrict a, const TC* __restrict b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   const int64_t d8 = d - d % 8;
-  for (int64_t i = 0; i < d8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  for (int64_t i = 0; i < d8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), Elem<TC>::load8(b + i), acc);
   float s = hsum(acc);
-  for (int64_t i = d8; i < d; ++i) s = std::fma(a[i], b[i], s);
+  for (int64_t i = d8; i < d; ++i) s = std::fma(a[i], Elem<TC>::load1(b + i), s);
   return s;
 }
 
 // four dot products of one query with keys k, k + d, k + 2d, k + 3d, each exactly as `dot`
-inline void dot4(const float* __restrict a, const float* __restrict k, int64_t d, float* __restrict s) {
+template <typename TC>
+inline void dot4(const float* __restrict a, const TC* __restrict k, int64_t d, float* __restrict s) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
   const int64_t d8 = d - d % 8;
   for (int64_t i = 0; i < d8; i += 8) {
     const __m256 av = _mm256_loadu_ps(a + i);
-    acc0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(k + i), acc0);
-    acc1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(k + d + i), acc1);
-    acc2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(k + 2 * d + i), acc2);
-    acc3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(k + 3 * d + i), acc3);
+    acc0 = _mm256_fmadd_ps(av, Elem<TC>::load8(k + i), acc0);
+    acc1 = _mm256_fmadd_ps(av, Elem<TC>::load8(k + d + i), acc1);
+    acc2 = _mm256_fmadd_ps(av, Elem<TC>::load8(k + 2 * d + i), acc2);
+    acc3 = _mm256_fmadd_ps(av, Elem<TC>::load8(k + 3 * d + i), acc3);
   }
   float t[4] = {hsum(acc0), hsum(acc1), hsum(acc2), hsum(acc3)};
   for (int j = 0; j < 4; ++j) {
-    const float* kj = k + j * d;
-    for (int64_t i = d8; i < d; ++i) t[j] = std::fma(a[i], kj[i], t[j]);
+    const TC* kj = k + j * d;
+    for (int64_t i = d8; i < d; ++i) t[j] = std::fma(a[i], Elem<TC>::load1(kj + i), t[j]);
     s[j] = t[j];
   }
 }
@@ -195,8 +299,8 @@ inline __m256 exp8(__m256 x) {
 
 // acc[0:D] += p[j] v[j * D : (j+1) * D] for j in [j0, j1), in order of j (D a multiple of
 // 8, the accumulators in registers)
-template <int D>
-inline void weighted_sum(const float* __restrict p, const float* __restrict v, int64_t j0, int64_t j1,
+template <typename TC, int D>
+inline void weighted_sum(const float* __restrict p, const TC* __restrict v, int64_t j0, int64_t j1,
                          float* __restrict acc) {
   __m256 a[D / 8];
 #pragma GCC unroll 16
@@ -204,95 +308,123 @@ inline void weighted_sum(const float* __restrict p, const float* __restrict v, i
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
 #pragma GCC unroll 16
-    for (int c = 0; c < D / 8; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + 8 * c), a[c]);
+    for (int c = 0; c < D / 8; ++c) a[c] = _mm256_fmadd_ps(pj, Elem<TC>::load8(v + j * D + 8 * c), a[c]);
   }
 #pragma GCC unroll 16
   for (int c = 0; c < D / 8; ++c) _mm256_store_ps(acc + 8 * c, a[c]);
 }
 
-inline void weighted_sum_any(const float* __restrict p, const float* __restrict v, int64_t d, int64_t j0,
+template <typename TC>
+inline void weighted_sum_any(const float* __restrict p, const TC* __restrict v, int64_t d, int64_t j0,
                              int64_t j1, float* __restrict acc) {
   const int64_t d8 = d - d % 8;
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j]);
     for (int64_t c = 0; c < d8; c += 8)
-      _mm256_store_ps(acc + c, _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * d + c), _mm256_load_ps(acc + c)));
-    for (int64_t i = d8; i < d; ++i) acc[i] = std::fma(p[j], v[j * d + i], acc[i]);
+      _mm256_store_ps(acc + c, _mm256_fmadd_ps(pj, Elem<TC>::load8(v + j * d + c), _mm256_load_ps(acc + c)));
+    for (int64_t i = d8; i < d; ++i) acc[i] = std::fma(p[j], Elem<TC>::load1(v + j * d + i), acc[i]);
   }
+}
+
+template <typename TC>
+inline void weighted_sum_d(const float* p, const TC* v, int64_t d, int64_t j0, int64_t j1, float* acc) {
+  if (d == 64) weighted_sum<TC, 64>(p, v, j0, j1, acc);
+  else if (d == 128) weighted_sum<TC, 128>(p, v, j0, j1, acc);
+  else weighted_sum_any<TC>(p, v, d, j0, j1, acc);
 }
 
 constexpr int64_t kMaxHeadDim = 256;
 
-}  // namespace
+// A 1-D int64 CPU tensor of n values (limit, slots), made contiguous.
+torch::Tensor index_vector(const torch::Tensor& t, int64_t n, const char* fn, const char* name) {
+  TORCH_CHECK(t.defined(), fn, ": ", name, " is undefined");
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong, fn, ": ", name, " must be int64 [R], got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, fn, ": ", name, " must be int64 [R] with R = ", n,
+              " rows, got shape ", t.sizes());
+  return t.contiguous();
+}
 
-// q [R, Hq, d] (after RoPE, unscaled), k/v [Hkv, S, d] one layer's cache, limit int64 [R]
-// (the last slot row r sees) -> o [R, Hq * d]; all float32 contiguous.
-//
-// Trees: `path` int64 [R, P] (P may be 0: every row a chain) lists, per row, the slots of its
-// own path in the draft tree (ancestors then itself, in depth order; -1 pads after them). With
-// c_r such slots, row r sees logical keys j = 0 .. limit[r]: key j < limit[r] + 1 - c_r at slot j
-// (the committed prefix), the last c_r keys at path[r][...] in order. A row's keys are then the
-// exact keys a chain row at the same position would see, visited in the same order with the
-// same arithmetic, so a tree row is bit-identical to that chain row.
-torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path);
-torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
-              "rows_attention: float32 q, k, v");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
-              "rows_attention: q [R, Hq, d], k and v [Hkv, S, d]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "rows_attention: contiguous q, k, v");
-  TORCH_CHECK(limit.dtype() == torch::kInt64 && limit.dim() == 1 && limit.size(0) == q.size(0),
-              "rows_attention: limit int64 [R]");
-  const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), Hkv = k.size(0), S = k.size(1);
-  TORCH_CHECK(Hq % Hkv == 0, "rows_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(d <= kMaxHeadDim, "rows_attention: head_dim <= 256");
-  auto lim = limit.contiguous();
-  const int64_t* lp = lim.data_ptr<int64_t>();
-  int64_t keys = 0;
+// The checked row metadata of one attention call: key limits, tree paths and, per row, the
+// number c_r of its path slots (its last c_r keys).
+struct AttentionMeta {
+  torch::Tensor limit, path;
+  std::vector<int64_t> tree_keys;
+  int64_t keys = 0;  // max over rows of limit + 1
+};
+
+AttentionMeta check_attention_meta(const torch::Tensor& limit, const torch::Tensor& path, int64_t R, int64_t S,
+                                   const char* fn) {
+  AttentionMeta m;
+  m.limit = index_vector(limit, R, fn, "limit");
+  const int64_t* lp = m.limit.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(lp[r] >= 0 && lp[r] < S, "rows_attention: a key limit is outside the cache");
-    keys = std::max(keys, lp[r] + 1);
+    TORCH_CHECK(lp[r] >= 0 && lp[r] < S, fn, ": a key limit is outside the cache: limit[", r, "] = ", lp[r],
+                ", the cache has ", S, " slots");
+    m.keys = std::max(m.keys, lp[r] + 1);
   }
-  TORCH_CHECK(path.dtype() == torch::kInt64 && path.dim() == 2 && (path.size(1) == 0 || path.size(0) == R),
-              "rows_attention: path int64 [R, P] (P = 0: no tree)");
-  auto pth = path.contiguous();
-  const int64_t P = pth.size(1);
-  const int64_t* pp = pth.data_ptr<int64_t>();
-  std::vector<int64_t> tree_keys(R, 0);  // c_r: the row's path slots (its last c_r keys)
+  TORCH_CHECK(path.defined() && path.device().is_cpu(), fn, ": path int64 [R, P] must be a CPU tensor");
+  TORCH_CHECK(path.scalar_type() == at::kLong && path.dim() == 2 && (path.size(1) == 0 || path.size(0) == R),
+              fn, ": path int64 [R, P] (P = 0: no tree) with R = ", R, ", got ", path.scalar_type(), " ",
+              path.sizes());
+  m.path = path.contiguous();
+  const int64_t P = m.path.size(1);
+  const int64_t* pp = m.path.data_ptr<int64_t>();
+  m.tree_keys.assign(R, 0);
   for (int64_t r = 0; r < R && P > 0; ++r) {
-    while (tree_keys[r] < P && pp[r * P + tree_keys[r]] >= 0) {
-      TORCH_CHECK(pp[r * P + tree_keys[r]] < S, "rows_attention: a path slot is outside the cache");
-      ++tree_keys[r];
+    int64_t& c = m.tree_keys[r];
+    while (c < P && pp[r * P + c] >= 0) {
+      TORCH_CHECK(pp[r * P + c] < S, fn, ": a path slot is outside the cache: path[", r, ", ", c, "] = ",
+                  pp[r * P + c], ", the cache has ", S, " slots");
+      ++c;
     }
-    TORCH_CHECK(tree_keys[r] <= lp[r] + 1, "rows_attention: a row's path is longer than its keys");
+    TORCH_CHECK(c <= lp[r] + 1, fn, ": a row's path is longer than its keys: row ", r, " has ", c,
+                " path slots but limit ", lp[r]);
   }
-  const int64_t G = Hq / Hkv, stride = (keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
-  auto out = torch::empty({R, Hq * d}, q.options());
-  auto scores = torch::empty({R * Hq, stride}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  return m;
+}
+
+// k and v [Hkv, S, d] caches of one layer: CPU, one float kind, contiguous, non-empty
+void check_cache(const torch::Tensor& k, const torch::Tensor& v, const char* fn) {
+  TORCH_CHECK(k.defined() && v.defined(), fn, ": k and v caches must be tensors");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), fn, ": k and v caches must be CPU tensors, got ",
+              k.device(), " and ", v.device());
+  TORCH_CHECK(float_kind(k) && v.scalar_type() == k.scalar_type(), fn,
+              ": k and v caches must both be float32, bfloat16 or float16, got ", k.scalar_type(), " and ",
+              v.scalar_type());
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), fn, ": k and v caches must both be [Hkv, S, d], got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), fn, ": k and v caches must be contiguous");
+  TORCH_CHECK(k.size(0) > 0 && k.size(1) > 0 && k.size(2) > 0, fn,
+              ": empty cache (KV heads, slots and head_dim must be >= 1), got ", k.sizes());
+  TORCH_CHECK(k.size(2) <= kMaxHeadDim, fn, ": head_dim <= 256, got ", k.size(2));
+}
+
+template <typename TC>
+void attention_rows(const float* qp, const TC* kp, const TC* vp, const AttentionMeta& meta, int64_t R, int64_t Hq,
+                    int64_t Hkv, int64_t S, int64_t d, float sc, float* op) {
+  const int64_t G = Hq / Hkv, stride = (meta.keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
+  auto scores = torch::empty({R * Hq, stride}, torch::dtype(torch::kFloat32));
   float* sp = scores.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const int64_t* lp = meta.limit.data_ptr<int64_t>();
+  const int64_t P = meta.path.size(1);
+  const int64_t* pp = meta.path.data_ptr<int64_t>();
   const int64_t d8 = d - d % 8;
   at::parallel_for(0, R * Hq, 1, [&](int64_t i0, int64_t i1) {
     alignas(32) float qs[kMaxHeadDim];
     alignas(32) float acc[kMaxHeadDim];
     for (int64_t item = i0; item < i1; ++item) {  // item = r * Hq + h
       const int64_t r = item / Hq, h = item % Hq, L = lp[r] + 1, L8 = (L + 7) / 8 * 8;
-      const int64_t Lp = L - tree_keys[r];  // keys [0, Lp) contiguous, [Lp, L) on the path
+      const int64_t Lp = L - meta.tree_keys[r];  // keys [0, Lp) contiguous, [Lp, L) on the path
       const int64_t* row_path = pp + r * P;
-      const float* kh = kp + (h / G) * S * d;
-      const float* vh = vp + (h / G) * S * d;
+      const TC* kh = kp + (h / G) * S * d;
+      const TC* vh = vp + (h / G) * S * d;
       float* s = sp + item * stride;
       for (int64_t i = 0; i < d; ++i) qs[i] = qp[item * d + i] * sc;
       int64_t j = 0;
-      for (; j + 4 <= Lp; j += 4) dot4(qs, kh + j * d, d, s + j);
-      for (; j < Lp; ++j) s[j] = dot(qs, kh + j * d, d);
-      for (; j < L; ++j) s[j] = dot(qs, kh + row_path[j - Lp] * d, d);
+      for (; j + 4 <= Lp; j += 4) dot4<TC>(qs, kh + j * d, d, s + j);
+      for (; j < Lp; ++j) s[j] = dot<TC>(qs, kh + j * d, d);
+      for (; j < L; ++j) s[j] = dot<TC>(qs, kh + row_path[j - Lp] * d, d);
       float m = s[0];
       for (j = 1; j < L; ++j) m = std::max(m, s[j]);
       for (j = L; j < L8; ++j) s[j] = -INFINITY;  // exp8 -> exp(-87): zeroed below
@@ -311,20 +443,52 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
       const float l = hsum(lv);
       for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
       // keys in order of j: the contiguous prefix, then each path key (the same FMA per lane)
-      if (d == 64) weighted_sum<64>(s, vh, 0, Lp, acc);
-      else if (d == 128) weighted_sum<128>(s, vh, 0, Lp, acc);
-      else weighted_sum_any(s, vh, d, 0, Lp, acc);
-      for (j = Lp; j < L; ++j) {
-        const float* vj = vh + row_path[j - Lp] * d;
-        if (d == 64) weighted_sum<64>(s + j, vj, 0, 1, acc);
-        else if (d == 128) weighted_sum<128>(s + j, vj, 0, 1, acc);
-        else weighted_sum_any(s + j, vj, d, 0, 1, acc);
-      }
+      weighted_sum_d<TC>(s, vh, d, 0, Lp, acc);
+      for (j = Lp; j < L; ++j) weighted_sum_d<TC>(s + j, vh + row_path[j - Lp] * d, d, 0, 1, acc);
       float* o = op + item * d;  // out[r, h*d : (h+1)*d]
       const __m256 lvec = _mm256_set1_ps(l);
       for (int64_t c = 0; c < d8; c += 8) _mm256_storeu_ps(o + c, _mm256_div_ps(_mm256_load_ps(acc + c), lvec));
       for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / l;
     }
+  });
+}
+
+}  // namespace
+
+// q [R, Hq, d] (after RoPE, unscaled; float32, bf16 / fp16 widened exactly first), k/v
+// [Hkv, S, d] one layer's cache (float32, bfloat16 or float16, both the same), limit int64
+// [R] (the last slot row r sees) -> o [R, Hq * d] float32; all CPU and contiguous.
+//
+// Trees: `path` int64 [R, P] (P may be 0: every row a chain) lists, per row, the slots of its
+// own path in the draft tree (ancestors then itself, in depth order; -1 pads after them). With
+// c_r such slots, row r sees logical keys j = 0 .. limit[r]: key j < limit[r] + 1 - c_r at slot j
+// (the committed prefix), the last c_r keys at path[r][...] in order. A row's keys are then the
+// exact keys a chain row at the same position would see, visited in the same order with the
+// same arithmetic, so a tree row is bit-identical to that chain row.
+torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                             double scale, torch::Tensor path);
+torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                             double scale, torch::Tensor path) {
+  const char* fn = "rows_attention";
+  TORCH_CHECK(q.defined() && q.device().is_cpu(), "rows_attention: q must be a CPU tensor");
+  TORCH_CHECK(float_kind(q), "rows_attention: q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
+  check_cache(k, v, fn);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k.size(2),
+              "rows_attention: q [R, Hq, d], k and v [Hkv, S, d] (the same d), got q ", q.sizes(), " and k ",
+              k.sizes());
+  TORCH_CHECK(q.is_contiguous(), "rows_attention: q must be contiguous");
+  const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(R > 0 && Hq > 0, "rows_attention: empty q (rows and query heads must be >= 1), got ", q.sizes());
+  TORCH_CHECK(Hq % Hkv == 0, "rows_attention: query heads must be a multiple of KV heads, got ", Hq, " and ", Hkv);
+  TORCH_CHECK(std::isfinite(scale), "rows_attention: scale must be finite, got ", scale);
+  const AttentionMeta meta = check_attention_meta(limit, path, R, S, fn);
+  if (q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
+  auto out = torch::empty({R, Hq * d}, q.options());
+  by_dtype(k.scalar_type(), [&](auto tag) {
+    using TC = decltype(tag);
+    attention_rows<TC>(q.data_ptr<float>(), static_cast<const TC*>(k.data_ptr()),
+                       static_cast<const TC*>(v.data_ptr()), meta, R, Hq, Hkv, S, d, static_cast<float>(scale),
+                       out.data_ptr<float>());
   });
   return out;
 }
@@ -397,62 +561,114 @@ void silu_mul(const float* __restrict g, const float* __restrict u, float* __res
   }
 }
 
+// one row's K or V (float32) into a cache slot of type TC (round to nearest even, as
+// torch's .to(dtype))
+template <typename TC>
+inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d) {
+  if constexpr (std::is_same_v<TC, float>) std::memcpy(dst, src, d * sizeof(float));
+  else for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<TC>(src[i]);
+}
+
 }  // namespace
 
-// h [R, H] (the residual stream before the layer) -> after the layer; writes the layer's
-// K and V of row r at slot slots[r] of k_cache / v_cache [Hkv, S, d]. weights: input norm
+// h [R, H] float32 (the residual stream before the layer) -> after the layer, float32;
+// writes the layer's K and V of row r at slot slots[r] of k_cache / v_cache [Hkv, S, d]
+// (float32, bfloat16 or float16: rounded to nearest even on the write). weights: input norm
 // [H], q [Hq*d, H], k [Hkv*d, H], v [Hkv*d, H], o [H, Hq*d], post norm [H], gate [I, H],
-// up [I, H], down [H, I], then q norm [d] and k norm [d] (Qwen3) or nothing. cos / sin
-// [R, d] at the rows' positions; limit [R] the last (logical) key each row sees, path [R, P]
-// its tree slots (see rows_attention; P = 0 for chains). All float32
-// contiguous, no biases (the caller uses the PyTorch path for biased layers).
+// up [I, H], down [H, I], then q norm [d] and k norm [d] (Qwen3) or nothing; the seven
+// projections share one dtype (float32, bfloat16 or float16, read as such), the norms any of
+// the three (widened to float32). cos / sin [R, d] float32 at the rows' positions; slots
+// int64 [R]; limit int64 [R] the last (logical) key each row sees, path [R, P] its tree slots
+// (see rows_attention; P = 0 for chains). All CPU and contiguous, no biases (the caller uses
+// the PyTorch path for biased layers). Everything is checked before the cache is written.
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, torch::Tensor path);
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, torch::Tensor path) {
-  TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "rows_layer: 9 weights, or 11 with q/k norms");
-  for (const auto& t : weights)
-    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous(), "rows_layer: float32 contiguous weights");
-  TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2 && h.is_contiguous(), "rows_layer: h [R, H] float32");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              v_cache.sizes() == k_cache.sizes(), "rows_layer: k/v cache [Hkv, S, d] contiguous");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.numel() == h.size(0), "rows_layer: slots int64 [R]");
-  const int64_t R = h.size(0), H = h.size(1), Hkv = k_cache.size(0), S = k_cache.size(1), d = k_cache.size(2);
+  const char* fn = "rows_layer";
+  TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "rows_layer: 9 weights, or 11 with q/k norms, got ",
+              weights.size());
+  TORCH_CHECK(h.defined() && h.device().is_cpu() && h.scalar_type() == at::kFloat && h.dim() == 2 &&
+              h.is_contiguous(), "rows_layer: h must be [R, H] float32 contiguous on the CPU");
+  const int64_t R = h.size(0), H = h.size(1);
+  TORCH_CHECK(R > 0 && H > 0, "rows_layer: empty h (rows and hidden size must be >= 1), got ", h.sizes());
+  check_cache(k_cache, v_cache, fn);
+  const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), d = k_cache.size(2);
+  TORCH_CHECK(d % 2 == 0, "rows_layer: even head_dim <= 256 (RoPE halves), got ", d);
+  static const char* names[] = {"input norm", "q", "k", "v", "o", "post norm", "gate", "up", "down", "q norm",
+                                "k norm"};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const auto& t = weights[i];
+    TORCH_CHECK(t.defined() && t.device().is_cpu(), "rows_layer: the ", names[i], " weight must be a CPU tensor");
+    TORCH_CHECK(float_kind(t), "rows_layer: the ", names[i], " weight must be float32, bfloat16 or float16, got ",
+                t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), "rows_layer: the ", names[i], " weight must be contiguous");
+  }
+  const auto wtype = weights[1].scalar_type();
+  for (int i : {2, 3, 4, 6, 7, 8})
+    TORCH_CHECK(weights[i].scalar_type() == wtype, "rows_layer: the projections must share one dtype, got q ",
+                wtype, " and ", names[i], " ", weights[i].scalar_type());
+  TORCH_CHECK(weights[1].dim() == 2 && weights[1].size(1) == H && weights[1].size(0) > 0 &&
+              weights[1].size(0) % d == 0, "rows_layer: the q weight must be [Hq * d, H] with H = ", H,
+              ", d = ", d, ", got ", weights[1].sizes());
   const int64_t Hq = weights[1].size(0) / d;
-  TORCH_CHECK(weights[0].numel() == H && weights[1].size(1) == H && weights[2].size(0) == Hkv * d,
-              "rows_layer: weight shapes do not match h and the cache");
-  TORCH_CHECK(cos.dtype() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() &&
-              cos.size(0) == R && cos.size(1) == d, "rows_layer: cos/sin [R, d] float32 contiguous");
-  TORCH_CHECK(d % 2 == 0 && d <= kMaxHeadDim, "rows_layer: even head_dim <= 256");
+  TORCH_CHECK(Hq % Hkv == 0, "rows_layer: query heads must be a multiple of KV heads, got ", Hq, " and ", Hkv);
+  TORCH_CHECK(weights[6].dim() == 2 && weights[6].size(0) > 0, "rows_layer: the gate weight must be [I, H], got ",
+              weights[6].sizes());
+  const int64_t I = weights[6].size(0);
+  const std::vector<std::vector<int64_t>> shapes = {
+      {H}, {Hq * d, H}, {Hkv * d, H}, {Hkv * d, H}, {H, Hq * d}, {H}, {I, H}, {I, H}, {H, I}, {d}, {d}};
+  for (size_t i = 0; i < weights.size(); ++i)
+    TORCH_CHECK(weights[i].sizes() == c10::IntArrayRef(shapes[i]), "rows_layer: the ", names[i],
+                " weight must be ", c10::IntArrayRef(shapes[i]), " (H = ", H, ", Hq = ", Hq, ", Hkv = ", Hkv,
+                ", d = ", d, ", I = ", I, "), got ", weights[i].sizes());
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->defined() && t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                t->dim() == 2 && t->size(0) == R && t->size(1) == d,
+                "rows_layer: cos/sin must be [R, d] = [", R, ", ", d, "] float32 contiguous on the CPU, got ",
+                t->scalar_type(), " ", t->sizes());
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rows_layer: eps must be finite and >= 0, got ", eps);
+  TORCH_CHECK(std::isfinite(scale), "rows_layer: scale must be finite, got ", scale);
+  auto sl = index_vector(slots, R, fn, "slots");
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "rows_layer: a slot is outside the cache: slots[", r, "] = ", sp[r],
+                ", the cache has ", S, " slots");
+  check_attention_meta(limit, path, R, S, fn);  // before the cache is written
+  // norm weights as float32 (a no-op for float32 models)
+  std::vector<torch::Tensor> norm(weights.size());
+  for (int i : {0, 5, 9, 10})
+    if (i < static_cast<int>(weights.size())) norm[i] = weights[i].to(at::kFloat).contiguous();
+
   const float e = static_cast<float>(eps);
   auto x = torch::empty_like(h);
-  rms_norm_rows(h.data_ptr<float>(), weights[0].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
+  rms_norm_rows(h.data_ptr<float>(), norm[0].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
   auto q = rows_linear(x, weights[1]);  // [R, Hq*d]
   auto k = rows_linear(x, weights[2]);  // [R, Hkv*d]
   auto v = rows_linear(x, weights[3]);
   if (weights.size() == 11) {  // per-head norms before RoPE
-    rms_norm_rows(q.data_ptr<float>(), weights[9].data_ptr<float>(), q.data_ptr<float>(), R * Hq, d, e);
-    rms_norm_rows(k.data_ptr<float>(), weights[10].data_ptr<float>(), k.data_ptr<float>(), R * Hkv, d, e);
+    rms_norm_rows(q.data_ptr<float>(), norm[9].data_ptr<float>(), q.data_ptr<float>(), R * Hq, d, e);
+    rms_norm_rows(k.data_ptr<float>(), norm[10].data_ptr<float>(), k.data_ptr<float>(), R * Hkv, d, e);
   }
   rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d);
   rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "rows_layer: a slot is outside the cache");
-    for (int64_t g = 0; g < Hkv; ++g) {
-      std::memcpy(kc + (g * S + sp[r]) * d, kp + (r * Hkv + g) * d, d * sizeof(float));
-      std::memcpy(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d * sizeof(float));
-    }
-  }
+  by_dtype(k_cache.scalar_type(), [&](auto tag) {
+    using TC = decltype(tag);
+    TC* kc = static_cast<TC*>(k_cache.data_ptr());
+    TC* vc = static_cast<TC*>(v_cache.data_ptr());
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < Hkv; ++g) {
+        store_row<TC>(kc + (g * S + sp[r]) * d, kp + (r * Hkv + g) * d, d);
+        store_row<TC>(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d);
+      }
+  });
   auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path);
   auto h1 = h + rows_linear(o, weights[4]);
-  rms_norm_rows(h1.data_ptr<float>(), weights[5].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
+  rms_norm_rows(h1.data_ptr<float>(), norm[5].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
   auto gate = rows_linear(x, weights[6]);
   auto up = rows_linear(x, weights[7]);
   silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());

@@ -5,9 +5,20 @@ x @ w^T, `rows_attention(q, k, v, limit, scale)` and a whole decoder layer built
 The C++ source is compiled once per machine with torch's own extension builder (ninja +
 the system C++ compiler; ~45 s, cached under ~/.cache/torch_extensions) the first time
 `load_rows_linear()` is called; `scripts/setup.sh` does it at install time. Needs an
-x86-64 CPU with AVX2 and FMA and float32 tensors; where it cannot be built,
-`load_rows_linear()` returns None and says why in `build_error()`, and the engine uses
-another row layout.
+x86-64 CPU with AVX2, FMA and F16C; where it cannot be built, `load_rows_linear()` returns
+None and says why in `build_error()`, and the engine uses another row layout.
+
+Dtypes: weights and the KV cache may be float32, bfloat16 or float16 (read as such and
+widened to float32 in registers: a bf16 model reads half the bytes per step); activations
+(x, q, h, cos, sin) are float32 and every result is float32 (x and q given in bf16 / fp16
+are widened exactly first). A row's result is bit-identical whatever the other rows, in
+every dtype. Every entry point checks its arguments and raises RuntimeError saying what
+was wrong (dtype, device, contiguity, shape, empty size, a slot or limit outside the cache).
+
+A build lock (`lock` in the extension's build folder) left by a build that was killed
+would make torch's builder wait for ever: one older than `STALE_LOCK_SECONDS` is removed
+with a warning before loading, and one that goes stale while this process waits on it is
+removed too (the kernel is then not loaded in this process: `build_error()` says so).
 """
 
 from __future__ import annotations
@@ -15,12 +26,88 @@ from __future__ import annotations
 import functools
 import os
 import sysconfig
+import threading
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_rows.cpp")
+NAME = "selfspec_cpu_rows"
+# a build takes ~1 min (a few on a loaded 2-core machine): a lock older than this was left
+# by a build that died
+STALE_LOCK_SECONDS = 600.0
 _error: str | None = None
+
+
+def build_directory(name: str = NAME) -> Path:
+    """The folder torch's extension builder uses for `name` (TORCH_EXTENSIONS_DIR or
+    ~/.cache/torch_extensions/<python>_<accelerator>/<name>); created if missing."""
+    from torch.utils import cpp_extension
+
+    try:
+        return Path(cpp_extension._get_build_directory(name, False))
+    except Exception:  # noqa: BLE001 (a torch without the private helper: its documented layout)
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        path = Path(root) / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, *,
+                      created_before: float | None = None) -> bool:
+    """Remove the build lock `lock` if it is older than `max_age` seconds (and, with
+    `created_before`, was created before that time), with a warning; True if removed."""
+    try:
+        mtime = lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if time.time() - mtime <= max_age or (created_before is not None and mtime >= created_before):
+        return False
+    warnings.warn(f"removing the stale kernel build lock {lock} ({time.time() - mtime:.0f} s old: "
+                  "a build was killed mid-way)", RuntimeWarning, stacklevel=2)
+    try:
+        lock.unlink()
+    except FileNotFoundError:
+        pass
+    return True
+
+
+def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> None:
+    """Return once `lock` is gone: another process's build finished, or the lock went stale
+    (older than `max_age` seconds: its build died) and was removed with a warning. Never
+    waits longer than the lock's remaining time to staleness."""
+    while lock.exists():
+        if remove_stale_lock(lock, max_age):
+            return
+        time.sleep(poll)
+
+
+class _LockWatch:
+    """While torch's builder runs (it waits for ever on a lock it did not create), remove
+    a lock created before the load began once it is older than `max_age`; `fired` says
+    whether it did (the build that owned it died: what it left is not trusted)."""
+
+    def __init__(self, lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 1.0):
+        self.lock, self.max_age, self.poll = lock, max_age, poll
+        self.start = time.time()
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu_rows-lock-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll):
+            if remove_stale_lock(self.lock, self.max_age, created_before=self.start):
+                self.fired = True
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def cpu_supports_kernel() -> bool:
@@ -49,11 +136,18 @@ def _load_module():
         scripts = sysconfig.get_path("scripts")
         if scripts and (Path(scripts) / "ninja").exists():
             os.environ["PATH"] = scripts + os.pathsep + path
-        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-        module = load_inline(
-            name="selfspec_cpu_rows", cpp_sources=[SOURCE.read_text()],
-            functions=["rows_linear", "rows_attention", "rows_layer"],
-            extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+        lock = build_directory() / "lock"
+        wait_for_build_lock(lock)  # a lock left by a killed build: removed, never waited on
+        with _LockWatch(lock) as watch:
+            module = load_inline(
+                name=NAME, cpp_sources=[SOURCE.read_text()],
+                functions=["rows_linear", "rows_attention", "rows_layer"],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        if watch.fired:
+            _error = (f"the kernel build lock {lock} went stale while this process waited on it "
+                      "(the build that held it died); a new process rebuilds the kernel")
+            return None
     except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
         _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         return None
@@ -63,15 +157,16 @@ def _load_module():
 
 
 def load_rows_linear():
-    """The compiled `rows_linear(x [R, K], w [O, K]) -> [R, O]` (float32, contiguous), or
-    None when this machine cannot build or run it (`build_error()` says why)."""
+    """The compiled `rows_linear(x [R, K], w [O, K]) -> y [R, O] float32` (x float32, w
+    float32 / bfloat16 / float16; contiguous CPU tensors), or None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_linear
 
 
 def load_rows_attention():
     """The compiled `rows_attention(q [R, Hq, d], k [Hkv, S, d], v [Hkv, S, d], limit int64
-    [R], scale, path int64 [R, P]) -> o [R, Hq * d]` (float32, contiguous): row r sees
+    [R], scale, path int64 [R, P]) -> o [R, Hq * d] float32` (q float32; k and v float32,
+    bfloat16 or float16, the same; contiguous CPU tensors): row r sees
     logical keys [0, limit[r]]; with P = 0 (`NO_PATH`) key j is slot j, otherwise the row's
     last c_r keys are its c_r path slots (draft trees; -1 pads: see cpu_rows.cpp).
     None when this machine cannot build or run it (`build_error()` says why)."""
@@ -81,7 +176,9 @@ def load_rows_attention():
 
 def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
-    eps, scale, path) -> h after one Llama/Qwen3 decoder layer` (see cpu_rows.cpp), or None when
+    eps, scale, path) -> h after one Llama/Qwen3 decoder layer` (h, cos, sin float32; the
+    projections one of float32 / bfloat16 / float16, the norms any of them; the cache float32,
+    bfloat16 or float16, written rounded to nearest even; see cpu_rows.cpp), or None when
     this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_layer

@@ -1,16 +1,26 @@
 """Time row_attention (Triton) against row_attention_reference (PyTorch); print a table.
+With --cpu-rows: time the C++ row products (kernels/cpu_rows.cpp) of one step instead.
 
 Mirrors tests/test_kernels.py. On CUDA it times the compiled kernel with
 triton.testing.do_bench; on CPU the kernel runs under the Triton interpreter (a
 correctness tool: its times say nothing about GPU speed).
 
     python scripts/bench_kernels.py [--head-dim 64] [--prefix 300] [--heads 9 3]
+    python scripts/bench_kernels.py --cpu-rows [--threads 1 2] [--rows 1 4 8] [--dtypes float32 bfloat16]
+
+--cpu-rows: every product of one decode step of a SmolLM2-135M-shaped model (hidden 576,
+intermediate 1536, 30 layers, vocabulary 49152; 9 heads of 64 over 3 KV heads) through
+`rows_linear`, per thread count, rows and weight dtype, timed in interleaved rounds (one
+process, medians: the machine may be shared) beside the time to stream the same weights
+once (a torch sum: the memory bound), and the LM head alone per rows (read once for all
+rows: ~flat in rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -36,7 +46,95 @@ def time_ms(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+SMOLLM2 = dict(hidden=576, intermediate=1536, layers=30, vocab=49152, heads=9, kv_heads=3, head_dim=64)
+
+
+def bench_cpu_rows(args) -> None:
+    """Products of one step (see the module docstring), 1..n threads side by side."""
+    import platform
+    import statistics
+
+    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
+
+    linear = load_rows_linear()
+    if linear is None:
+        raise SystemExit(f"the C++ kernel is not available: {build_error()}")
+    m = SMOLLM2
+    H, I, d = m["hidden"], m["intermediate"], m["head_dim"]
+    layer_shapes = [(m["heads"] * d, H), (m["kv_heads"] * d, H), (m["kv_heads"] * d, H), (H, m["heads"] * d),
+                    (I, H), (I, H), (H, I)]
+    gen = torch.Generator().manual_seed(0)
+    weights = {}
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        layers = [(torch.randn(o, k, generator=gen) * k ** -0.5).to(dtype)
+                  for _ in range(m["layers"]) for o, k in layer_shapes]
+        weights[name] = (layers, (torch.randn(m["vocab"], H, generator=gen) * H ** -0.5).to(dtype))
+    xs = {r: {k: torch.randn(r, k, generator=gen) for k in (H, I)} for r in args.rows}
+    threads0 = torch.get_num_threads()
+
+    def step(name, rows):
+        layers, head = weights[name]
+        x = xs[rows]
+        for w in layers:
+            linear(x[w.shape[1]], w)
+        linear(x[H], head)
+
+    def head_only(name, rows):
+        linear(xs[rows][H], weights[name][1])
+
+    def stream(name):  # every weight byte read once
+        layers, head = weights[name]
+        for w in layers:
+            w.sum()
+        head.sum()
+
+    cases = {}
+    for t in args.threads:
+        for name in args.dtypes:
+            cases[("sum", t, name, 0)] = lambda name=name: stream(name)
+            for r in args.rows:
+                cases[("step", t, name, r)] = lambda name=name, r=r: step(name, r)
+                cases[("head", t, name, r)] = lambda name=name, r=r: head_only(name, r)
+    samples = {key: [] for key in cases}
+    for rnd in range(1 + args.repeats):  # round 0: warm-up
+        for key, fn in cases.items():
+            torch.set_num_threads(key[1])
+            start = time.perf_counter()
+            fn()
+            if rnd:
+                samples[key].append((time.perf_counter() - start) * 1e3)
+    torch.set_num_threads(threads0)
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    print(f"CPU {cpu}; {os.cpu_count()} cores; torch {torch.__version__}; medians of {args.repeats} rounds (ms)")
+    for name in args.dtypes:
+        layers, head = weights[name]
+        mb = (sum(w.numel() for w in layers) + head.numel()) * head.element_size() / 1e6
+        print(f"\n{name}: {mb:.0f} MB of weights per step (211 products), LM head {head.numel() * head.element_size() / 1e6:.0f} MB")
+        print(f"{'what':<16}" + "".join(f"{f'{t} thr ms':>11}" for t in args.threads)
+              + (f"{'ratio':>8}" if len(args.threads) > 1 else "") + f"{'GB/s':>7}")
+        rows_list = [("sum", 0)] + [("step", r) for r in args.rows] + [("head", r) for r in args.rows]
+        for kind, r in rows_list:
+            times = [med[(kind, t, name, r)] for t in args.threads]
+            label = "stream (sum)" if kind == "sum" else f"{kind} {r} row{'s' * (r > 1)}"
+            ratio = f"{times[0] / times[-1]:>8.2f}" if len(times) > 1 else ""
+            gb = (head.numel() * head.element_size() / 1e6 if kind == "head" else mb) / times[-1]
+            print(f"{label:<16}" + "".join(f"{t:>11.2f}" for t in times) + ratio + f"{gb:>7.1f}")
+
+
 def main() -> None:
+    if "--cpu-rows" in sys.argv:
+        parser = argparse.ArgumentParser(description="C++ row products of one step")
+        parser.add_argument("--cpu-rows", action="store_true")
+        parser.add_argument("--threads", type=int, nargs="+", default=[1, torch.get_num_threads()])
+        parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8])
+        parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                            choices=["float32", "bfloat16", "float16"])
+        parser.add_argument("--repeats", type=int, default=7)
+        bench_cpu_rows(parser.parse_args())
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--prefix", type=int, default=300, help="committed prefix length")

@@ -127,6 +127,11 @@ def _bad_inputs():
     return {
         "q 2-d": ((q[:, 0], k, v, p, a, s), "q must be"),
         "heads not a multiple": ((q[:, :3], k, v, p, a, s), "multiple of KV heads"),
+        "no query heads": ((q[:, :0], k, v, p, a, s), "at least one query head"),
+        "no kv heads": ((q, k[:0], v[:0], p, a, s), "multiple of KV heads"),
+        "no rows": ((q[:0], k, v, p[:0], a[:0], s), "at least one row"),
+        "no slots": ((q, k[:, :0], v[:, :0], p, a, s), "no slots"),
+        "head_dim 0": ((q[..., :0], k[..., :0], v[..., :0], p, a, s), "power of two"),
         "head_dim not pow2": ((q[..., :48], k[..., :48], v[..., :48], p, a, s), "power of two"),
         "head_dim mismatch": ((q, k[..., :32], v[..., :32], p, a, s), "head_dim"),
         "k/v shapes": ((q, k, v[:, :5], p, a, s), "shapes differ"),

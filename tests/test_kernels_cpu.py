@@ -1,21 +1,36 @@
-"""The CPU row kernels (kernels/cpu_rows.cpp): x @ w^T and attention over the KV
-cache to fp32 rounding, and a row's result bit for bit the same whatever the other rows
-(the engine's `kernel` layout)."""
+"""The CPU row kernels (kernels/cpu_rows.cpp): x @ w^T, attention over the KV cache and a
+whole decoder layer to fp32 rounding, with float32, bfloat16 and float16 weights and
+caches, a row's result bit for bit the same whatever the other rows (the engine's `kernel`
+layout); every bad argument refused with words that say what was wrong; a stale build lock
+never waited on."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_selfspec.kernels.cpu_rows import (
+    _LockWatch,
+    build_directory,
     build_error,
     cpu_supports_kernel,
     load_rows_attention,
+    load_rows_layer,
     load_rows_linear,
     NO_PATH,
+    remove_stale_lock,
     rows_attention_reference,
     rows_linear_reference,
+    wait_for_build_lock,
 )
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernel(), reason="the kernel needs an AVX2/FMA CPU")
 
@@ -180,3 +195,357 @@ def test_attention_bad_tree_path_is_refused(attention):
         attention(q, k, v, torch.tensor([0, 4]), 1.0, torch.tensor([[0, 5], [4, -1]]))
     with pytest.raises(RuntimeError, match="path int64"):
         attention(q, k, v, torch.tensor([3, 4]), 1.0, torch.tensor([[3], [4], [5]]))
+
+
+# ---- argument validation: each bad argument raises with words that say what was wrong ----
+
+def _bad(fn, args, words):
+    with pytest.raises(RuntimeError, match=words):
+        fn(*args)
+
+
+def test_linear_bad_arguments_are_refused(kernel):
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    cases = [
+        ((x.double(), w), "x must be float32, bfloat16 or float16"),
+        ((x, w.to(torch.int32)), "w must be float32, bfloat16 or float16"),
+        ((x, torch.randn(4, 16)[:, ::2]), "w must be contiguous"),
+        ((x[0], w), "x must be 2-D"),
+        ((x, w[None]), "w must be 2-D"),
+        ((torch.randn(0, 8), w), "empty input"),
+        ((torch.randn(2, 0), torch.randn(4, 0)), "empty input"),
+        ((x, torch.randn(0, 8)), "empty input"),
+        ((x, torch.randn(4, 9)), "must share K"),
+        ((x.to("meta"), w), "x must be a CPU tensor"),
+        ((x, w.to("meta")), "w must be a CPU tensor"),
+    ]
+    for args, words in cases:
+        _bad(kernel, args, words)
+
+
+def test_attention_bad_arguments_are_refused(attention):
+    gen = torch.Generator().manual_seed(0)
+    k, v = _cache(gen, 2, 16, 8)
+    q = torch.randn(2, 4, 8, generator=gen)
+    lim = torch.tensor([3, 4])
+    cases = [
+        ((torch.randn(2, 0, 8), k, v, lim, 1.0), "empty q"),
+        ((torch.randn(0, 4, 8), k, v, torch.zeros(0, dtype=torch.long), 1.0), "empty q"),
+        ((torch.randn(2, 4, 0), torch.randn(2, 16, 0), torch.randn(2, 16, 0), lim, 1.0), "empty cache"),
+        ((q, torch.randn(0, 16, 8), torch.randn(0, 16, 8), lim, 1.0), "empty cache"),
+        ((q, torch.randn(2, 0, 8), torch.randn(2, 0, 8), lim, 1.0), "empty cache"),
+        ((torch.randn(2, 3, 8), k, v, lim, 1.0), "multiple of KV heads"),
+        ((q, k, v[:, :8], lim, 1.0), "both be \\[Hkv, S, d\\]"),
+        ((q, k, v.double(), lim, 1.0), "k and v caches must both be float32"),
+        ((q, k.bfloat16(), v, lim, 1.0), "k and v caches must both be float32"),
+        ((q, k[..., :4].contiguous(), v[..., :4].contiguous(), lim, 1.0), "the same d"),
+        ((q[:, :, :4], k[..., ::2], v[..., ::2], lim, 1.0), "caches must be contiguous"),
+        ((q.transpose(0, 1), torch.randn(2, 16, 8), torch.randn(2, 16, 8), lim, 1.0), "q must be contiguous"),
+        ((torch.randn(2, 4, 264), torch.randn(2, 16, 264), torch.randn(2, 16, 264), lim, 1.0), "head_dim <= 256"),
+        ((q, k, v, torch.tensor([3]), 1.0), "limit must be int64 \\[R\\] with R = 2"),
+        ((q, k, v, lim[None], 1.0), "limit must be int64 \\[R\\]"),
+        ((q, k, v, torch.tensor([-1, 4]), 1.0), "key limit is outside the cache"),
+        ((q, k, v, lim, float("nan")), "scale must be finite"),
+        ((q, k, v, lim, float("inf")), "scale must be finite"),
+        ((q.to("meta"), k, v, lim, 1.0), "q must be a CPU tensor"),
+        ((q, k.to("meta"), v.to("meta"), lim, 1.0), "caches must be CPU tensors"),
+        ((q, k, v, lim.to("meta"), 1.0), "limit must be a CPU tensor"),
+        ((q, k, v, lim, 1.0, torch.tensor([[3, 16], [4, -1]])), "path slot is outside"),
+        ((q, k, v, lim, 1.0, torch.tensor([[3, 4], [4, -1]], dtype=torch.int32)), "path int64"),
+        ((q, k, v, lim, 1.0, torch.zeros(2, 0).long().to("meta")), "path int64 \\[R, P\\] must be a CPU"),
+    ]
+    for args, words in cases:
+        _bad(attention, args, words)
+
+
+# ---- a decoder layer --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layer():
+    fn = load_rows_layer()
+    assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
+    return fn
+
+
+def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, dtype=torch.float32,
+                cache_dtype=torch.float32):
+    """Random weights (dtype), cache (cache_dtype) and R chain rows at slots 20.. of a
+    cache whose slots before them hold earlier keys."""
+    def mat(o, i):
+        return (torch.randn(o, i, generator=gen) / i ** 0.5).to(dtype)
+
+    def norm(n):
+        return (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+
+    w = [norm(H), mat(Hq * d, H), mat(Hkv * d, H), mat(Hkv * d, H), mat(H, Hq * d), norm(H),
+         mat(I, H), mat(I, H), mat(H, I)]
+    if qk_norm:
+        w += [norm(d), norm(d)]
+    k_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
+    h = torch.randn(R, H, generator=gen)
+    pos = torch.arange(20, 20 + R)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    ang = pos[:, None].float() * inv[None]
+    ang = torch.cat([ang, ang], -1)
+    return dict(h=h, weights=w, k_cache=k_cache, v_cache=v_cache, cos=ang.cos(), sin=ang.sin(),
+                slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, path=NO_PATH)
+
+
+def _call(layer, case, **changes):
+    c = {**case, **changes}
+    return layer(c["h"], c["weights"], c["k_cache"], c["v_cache"], c["cos"], c["sin"], c["slots"],
+                 c["limit"], c["eps"], c["scale"], c["path"])
+
+
+def _layer_reference(case):
+    """What rows_layer computes, in float64 (the cache written in its own dtype)."""
+    c = case
+    eps, W = c["eps"], [t.double() for t in c["weights"]]
+    Hkv, S, d = c["k_cache"].shape
+    R, H = c["h"].shape
+    Hq = W[1].shape[0] // d
+
+    def rms(x, g):
+        return g * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
+
+    def rope(t):
+        half = d // 2
+        rot = torch.cat([-t[..., half:], t[..., :half]], -1)
+        return t * c["cos"].double()[:, None] + rot * c["sin"].double()[:, None]
+
+    h = c["h"].double()
+    x = rms(h, W[0])
+    q, k, v = (x @ W[1].T).view(R, Hq, d), (x @ W[2].T).view(R, Hkv, d), (x @ W[3].T).view(R, Hkv, d)
+    if len(W) == 11:
+        q, k = rms(q, W[9]), rms(k, W[10])
+    q, k = rope(q), rope(k)
+    kc, vc = c["k_cache"].double().clone(), c["v_cache"].double().clone()
+    for r in range(R):  # the kernel stores its float32 K/V rounded to the cache dtype
+        kc[:, c["slots"][r]] = k[r].float().to(c["k_cache"].dtype).double()
+        vc[:, c["slots"][r]] = v[r].float().to(c["v_cache"].dtype).double()
+    o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"])
+    h1 = h + o @ W[4].T
+    x = rms(h1, W[5])
+    return h1 + (F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T
+
+
+LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d 12 and 64
+    dict(H=76, Hq=4, Hkv=2, d=12, I=150),
+    dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True),
+]
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cache_dtype", DTYPES, ids=str)
+def test_layer_matches_float64_reference(layer, shape, dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(11)
+    case = _layer_case(gen, R=5, dtype=dtype, cache_dtype=cache_dtype, **shape)
+    k0 = case["k_cache"].clone()
+    out = _call(layer, case)
+    assert out.dtype == torch.float32 and out.shape == case["h"].shape
+    ref = _layer_reference({**case, "k_cache": k0, "v_cache": case["v_cache"]})
+    tol = 1e-4 if cache_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_half_weights_equal_their_float32_widening(layer, shape, dtype):
+    """bf16 / fp16 weights are widened exactly in registers and then computed as float32:
+    bit for bit the float32 kernel on the widened weights."""
+    gen = torch.Generator().manual_seed(5)
+    case = _layer_case(gen, R=4, dtype=dtype, **shape)
+    wide = {**case, "weights": [t.float() for t in case["weights"]], "k_cache": case["k_cache"].clone(),
+            "v_cache": case["v_cache"].clone()}
+    assert torch.equal(_call(layer, case), _call(layer, wide))
+    assert torch.equal(case["k_cache"], wide["k_cache"]) and torch.equal(case["v_cache"], wide["v_cache"])
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "fp16", "bf16-fp32cache"])
+def test_layer_row_is_bit_identical_whatever_the_other_rows(layer, shape, dtype, cache_dtype):
+    """Row i of an N-row call (chain rows at slots 20.., row i seeing the rows before it)
+    equals row i run alone on the cache the N-row call left, and writes the same K/V bits."""
+    for n in range(1, 10):
+        gen = torch.Generator().manual_seed(100 + n)
+        case = _layer_case(gen, R=n, dtype=dtype, cache_dtype=cache_dtype, **shape)
+        out = _call(layer, case)
+        after_k, after_v = case["k_cache"].clone(), case["v_cache"].clone()
+        for i in range(n):
+            one = slice(i, i + 1)
+            alone = _call(layer, case, h=case["h"][one], cos=case["cos"][one], sin=case["sin"][one],
+                          slots=case["slots"][one], limit=case["limit"][one])
+            assert torch.equal(alone[0], out[i]), (n, i)
+            assert torch.equal(case["k_cache"], after_k) and torch.equal(case["v_cache"], after_v), (n, i)
+
+
+def test_layer_bad_arguments_are_refused_before_any_write(layer):
+    gen = torch.Generator().manual_seed(0)
+    case = _layer_case(gen, R=2, qk_norm=True)
+    w = case["weights"]
+    k0, v0 = case["k_cache"].clone(), case["v_cache"].clone()
+
+    def swap(i, t):
+        return [t if j == i else x for j, x in enumerate(w)]
+
+    cases = [
+        (dict(weights=w[:8]), "9 weights, or 11"),
+        (dict(h=case["h"].double()), "h must be \\[R, H\\] float32"),
+        (dict(h=case["h"][:0], cos=case["cos"][:0], sin=case["sin"][:0], slots=case["slots"][:0],
+              limit=case["limit"][:0]), "empty h"),
+        (dict(weights=swap(1, w[1][:-1])), "q weight must be \\[Hq \\* d, H\\]"),
+        (dict(weights=swap(1, w[1][:12])), "multiple of KV heads"),
+        (dict(weights=swap(2, w[2][:-12])), "k weight must be"),
+        (dict(weights=swap(3, w[3][:, :-1].contiguous())), "v weight must be"),
+        (dict(weights=swap(4, w[4][:-1])), "o weight must be"),
+        (dict(weights=swap(5, w[5][:-1])), "post norm weight must be"),
+        (dict(weights=swap(7, w[7][:-1])), "up weight must be"),
+        (dict(weights=swap(8, w[8][:, :-1].contiguous())), "down weight must be"),
+        (dict(weights=swap(10, w[10][:-1])), "k norm weight must be"),
+        (dict(weights=swap(0, w[0][None])), "input norm weight must be"),
+        (dict(weights=swap(6, w[6].bfloat16())), "share one dtype"),
+        (dict(weights=swap(6, w[6].double())), "gate weight must be float32, bfloat16 or float16"),
+        (dict(weights=swap(4, w[4].t())), "o weight must be contiguous"),
+        (dict(weights=swap(4, w[4].to("meta"))), "o weight must be a CPU tensor"),
+        (dict(k_cache=case["k_cache"][:, :, :11].contiguous(), v_cache=case["v_cache"][:, :, :11].contiguous()),
+         "even head_dim"),
+        (dict(v_cache=case["v_cache"][:, :5].contiguous()), "both be \\[Hkv, S, d\\]"),
+        (dict(k_cache=case["k_cache"][:0], v_cache=case["v_cache"][:0]), "empty cache"),
+        (dict(cos=case["cos"][:1]), "cos/sin must be \\[R, d\\]"),
+        (dict(sin=case["sin"][:, :6].contiguous()), "cos/sin must be \\[R, d\\]"),
+        (dict(sin=case["sin"].double()), "cos/sin must be"),
+        (dict(slots=torch.tensor([20, 40])), "slot is outside the cache"),
+        (dict(slots=torch.tensor([-1, 21])), "slot is outside the cache"),
+        (dict(slots=case["slots"].int()), "slots must be int64"),
+        (dict(slots=case["slots"][:1]), "slots must be int64 \\[R\\] with R = 2"),
+        (dict(limit=torch.tensor([20, 40])), "key limit is outside the cache"),
+        (dict(path=torch.tensor([[20, 99], [21, -1]])), "path slot is outside"),
+        (dict(eps=float("nan")), "eps must be finite"),
+        (dict(eps=-1.0), "eps must be finite and >= 0"),
+        (dict(scale=float("inf")), "scale must be finite"),
+    ]
+    for changes, words in cases:
+        with pytest.raises(RuntimeError, match=words):
+            _call(layer, case, **changes)
+        assert torch.equal(case["k_cache"], k0) and torch.equal(case["v_cache"], v0), words
+
+
+# ---- bf16 / fp16 weights and caches ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("k, o", [(7, 5), (13, 333), (100, 64), (576, 1000)])
+def test_half_weights_match_float64_reference(kernel, dtype, k, o):
+    gen = torch.Generator().manual_seed(k + o)
+    w = torch.randn(o, k, generator=gen).to(dtype)
+    for r in (1, 2, 3, 4, 5, 8, 9, 11, 17):
+        x = torch.randn(r, k, generator=gen)
+        y = kernel(x, w)
+        assert y.dtype == torch.float32 and y.shape == (r, o)
+        torch.testing.assert_close(y, rows_linear_reference(x, w.float()), rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k, o", [(13, 333), (100, 5), (1536, 77)])
+def test_half_weights_rows_are_bit_identical(kernel, dtype, k, o):
+    """Row invariance in every weight dtype (N = 1..9 and 17: the 1-8 row tiles and the
+    many-row path), and bf16 / fp16 weights bit for bit their float32 widening (fp16
+    subnormals included: F16C widens them exactly as torch does)."""
+    gen = torch.Generator().manual_seed(k * 7 + o)
+    w = torch.randn(o, k, generator=gen)
+    w[::3] *= 1e-5  # fp16 subnormals (below 6.1e-5)
+    w = w.to(dtype)
+    row = torch.randn(1, k, generator=gen)
+    alone = kernel(row, w)[0]
+    assert torch.equal(alone, kernel(row, w.float())[0])
+    for n in (*range(2, 10), 17):
+        x = torch.randn(n, k, generator=gen)
+        for place in {0, n // 2, n - 1}:
+            x[place] = row[0]
+            assert torch.equal(kernel(x, w)[place], alone), (n, place)
+        assert torch.equal(kernel(x, w), kernel(x, w.float()))
+    # half-precision activations are widened exactly first
+    xh = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    assert torch.equal(kernel(xh, w), kernel(xh.float(), w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 2, 12), (2, 1, 128), (3, 3, 20)])
+def test_attention_half_cache(attention, dtype, hq, hkv, d):
+    """A bf16 / fp16 cache: within fp32 rounding of the float64 reference on the same
+    (widened) cache, bit for bit the float32 kernel on the widened cache, and each row
+    bit-identical alone and among N = 2..9 rows (chains and tree paths)."""
+    gen = torch.Generator().manual_seed(hq * 10 + d)
+    k, v = (t.to(dtype) for t in _cache(gen, hkv, 300, d))
+    q = torch.randn(9, hq, d, generator=gen)
+    lim = torch.tensor([0, 5, 7, 8, 100, 255, 256, 290, 299])
+    path = torch.full((9, 4), -1, dtype=torch.long)
+    path[3, :2] = torch.tensor([7, 8])
+    path[7, :3] = torch.tensor([288, 295, 299])  # after its prefix [0, 287]
+    for p in (NO_PATH, path):
+        o = attention(q, k, v, lim, d ** -0.5, p)
+        assert o.dtype == torch.float32
+        torch.testing.assert_close(o, rows_attention_reference(q, k.float(), v.float(), lim, d ** -0.5, p),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(o, attention(q, k.float(), v.float(), lim, d ** -0.5, p))
+        for n in range(1, 10):
+            part = attention(q[:n], k, v, lim[:n], d ** -0.5, p[:n] if p.shape[1] else p)
+            assert torch.equal(part, o[:n]), n
+            one = attention(q[n - 1:n], k, v, lim[n - 1:n], d ** -0.5, p[n - 1:n] if p.shape[1] else p)
+            assert torch.equal(one[0], o[n - 1]), n
+
+
+# ---- a build lock left by a killed build is never waited on ------------------------------
+
+def test_stale_build_lock_is_removed_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = build_directory("selfspec_lock_test")
+    assert folder.is_dir() and tmp_path in folder.parents
+    lock = folder / "lock"
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="stale kernel build lock"):
+        wait_for_build_lock(lock, max_age=300)
+    assert not lock.exists() and time.monotonic() - start < 5
+
+
+def test_fresh_build_lock_is_waited_on_until_released_or_stale(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    # another process's build finishes: its lock goes away, no warning
+    threading.Timer(0.3, lock.unlink).start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wait_for_build_lock(lock, max_age=60, poll=0.05)
+    assert not lock.exists()
+    # a build that died after we began waiting: removed once stale, not waited on for ever
+    lock.touch()
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="stale"):
+        wait_for_build_lock(lock, max_age=0.5, poll=0.05)
+    assert not lock.exists() and time.monotonic() - start < 5
+    # no lock: returns at once; a fresh lock is kept
+    wait_for_build_lock(lock)
+    lock.touch()
+    assert not remove_stale_lock(lock, max_age=300) and lock.exists()
+
+
+def test_lock_watch_removes_only_a_foreign_stale_lock(tmp_path):
+    """During a load, a lock that existed before it began and goes stale is removed (the
+    load is then not trusted); a lock created after it began (our own build's) is kept."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    with pytest.warns(RuntimeWarning, match="stale"):
+        with _LockWatch(lock, max_age=0.3, poll=0.05) as watch:
+            time.sleep(1.5)
+    assert watch.fired and not lock.exists()
+    with _LockWatch(lock, max_age=0.3, poll=0.05) as watch:
+        time.sleep(0.1)
+        lock.touch()  # our own build's lock
+        time.sleep(1.0)
+    assert not watch.fired and lock.exists()
