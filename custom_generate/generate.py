@@ -3,31 +3,28 @@
     model.generate(**inputs, custom_generate="<this repo or folder>", trust_remote_code=True,
                    max_new_tokens=128)
 
-transformers loads this file and calls `generate(model, **kwargs)`. It attaches the heads
-(`selfspec_heads=`: a folder or Hub id; default: the heads shipped for the embedded default
-model, or prompt lookup only when the model has none) once, then runs exact
-self-speculative greedy decoding. Output: the same tokens as greedy `generate()`.
+transformers loads this file and calls `generate(model, **kwargs)`. It attaches hf_selfspec
+once (`selfspec_heads=`: a heads folder or Hub id; default: the heads shipped for the
+embedded default model, or for any other model exact prompt lookup with a one-time warning
+on how to get heads; False: prompt lookup, no warning), then runs exact self-speculative
+decoding: greedy gives the same tokens as greedy `generate()`, sampling follows the model's
+own sampling distribution.
 """
 
 from __future__ import annotations
-
-import warnings
 
 
 def generate(model, *args, selfspec_heads=None, **kwargs):
     import hf_selfspec
 
-    if not hasattr(model, "_selfspec"):
-        heads = selfspec_heads
-        if heads is None:
-            try:
-                hf_selfspec.attach_heads(model)  # shipped heads, if they are for this model
-                heads = "attached"
-            except (ValueError, FileNotFoundError):
-                warnings.warn("no heads for this model: hf_selfspec drafts with prompt lookup only",
-                              stacklevel=2)
-                heads = False
-        if heads != "attached":
-            hf_selfspec.attach_heads(model, heads)
+    if "_selfspec" not in model.__dict__:
+        # HF set this module's generate on the instance; attach_heads refuses such a model
+        # (its generate would not be ours), so it is taken off for the attach
+        own = model.__dict__.pop("generate", None)
+        try:
+            hf_selfspec.attach_heads(model, selfspec_heads)
+        finally:
+            if own is not None:
+                model.__dict__["generate"] = own
     # the class's own generate (ours): HF set this module's generate on the instance
     return type(model).generate(model, *args, assistant="self", **kwargs)

@@ -1,5 +1,11 @@
 """The `hf-selfspec` command: generate (streaming, tokens coloured by source), bench,
-train-heads, push-heads."""
+train-heads, push-heads.
+
+`bench` and `train-heads` run scripts/bench.py and scripts/train_heads.py of a source
+checkout with every argument passed through (`hf-selfspec bench --help` is the script's
+own help); a pip install has no scripts/ and says so in one line. Any error prints one
+line and exits with status 2 (HF_SELFSPEC_DEBUG=1 shows the traceback).
+"""
 
 from __future__ import annotations
 
@@ -112,11 +118,30 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# subcommands that run a script of the source checkout, all arguments passed through
+SCRIPT_COMMANDS = {
+    "bench": ("bench.py", "benchmark vs HF greedy / prompt lookup / early exit, side by side "
+                          "(--model, --heads, --draft-model, --methods, --per-category, "
+                          "--max-new-tokens, ...)"),
+    "train-heads": ("train_heads.py", "train exit heads for a model by self-distillation "
+                                      "(--model, --out, --num-heads, ...); the shipped default "
+                                      "heads are top-layer draft heads from scripts/head_study.py"),
+}
+
+
+def _scripts_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "scripts"
+
+
 def _run_script(name: str, rest: list[str]) -> int:
-    script = Path(__file__).resolve().parent.parent / "scripts" / name
+    script = _scripts_dir() / name
     if not script.is_file():
-        print(f"{script} not found: this command needs a source checkout of hf_selfspec", file=sys.stderr)
+        print(f"hf-selfspec: error: {script} not found: this command runs scripts/{name} of a source "
+              "checkout (git clone the hf_selfspec repository and pip install -e it); a pip install "
+              "has no scripts", file=sys.stderr)
         return 2
+    if rest[:1] == ["--"]:  # `hf-selfspec bench -- --flag`: the separator is ours, not the script's
+        rest = rest[1:]
     return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
 
 
@@ -137,8 +162,10 @@ def cmd_push_heads(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-selfspec",
-        description="Exact self-speculative decoding for Hugging Face models: exit heads on early "
-                    "layers draft, the rest of the model verifies; same tokens as greedy, faster.",
+        description="Exact self-speculative decoding for Hugging Face models: cheap drafters (draft "
+                    "heads trained on the model's own hidden states, prompt lookup, a draft model) "
+                    "propose tokens and the model verifies them in one pass; same tokens as greedy, "
+                    "faster.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -146,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the user message (the model's chat template is applied)")
     g.add_argument("--model", default=None, help="HF model folder or id (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", default=None, help="heads folder or Hub id; 'none' for prompt lookup only "
-                   "(default: the shipped heads of the default model)")
+                   "(default: the shipped heads for the default model; another --model without "
+                   "heads drafts with prompt lookup)")
     g.add_argument("--lookup", choices=["off", "only", "first", "fallback"], default=None,
                    help="prompt lookup mode (default: first with heads, only without)")
     g.add_argument("--draft-model", default=None,
@@ -158,13 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-colour", action="store_true")
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmark vs HF greedy / prompt lookup / early exit (scripts/bench.py)")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of scripts/bench.py (see --help there)")
-    b.set_defaults(func=lambda a: _run_script("bench.py", a.rest))
-
-    t = sub.add_parser("train-heads", help="train exit heads by self-distillation (scripts/train_heads.py)")
-    t.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of scripts/train_heads.py")
-    t.set_defaults(func=lambda a: _run_script("train_heads.py", a.rest))
+    for command, (script, text) in SCRIPT_COMMANDS.items():
+        # listed here for the help; main() hands their arguments to the script untouched
+        sub.add_parser(command, help=f"{text}; flags: hf-selfspec {command} --help (scripts/{script})",
+                       add_help=False)
 
     p = sub.add_parser("push-heads", help="validate a heads folder (any kind) and upload it to the Hub")
     p.add_argument("folder", help="a folder written by save_heads (config.json, heads.safetensors, ...)")
@@ -178,8 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SCRIPT_COMMANDS:
+        return _run_script(SCRIPT_COMMANDS[argv[0]][0], argv[1:])
+    args = build_parser().parse_args(argv)  # usage errors: argparse's message, status 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # noqa: BLE001 -- one line for the user, not a traceback
+        if os.environ.get("HF_SELFSPEC_DEBUG"):
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"hf-selfspec: error: {message} ({type(error).__name__}; HF_SELFSPEC_DEBUG=1 shows "
+              "the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

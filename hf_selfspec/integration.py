@@ -2,16 +2,24 @@
 
 `attach_heads` swaps the model's class for a subclass of its own HF class whose
 `generate` understands `assistant="self"`; everything else is the HF model untouched.
-With `assistant="self"` the call still goes through HF's own `generate()` (GenerationConfig
-merge, max_new_tokens/max_length, stopping criteria, stop strings, attention mask), which
-hands the prepared request to our decoding loop as a `custom_generate` callable; the loop
-runs the engine and returns HF's output types. What the engine cannot honour raises a
-clear error before any work.
+With `assistant="self"` (a keyword, or an attribute of the GenerationConfig passed or of
+`model.generation_config`) the call still goes through HF's own `generate()`
+(GenerationConfig merge, max_new_tokens/max_length, stopping criteria, stop strings,
+attention mask), which hands the prepared request to our decoding loop as a
+`custom_generate` callable; the loop runs the engine and returns HF's output types. Every
+option and input is checked before any work: what the engine cannot honour raises a clear
+`ValueError` / `NotImplementedError` that says what to drop, never a silently different
+result.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import threading
+import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,20 +27,56 @@ import torch
 
 from .decoding.cycle import DecodeConfig, DecodeResult, SelfSpecDecoder
 from .decoding.draft_model import check_draft_model
-from .decoding.sampling import MIN_LENGTH_PROCESSORS, ROW_PROCESSORS, RowScorer, unsupported_processors
+from .decoding.sampling import (
+    MIN_LENGTH_PROCESSORS,
+    ROW_PROCESSORS,
+    RowScorer,
+    unsupported_processors,
+)
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .stats import DecodeStats
 
 ASSISTANT_SELF = "self"
+ATTACH_FIRST = ("assistant='self' needs hf_selfspec.attach_heads(model) first (this model has no "
+                "self-speculative decoding attached); or drop assistant='self' for plain generate()")
 
-# generate() options the engine does not implement, and what to do instead
+
+def _is_set(v) -> bool:
+    return v is not None and v is not False
+
+
+def _above_one(v) -> bool:
+    return v is not None and v > 1
+
+
+# generate() options the loop does not implement, and what to do instead. Each would
+# otherwise be dropped silently by the custom decoding loop HF hands the request to (HF
+# itself does not check them for a custom loop), so every one is refused before any work.
 _UNSUPPORTED = {
-    "num_beams": (lambda v: v is not None and v > 1, "beam search is not supported with assistant='self'; drop num_beams"),
-    "num_return_sequences": (lambda v: v is not None and v > 1, "num_return_sequences > 1 is not supported with assistant='self'"),
-    "output_attentions": (lambda v: bool(v), "output_attentions is not supported with assistant='self'"),
-    "output_hidden_states": (lambda v: bool(v), "output_hidden_states is not supported with assistant='self'"),
-    "prompt_lookup_num_tokens": (lambda v: v is not None, "prompt lookup is built into assistant='self' (DecodeConfig.lookup); drop prompt_lookup_num_tokens"),
-    "assistant_early_exit": (lambda v: v is not None, "assistant_early_exit and assistant='self' are two different drafters; pick one"),
+    "num_beams": (_above_one, "beam search is not supported with assistant='self'; drop num_beams"),
+    "num_beam_groups": (_above_one, ("group beam search is not supported with assistant='self'; "
+                                    "drop num_beam_groups / diversity_penalty")),
+    "constraints": (_is_set, "constrained beam search is not supported with assistant='self'; drop constraints"),
+    "force_words_ids": (_is_set, ("constrained beam search (force_words_ids) is not supported with "
+                                 "assistant='self'; drop force_words_ids")),
+    "penalty_alpha": (_is_set, ("contrastive search (penalty_alpha) is not supported with assistant='self'; "
+                               "drop penalty_alpha")),
+    "dola_layers": (_is_set, "DoLa decoding (dola_layers) is not supported with assistant='self'; drop dola_layers"),
+    "watermarking_config": (_is_set, ("watermarking is not supported with assistant='self'; "
+                                     "drop watermarking_config")),
+    "num_return_sequences": (_above_one, "num_return_sequences > 1 is not supported with assistant='self'"),
+    "output_attentions": (bool, "output_attentions is not supported with assistant='self'"),
+    "output_hidden_states": (bool, "output_hidden_states is not supported with assistant='self'"),
+    "prompt_lookup_num_tokens": (_is_set, ("prompt lookup is built into assistant='self' (DecodeConfig.lookup); "
+                                          "drop prompt_lookup_num_tokens")),
+    "assistant_early_exit": (_is_set, ("assistant_early_exit and assistant='self' are two different drafters; "
+                                      "pick one")),
+    "use_mtp": (_is_set, ("use_mtp (multi-token prediction drafting) and assistant='self' are two different "
+                         "drafters; pick one")),
+    "assistant_ensemble_weight": (_is_set, ("assistant_ensemble_weight (lossy ensemble with a draft model) is not "
+                                           "supported with assistant='self'; drop it")),
+    "speculation_type": (_is_set, ("speculation_type selects HF's own speculative decoding; drop it with "
+                                  "assistant='self' (the drafter is DecodeConfig's)")),
 }
 
 
@@ -47,6 +91,40 @@ class SelfSpecState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     draft_model: Any = None  # the last assistant_model and its engine (own KV cache)
     draft_engine: Engine | None = None
+    owner: int | None = None  # thread ident of the call that holds `lock`
+
+    @contextlib.contextmanager
+    def serving(self):
+        """One call at a time per model (one engine, one KV cache). Another thread waits
+        its turn; the thread that already holds the model (a streamer or stopping
+        criterion calling generate(assistant="self") on the same model from inside) gets
+        a RuntimeError, where waiting on itself would deadlock."""
+        me = threading.get_ident()
+        if self.owner == me:  # only the holder ever writes its own ident here
+            raise RuntimeError(
+                "generate(assistant='self') was called again on the same model from inside a "
+                "running generate(assistant='self') call (a streamer, stopping criterion or "
+                "logits processor?). The model decodes one request at a time: run the second "
+                "call after the first returns, or on another model (copy.deepcopy(model))"
+            )
+        with self.lock:
+            self.owner = me
+            try:
+                yield
+            finally:
+                self.owner = None
+
+    # A copy or pickle of the model carries the heads and configs; the lock is new and the
+    # engines (KV caches that view the original's weights) are rebuilt lazily on first use.
+    _NOT_COPIED = ("lock", "owner", "engine", "draft_model", "draft_engine")
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+        self.owner = self.engine = self.draft_model = self.draft_engine = None
 
     def draft_engine_for(self, draft_model, capacity: int) -> Engine:
         """The draft model's engine, with at least as many KV slots as the main engine."""
@@ -96,22 +174,44 @@ def _selfspec_class(base: type) -> type:
         # same __name__ so save_pretrained writes the base architecture name
         _SUBCLASSES[base] = type(base.__name__, (base,), {
             "generate": _generate, "_is_selfspec_class": True, "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
+            "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_attached,
         })
     return _SUBCLASSES[base]
+
+
+def _reduce_attached(self, protocol):
+    """pickle finds a class by module and name, which for our subclass lead to the base
+    class: rebuild the subclass from its base instead (copy.deepcopy takes this path too)."""
+    return _new_attached, (type(self).__mro__[1],), self.__dict__
+
+
+def _new_attached(base: type):
+    cls = _selfspec_class(base)
+    return cls.__new__(cls)
 
 
 def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
                  engine: EngineConfig | None = None, revision: str | None = None):
     """Give an HF causal LM `generate(..., assistant="self")`, in place; returns `model`.
 
-    heads: a folder, a Hub repo id, loaded `ExitHeads`, None (the heads shipped for the
-        embedded default model; an error for any other model), or False (no heads:
-        prompt lookup only, for models without trained heads).
+    heads: where the drafts come from, besides prompt lookup:
+        None (default): the heads shipped with hf_selfspec (top-layer draft heads) when
+            `model` is the embedded default SmolLM2-135M-Instruct; for any other model no
+            heads: exact prompt lookup in our engine, with a one-time warning saying how to
+            get heads (`hf-selfspec train-heads`, or heads="org/repo").
+        a folder or a Hub repo id: heads saved for this model (any kind: config.json says
+            which); heads for another model are refused with an error naming both.
+        loaded heads (`ExitHeads` / `TopDraftHeads`).
+        False: no heads, exact prompt lookup only, and no warning.
     decode: knobs of the speculative loop (DecodeConfig); engine: width / KV capacity.
+    revision: the Hub revision of `heads`.
+
+    Greedy output is the model's own greedy output token for token, sampled output follows
+    the model's own sampling distribution; the drafters only change the speed.
     """
     from .engine.layered import LayeredModel
 
+    _check_sliding_window(model)
     LayeredModel._check_features(model.config, 1)  # unsupported features fail here, early
     if getattr(model.config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
         LayeredModel(model, 1)  # raises UnsupportedModelError naming the architecture
@@ -120,7 +220,7 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
             "this model instance has its own generate attribute (loaded with a custom_generate "
             "repo?); load it without custom_generate to attach heads"
         )
-    loaded = _load_heads(model, heads, revision)
+    loaded = _default_or_no_heads(model, revision) if heads is None else _load_heads(model, heads, revision)
     if decode is None:
         decode = DecodeConfig(lookup="first" if loaded is not None else "only")
     if engine is None:
@@ -134,6 +234,79 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     model._selfspec = SelfSpecState(loaded, decode, engine)
     model.selfspec_stats = None
     return model
+
+
+def _check_sliding_window(model) -> None:
+    """Refuse, at attach time, a model whose attention window is shorter than its context:
+    the engine computes full attention, which equals sliding-window attention only while a
+    request fits in the window."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = "sliding_attention" in layer_types or bool(getattr(config, "use_sliding_window", True))
+    limit = getattr(config, "max_position_embeddings", None)
+    if window is None or not sliding or (limit is not None and window >= limit):
+        return  # no window, or one no request can exceed
+    knob = "use_sliding_window=False" if hasattr(config, "use_sliding_window") else "sliding_window=None"
+    raise ValueError(
+        f"{type(model).__name__} uses sliding-window attention (each token sees the last {window} "
+        f"positions; max_position_embeddings {limit}), which hf_selfspec's engine does not implement. "
+        f"Full attention equals it while prompt + new tokens fit in {window} positions: if your "
+        f"requests always fit, load the model with {knob} (AutoModelForCausalLM.from_pretrained(name, "
+        f"{knob})) and attach again; the output is then this model's greedy output for every request "
+        f"of up to {window} positions (longer ones would attend past the window). Otherwise use plain "
+        "model.generate() for this model"
+    )
+
+
+_WARNED_NO_HEADS: set[str] = set()
+
+
+def _default_or_no_heads(model, revision):
+    """heads=None: the shipped heads when `model` is the model they were trained for (the
+    embedded default), else no heads (exact prompt lookup) and a one-time warning.
+
+    Decided here, before the heads loader runs: the default heads' config.json names the
+    dimensions and weight fingerprint of their base model. Another model's dimensions never
+    try the heads; equal dimensions with other weights (a fine-tune, another rounding) ask the
+    loader, which accepts a near-identical checkpoint or refuses with a ValueError."""
+    from .heads import default_heads_path, fingerprint
+
+    folder = default_heads_path()
+    base = _read_base(folder / "config.json")
+    name = getattr(model.config, "_name_or_path", "") or ""
+    if base is not None:
+        dims = (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size)
+        if dims == (base.get("num_layers"), base.get("hidden_size"), base.get("vocab_size")):
+            if fingerprint(model) == base.get("base_fingerprint"):
+                return _load_heads(model, None, revision)  # the default model: errors are real
+            try:
+                return _load_heads(model, None, revision)
+            except ValueError:
+                pass  # weights too far from the heads' base: no heads, as for any other model
+    key = fingerprint(model)
+    if key not in _WARNED_NO_HEADS:
+        _WARNED_NO_HEADS.add(key)
+        base_name = (base or {}).get("base_model", "the embedded default model")
+        warnings.warn(
+            f"no heads given and the heads shipped with hf_selfspec are for {base_name}, not for "
+            f"{repr(name) if name else 'this ' + type(model).__name__}: assistant='self' drafts with exact prompt lookup only (the model's own "
+            "greedy output; faster where the text repeats its context). For more speed get heads "
+            f"for this model: train them with `hf-selfspec train-heads --model {name or 'MODEL'} --out FOLDER` "
+            "and attach_heads(model, heads='FOLDER'), or pass published heads (heads='org/repo'). "
+            "heads=False attaches without heads and without this warning.",
+            UserWarning, stacklevel=3,
+        )
+    return None
+
+
+def _read_base(path) -> dict | None:
+    """The shipped heads' config.json as a dict, or None where none is shipped / readable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _load_heads(model, heads, revision):
@@ -180,25 +353,77 @@ class AutoSelfSpecModelForCausalLM:
 
 
 def _generate(self, inputs=None, generation_config=None, *args, assistant=None, **kwargs):
-    """HF generate(); with assistant="self", exact self-speculative greedy decoding."""
+    """HF generate(); with assistant="self" exact self-speculative decoding.
+
+    assistant: "self" here, or left out and set as an attribute of the GenerationConfig
+    passed or of `model.generation_config` (which save_pretrained writes to disk); False:
+    plain HF generate() even where a config says "self".
+    """
     base_generate = super(type(self), self).generate
     if assistant is None:
+        assistant = _configured_assistant(self, generation_config)
+    if assistant is None or assistant is False:
         return base_generate(inputs, generation_config, *args, **kwargs)
     if assistant != ASSISTANT_SELF:
-        raise ValueError(f"assistant must be 'self' (or left out), got {assistant!r}")
+        raise ValueError(f"assistant must be 'self', False or left out, got {assistant!r}")
+    state: SelfSpecState | None = self.__dict__.get("_selfspec")
+    if state is None:
+        raise ValueError(ATTACH_FIRST)
     if args:
         raise ValueError("with assistant='self', pass generate() options as keyword arguments")
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant='self' cannot be combined with custom_generate")
+    if kwargs.get("inputs_embeds") is not None:
+        raise ValueError("inputs_embeds is not supported with assistant='self': pass input_ids")
+    if kwargs.get("cache_implementation") == "paged":
+        # HF would switch to continuous batching before our loop is reached
+        raise ValueError("cache_implementation='paged' (continuous batching) is not supported with "
+                         "assistant='self'; drop it")
     draft_model = kwargs.pop("assistant_model", None)
     if draft_model is not None:
         check_draft_model(self, draft_model)
     streamer = kwargs.pop("streamer", None)
     generation_config, kwargs = _stop_strings_as_criteria(self, generation_config, kwargs)
-    state: SelfSpecState = self._selfspec
-    with state.lock:  # one engine (one KV cache) per model: serialise concurrent calls
+    with state.serving():  # one engine (one KV cache) per model: serialise concurrent calls
         return base_generate(inputs, generation_config, custom_generate=_decode_loop,
                              selfspec_streamer=streamer, selfspec_draft_model=draft_model, **kwargs)
+
+
+def _configured_assistant(model, generation_config):
+    """`assistant` of the GenerationConfig passed, else of the model's own (a custom
+    GenerationConfig entry: HF keeps it through to_dict / save_pretrained / from_pretrained)."""
+    for config in (generation_config, getattr(model, "generation_config", None)):
+        value = getattr(config, "assistant", None) if config is not None else None
+        if value is not None:
+            return value
+    return None
+
+
+def _install_attach_first_check() -> None:
+    """A model that was never attached (or was detached) has HF's own generate(): there
+    assistant='self' as a keyword fails with HF's generic "model_kwargs are not used", and
+    in a GenerationConfig it is silently ignored. Both raise ATTACH_FIRST instead. The hook
+    sits on HF's GenerationConfig preparation and acts only on those two requests, which
+    HF would refuse or drop; every other call is untouched."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin._prepare_generation_config
+    if getattr(original, "_selfspec_hook", False):
+        return
+
+    def _prepare_generation_config(self, generation_config, *args, **kwargs):
+        config, model_kwargs = original(self, generation_config, *args, **kwargs)
+        if "_selfspec" not in self.__dict__ and ASSISTANT_SELF in (
+                model_kwargs.get("assistant"), getattr(config, "assistant", None)):
+            raise ValueError(ATTACH_FIRST)
+        return config, model_kwargs
+
+    _prepare_generation_config._selfspec_hook = True
+    _prepare_generation_config.__doc__ = original.__doc__
+    GenerationMixin._prepare_generation_config = _prepare_generation_config
+
+
+_install_attach_first_check()
 
 
 def _stop_strings_as_criteria(model, generation_config, kwargs):
@@ -229,10 +454,18 @@ def _stop_strings_as_criteria(model, generation_config, kwargs):
 def _check_request(generation_config, logits_processor) -> bool:
     """Refuse what the loop cannot honour; True when the processors must be applied row by
     row (sampling, or greedy with more than min_new_tokens / min_length)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
     gc = generation_config
     for name, (bad, message) in _UNSUPPORTED.items():
         if bad(getattr(gc, name, None)):
             raise ValueError(message)
+    mode = gc.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):  # a mode added to HF later
+        raise ValueError(f"generation mode {mode.value!r} is not supported with assistant='self': "
+                         "only greedy decoding and sampling (do_sample=True)")
+    if getattr(gc, "token_healing", False):
+        raise ValueError("token_healing is not supported with assistant='self'; drop it")
     unsupported = unsupported_processors(logits_processor)
     if unsupported:
         raise NotImplementedError(
@@ -242,6 +475,31 @@ def _check_request(generation_config, logits_processor) -> bool:
             "or drop assistant='self'"
         )
     return bool(gc.do_sample) or any(type(p).__name__ not in MIN_LENGTH_PROCESSORS for p in logits_processor)
+
+
+def _check_token_ids(model, input_ids: torch.Tensor, eos: list[int], pad) -> None:
+    """Every id the request names must be a token of the model: an id outside [0, V) would
+    fail deep in an embedding lookup or a logits index (HF itself fails there too)."""
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+    vocab = model.get_input_embeddings().weight.shape[0]
+    out_vocab = model.get_output_embeddings().weight.shape[0]
+    if input_ids.numel():
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids hold the token id {bad}, outside this model's vocabulary "
+                             f"[0, {vocab}): check the tokenizer matches the model")
+    for e in eos:
+        if not 0 <= e < out_vocab:
+            raise ValueError(f"eos_token_id {e} is outside this model's vocabulary [0, {out_vocab}): "
+                             "pass the model's own end-of-sequence id (tokenizer.eos_token_id)")
+    if pad is not None:
+        pad_ids = pad.reshape(-1).tolist() if isinstance(pad, torch.Tensor) else [pad]
+        for p in pad_ids:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < vocab:
+                raise ValueError(f"pad_token_id {p!r} is not a token id of this model [0, {vocab}): "
+                                 "pass one, e.g. tokenizer.pad_token_id or tokenizer.eos_token_id")
 
 
 def _eos_ids(generation_config) -> list[int]:
@@ -282,29 +540,40 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
 
     gc = generation_config
     logits_processor = logits_processor if logits_processor is not None else []
+    # every check first, then the engine: a bad request costs no work
     row_processing = _check_request(gc, logits_processor)
     state: SelfSpecState = model._selfspec
     prompt_len = input_ids.shape[1]
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - prompt_len
     min_new = gc.min_new_tokens or max(0, (gc.min_length or 0) - prompt_len)
     eos = _eos_ids(gc)
+    _check_token_ids(model, input_ids, eos, gc.pad_token_id)
     streamer = selfspec_streamer
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("streamers support batch size 1 only (as in HF generate)")
+    want_logits = bool(gc.output_logits or gc.output_scores) and gc.return_dict_in_generate
+    if want_logits and input_ids.shape[0] > 1:
+        raise ValueError("output_scores/output_logits with assistant='self' support batch size 1 only")
     prompts = _row_prompts(input_ids, model_kwargs.get("attention_mask"))
     for p in prompts:
         if not p:
             raise ValueError("a row of input_ids is empty (all padding): give every row at least one token")
-    engine = state.engine_for(model, max(len(p) for p in prompts) + max_new + state.engine_config.width)
-    for p in prompts:
-        engine.check_capacity(len(p), max_new)
+    need = max(len(p) for p in prompts) + max_new  # positions plain greedy needs
+    _check_positions(model, need, "the model's")
+
+    # the engine (built on the first call, or rebuilt for a larger request): its build time
+    # and step-cost measurement are reported as stats.build_time, not as decoding time
+    started, engine_before, draft_before = time.perf_counter(), state.engine, state.draft_engine
+    limit = getattr(model.config, "max_position_embeddings", None) or need + state.engine_config.width
+    engine = state.engine_for(model, min(need + state.engine_config.width, limit))
+    getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
     draft_engine = None
     if selfspec_draft_model is not None:
         draft_engine = state.draft_engine_for(selfspec_draft_model, engine.capacity)
-    decoder = SelfSpecDecoder(engine, state.heads, state.decode_config, draft_engine)
-    want_logits = bool(gc.output_logits or gc.output_scores) and gc.return_dict_in_generate
-    if want_logits and input_ids.shape[0] > 1:
-        raise ValueError("output_scores/output_logits with assistant='self' support batch size 1 only")
+        getattr(draft_engine, "step_costs", None)
+    built = engine is not engine_before or (draft_engine is not None and draft_engine is not draft_before)
+    build_time = time.perf_counter() - started if built else 0.0
+    decoder = SelfSpecDecoder(engine, state.heads, _draft_budget(state.decode_config, engine, need), draft_engine)
 
     results: list[DecodeResult] = []
     if streamer is not None:
@@ -323,7 +592,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
             def on_commit(chunk):
                 if chunk:
                     streamer.put(torch.tensor(chunk))
-        live = DecodeStats()
+        live = DecodeStats(build_time=build_time if b == 0 else 0.0)
         model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
         # HF scores a row with the whole padded row as input_ids: so does the scorer
         scorer = (RowScorer(logits_processor, padded, engine.view.vocab_size, engine.view.device)
@@ -331,6 +600,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         results.append(decoder.generate(p, max_new, eos, stop=stop, on_commit=on_commit,
                                         min_new_tokens=min_new, collect_logits=want_logits,
                                         stats=live, scorer=scorer, do_sample=bool(gc.do_sample)))
+        results[-1].stats.build_time = live.build_time
     if streamer is not None:
         streamer.end()
 
@@ -352,21 +622,31 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     )
 
 
+def _draft_budget(config: DecodeConfig, engine: Engine, need: int) -> DecodeConfig:
+    """The decode config of one request: near the end of the model's positions (the KV
+    cache cannot hold `need` + a full block of drafts) draft fewer tokens per cycle, down
+    to none (plain AR steps), so that a request plain greedy serves is served.
+
+    A cycle's rows sit at the positions after the last committed token, at most `max_draft`
+    past it, and the loop never drafts past max_new_tokens: `need + max_draft` slots hold
+    every row a cycle can write."""
+    width_drafts = engine.width - 1 if config.max_draft is None else config.max_draft
+    fits = max(engine.capacity - need, 0)
+    if width_drafts <= fits:
+        return config
+    return dataclasses.replace(config, max_draft=fits)
+
+
 def _merge_stats(results: list[DecodeResult]) -> DecodeStats:
+    """One DecodeStats for a batch (rows are decoded one after the other): sums."""
     merged = DecodeStats(exits_per_head=[0] * len(results[0].stats.exits_per_head))
     for r in results:
         s = r.stats
-        merged.prompt_tokens += s.prompt_tokens
-        merged.new_tokens += s.new_tokens
-        merged.cycles += s.cycles
-        merged.drafted += s.drafted
-        merged.accepted += s.accepted
-        merged.head_evaluations += s.head_evaluations
+        for name in ("prompt_tokens", "new_tokens", "cycles", "drafted", "accepted", "head_evaluations",
+                     "off_chain_cycles", "prefill_time", "draft_time", "verify_time", "total_time",
+                     "build_time"):
+            setattr(merged, name, getattr(merged, name) + getattr(s, name))
         merged.exits_per_head = [a + b for a, b in zip(merged.exits_per_head, s.exits_per_head)]
         merged.sources += s.sources
-        merged.prefill_time += s.prefill_time
-        merged.draft_time += s.draft_time
-        merged.verify_time += s.verify_time
-        merged.total_time += s.total_time
         merged.lossy = merged.lossy or s.lossy
     return merged

@@ -17,7 +17,42 @@ def head_source(index: int) -> str:
 
 @dataclass
 class DecodeStats:
-    """Per-request statistics. Times in seconds."""
+    """What one `generate(..., assistant="self")` call did and where its time went:
+    `model.selfspec_stats` after the call (filled live while it runs, so a streamer can
+    read `sources`). Times are wall-clock seconds. For a batch, the sums over its rows.
+
+    prompt_tokens:    prompt length (unpadded)
+    new_tokens:       tokens generated
+    cycles:           verification cycles: model passes that committed tokens (an AR step
+                      is a cycle with no drafts)
+    drafted:          draft tokens proposed to the model (heads, prompt-lookup copies, a
+                      draft model)
+    accepted:         drafts the model verified (the exact rule: its own token)
+    head_evaluations: head calls spent drafting: exit heads, one per head run on a row;
+                      top-layer draft heads, one per drafting call (a chain or a tree)
+    exits_per_head:   drafts per head: exit heads, the head a row exited at (0 =
+                      shallowest); top-layer draft heads, the draft step k (headK)
+    sources:          per new token, where it came from: "model" (the model's own token,
+                      after a verification), "copy" (an accepted prompt-lookup draft),
+                      "headK" (an accepted draft of head K), "draft_model"
+    prefill_time:     the prompt's pass through the model
+    draft_time:       drafting (heads, lookup, draft model)
+    verify_time:      the model's verification passes
+    total_time:       the whole decode, prefill included (what tokens_per_second divides)
+    build_time:       building the engine in this call (row-layout self-test, KV cache,
+                      step-cost measurement: the first call, or a request larger than the
+                      KV cache), NOT part of total_time or tokens_per_second
+    lossy:            a lossy acceptance rule was on (DecodeConfig.lossy_top_k > 1): the
+                      output is not the model's own greedy output
+    off_chain_cycles: draft trees only: cycles whose accepted path left the tree's first
+                      branch (a sibling or the other drafter's branch won: tokens a chain
+                      would not have committed)
+
+    Derived: tokens_per_second (new_tokens / total_time), tau (new_tokens / cycles: tokens
+    per model pass), acceptance (accepted / drafted), decode_time (total minus prefill),
+    host_time (decode time neither drafting nor verifying). `summary()` is one line of
+    these; `as_dict()` all of them, rounded, for JSON.
+    """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -31,10 +66,9 @@ class DecodeStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
-    lossy: bool = False  # True when a lossy acceptance rule was on (not the model's own output)
-    # draft trees: cycles whose accepted path left the tree's first branch (a sibling or the
-    # other drafter's branch won: tokens a chain would not have committed)
+    lossy: bool = False
     off_chain_cycles: int = 0
+    build_time: float = 0.0
 
     @property
     def decode_time(self) -> float:
@@ -81,11 +115,16 @@ class DecodeStats:
             "total_time": round(self.total_time, 4),
             "lossy": self.lossy,
             "off_chain_cycles": self.off_chain_cycles,
+            "build_time": round(self.build_time, 4),
         }
 
     def summary(self) -> str:
+        """One line: tokens, time and tokens/s (engine build excluded, shown apart), prefill,
+        cycles, tau, accepted / drafted, token sources."""
+        build = f" (+ engine build {self.build_time:.2f} s, once)" if self.build_time > 0 else ""
         return (
-            ("LOSSY: " if self.lossy else "") + f"{self.new_tokens} tokens in {self.total_time:.2f} s ({self.tokens_per_second:.1f} tok/s), "
+            ("LOSSY: " if self.lossy else "") + f"{self.new_tokens} tokens in {self.total_time:.2f} s "
+            f"({self.tokens_per_second:.1f} tok/s){build}, "
             f"prefill {self.prefill_time:.2f} s, {self.cycles} cycles, tau {self.tau:.2f}, "
             f"accepted {self.accepted}/{self.drafted} drafts, sources {self.source_counts()}"
         )

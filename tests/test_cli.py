@@ -64,3 +64,49 @@ def test_generate_with_a_draft_model(tmp_path, capsys, default_model):
     # a "draft" model as big as the model costs a full step per draft: the measured cost
     # keeps the draft budget at 0 except for probes, so this row mostly decodes with copies
     assert by_method["self_draft_model"]["stats"]["cycles"] > 0
+
+
+def _entry_point(*args, timeout=300):
+    """The installed `hf-selfspec` console script, as a user runs it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "hf-selfspec"
+    assert exe.is_file(), f"{exe} is missing: pip install -e . installs the entry point"
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1")  # a bad model name must not wait on the network
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_bench_and_train_heads_take_their_flags():
+    """The script subcommands pass every flag through: --help is the script's own, and a
+    real flag reaches the script (which refuses a bad value with its own message)."""
+    bench = _entry_point("bench", "--help")
+    assert bench.returncode == 0, bench.stderr
+    for flag in ("--per-category", "--model", "--draft-model", "--methods", "--max-new-tokens"):
+        assert flag in bench.stdout
+    train = _entry_point("train-heads", "--help")
+    assert train.returncode == 0 and "--out" in train.stdout and "--model" in train.stdout
+    bad = _entry_point("bench", "--methods", "no_such_method", "--per-category", "1")
+    assert bad.returncode == 2 and "unknown method 'no_such_method'" in bad.stderr
+    separated = _entry_point("bench", "--", "--methods", "no_such_method")
+    assert separated.returncode == 2 and "unknown method" in separated.stderr
+
+
+def test_script_commands_without_a_source_checkout_say_so(monkeypatch, tmp_path, capsys):
+    import hf_selfspec.cli as cli
+
+    monkeypatch.setattr(cli, "_scripts_dir", lambda: tmp_path)
+    assert main(["bench", "--model", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "source checkout" in err and "bench.py" in err
+
+
+def test_errors_are_one_line_with_status_2(tmp_path):
+    result = _entry_point("generate", "Hi", "--model", str(tmp_path / "no_such_model"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and lines[-1].startswith("hf-selfspec: error:"), result.stderr
+    assert len([line for line in lines if line.startswith("hf-selfspec: error:")]) == 1
