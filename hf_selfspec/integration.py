@@ -20,7 +20,7 @@ import json
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -129,28 +129,37 @@ class SelfSpecState:
     def draft_engine_for(self, draft_model, capacity: int) -> Engine:
         """The draft model's engine, with at least as many KV slots as the main engine."""
         _check_positions(draft_model, capacity, "the draft model's")
-        if self.draft_model is not draft_model or self.draft_engine.capacity < capacity:
+        if self.draft_model is not draft_model or not self._current(self.draft_engine, draft_model):
             self.draft_engine = None  # free the old cache first
             self.draft_engine = self._new_engine(draft_model, capacity)
             self.draft_model = draft_model
+        else:  # a new request: no slot is in use yet, nothing to copy
+            self.draft_engine.ensure_capacity(capacity, keep=0, release=True)
         return self.draft_engine
 
     def engine_for(self, model, need: int) -> Engine:
-        """The model's engine, (re)built with room for `need` KV slots when required."""
+        """The model's engine with room for `need` KV slots: built at the first call and
+        rebuilt when the model's weights moved (dtype, device, new tensors); otherwise its
+        KV cache grows (or shrinks back) to the request, measuring nothing again."""
         _check_positions(model, need, "the model's")
-        if self.engine is None or self.engine.capacity < need:
+        if not self._current(self.engine, model):
             self.engine = None  # free the old cache first
             self.engine = self._new_engine(model, need)
+        else:  # a new request: no slot is in use yet, nothing to copy
+            self.engine.ensure_capacity(need, keep=0, release=True)
         return self.engine
+
+    @staticmethod
+    def _current(engine: Engine | None, model) -> bool:
+        """Whether `engine` still serves `model` as it is now (not stale)."""
+        return engine is not None and engine.view.model is model and not engine.is_stale()
 
     def _new_engine(self, model, need: int) -> Engine:
         """An engine with `need` KV slots or more: the configured capacity, rounded up to
         256 slots, at most the model's max_position_embeddings."""
         limit = getattr(model.config, "max_position_embeddings", None) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
-        cfg = EngineConfig(self.engine_config.width, capacity, self.engine_config.row_layout,
-                           self.engine_config.prefill)
-        return Engine(model, cfg)
+        return Engine(model, replace(self.engine_config, capacity=capacity))
 
 
 def _check_positions(model, need: int, whose: str) -> None:

@@ -58,7 +58,7 @@ def prompt(seed, length, alphabet=256):
     return torch.randint(3, alphabet, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=["fixed", "micro", "gemv", "wx", "wx4", "kernel"])
+@pytest.fixture(scope="module", params=["fixed", "micro", "kernel"])
 def setup(request):
     model = tiny_model("llama", seed=0, layers=4)
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=400, row_layout=request.param))

@@ -31,7 +31,7 @@ def model_and_prompts(default_model):
 def test_engine_ar_matches_hf_greedy(model_and_prompts):
     model, tokenizer, prompts, refs = model_and_prompts
     engine = Engine(model, EngineConfig(width=8, capacity=1024))
-    assert engine.layout.name in ("micro", "gemv", "wx", "wx4", "kernel")  # MKL: a fast layout passes its self-test here
+    assert engine.layout.name in ("micro", "kernel")  # MKL: a fast layout passes its self-test here
     for cat, p in prompts.items():
         assert engine.generate_ar(p, NEW_TOKENS, [tokenizer.eos_token_id]) == refs[cat], cat
 

@@ -29,7 +29,7 @@ def models():
     return main, partial, other
 
 
-def engine_of(model, layout="wx"):
+def engine_of(model, layout="fixed"):
     return engine_or_skip(model, EngineConfig(width=8, capacity=400, row_layout=layout))
 
 
@@ -45,7 +45,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("layout", ["fixed", "wx", "wx4", "kernel"])
+@pytest.mark.parametrize("layout", ["fixed", "micro", "kernel"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_draft_model_output_equals_ar(models, case, layout):
     main, partial, other = models

@@ -1,16 +1,29 @@
-"""Engine AR == HF greedy; the fixed-width row invariant bit for bit; bad input."""
+"""Engine AR == HF greedy; the row invariant bit for bit in every layout and dtype; the
+layout registry and its self-tests; bad input; an acyclic engine package."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from conftest import engine_or_skip, hf_greedy, tiny_model
 
+from hf_selfspec.engine import costs
 from hf_selfspec.engine.layered import UnsupportedModelError
-from hf_selfspec.engine.programs import Engine, EngineConfig, RowLayout
+from hf_selfspec.engine.layouts import LAYOUTS, rows_invariant
+from hf_selfspec.engine.programs import Engine, EngineConfig
+
+KEPT = ["fixed", "micro", "kernel"]
 
 
-@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("gemv", "hf"), ("gemv", "engine"), ("wx", "hf"), ("wx", "engine"), ("wx4", "hf"), ("wx4", "engine"), ("kernel", "hf"), ("kernel", "engine")])
+@pytest.fixture(autouse=True)
+def _measurement_cache(tmp_path, monkeypatch):
+    """Each test measures for itself: a fresh, empty measurement cache (engine/cache.py)."""
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "selfspec_cache"))
+
+
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
 @pytest.mark.parametrize("seed", [0, 1])
@@ -23,7 +36,7 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
         assert engine.generate_ar(prompt, 24) == hf_greedy(model, prompt, 24), prompt_len
 
 
-@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx", "wx4", "kernel"])
+@pytest.mark.parametrize("layout", KEPT)
 @pytest.mark.parametrize("kind", ["qwen2", "llama_bias"])
 def test_engine_ar_matches_hf_greedy_with_linear_biases(kind, layout):
     """Layouts that compute the product themselves must add the layer's bias."""
@@ -52,12 +65,13 @@ def _block_rows(engine, tokens, positions):
     return engine.embed(tokens), meta
 
 
-@pytest.mark.parametrize("layout", ["fixed", "micro", "gemv", "wx", "wx4", "kernel"])
+@pytest.mark.parametrize("layout,dtype", [(name, torch.float32) for name in KEPT]
+                         + [("fixed", torch.bfloat16), ("micro", torch.bfloat16), ("fixed", torch.float16)])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_rows_are_invariant_to_the_other_rows(kind, layout):
+def test_rows_are_invariant_to_the_other_rows(kind, layout, dtype):
     """Row i of a step with n real rows == the same row computed alone (same width), for
-    seg and verify: hidden states and logits bit for bit."""
-    model = tiny_model(kind, seed=5)
+    seg and verify: hidden states and logits bit for bit, in every dtype a layout serves."""
+    model = tiny_model(kind, seed=5).to(dtype)
     width = 8
     engine = engine_or_skip(model, EngineConfig(width=width, capacity=600, row_layout=layout))
     assert engine.layout.name == layout
@@ -70,6 +84,7 @@ def test_rows_are_invariant_to_the_other_rows(kind, layout):
     h, meta = _block_rows(engine, block, range(start, start + width))
     h_seg = engine.seg(h, 0, 2, meta)
     logits_all, _, _ = engine.verify(h_seg.clone(), 2, meta)
+    assert h_seg.dtype == dtype
 
     # row i alone: the rows before it must already be in the KV cache (they are: the
     # joint step wrote them with identical values), so run row i as a 1-row step
@@ -82,29 +97,39 @@ def test_rows_are_invariant_to_the_other_rows(kind, layout):
 
 
 def test_row_self_test_rejects_a_product_that_depends_on_the_other_rows():
-    """The start-up self-test behind micro / gemv / wx can fail: a product whose row depends
+    """The start-up self-test behind micro and kernel can fail: a product whose row depends
     on how many rows share it (here: shifted by a neighbour-dependent amount) is refused, a
-    product computed one row at a time (row-invariant on any BLAS) passes, and so do the wx
-    and wx4 products of the CPU machines we run on. (A plain 2-row `x @ W^T` is machine-
-    dependent: row-invariant with the AMD EPYC's MKL, not with an AVX-512 Xeon's, where the
-    engine refuses micro/gemv and `auto` picks another layout.)"""
+    product computed one row at a time (row-invariant on any BLAS) passes. (A plain 2-row
+    product is machine-dependent: row-invariant with the AMD EPYC's MKL, not with an
+    AVX-512 Xeon's, where the engine refuses micro and `auto` picks another layout.)"""
     layers = [torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)]
-    assert RowLayout.wx_is_row_invariant(layers)
-    assert RowLayout.wx4_is_row_invariant(layers)
-    one_row_at_a_time = lambda layer, x: torch.cat([layer(x[i:i + 1]) for i in range(len(x))])  # noqa: E731
-    assert RowLayout._rows_invariant(layers, one_row_at_a_time, ref_rows=2)
-    leaky = lambda layer, x: one_row_at_a_time(layer, x) + 1e-3 * x.sum(0, keepdim=True)[:, :1]  # noqa: E731
-    assert not RowLayout._rows_invariant(layers, leaky, ref_rows=2)
-    assert not RowLayout._rows_invariant(layers, leaky, ref_rows=4, sizes=(4, 8))
+    one_row_at_a_time = lambda layer, x: torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+    assert rows_invariant(layers, one_row_at_a_time, ref_rows=2)
+    assert rows_invariant(layers, one_row_at_a_time, ref_rows=1, sizes=(2, 3, 4, 8))
+    leaky = lambda layer, x: one_row_at_a_time(layer, x) + 1e-3 * x.sum(0, keepdim=True)[:, :1]
+    assert not rows_invariant(layers, leaky, ref_rows=2)
+    assert not rows_invariant(layers, leaky, ref_rows=4, sizes=(4, 8))
+    assert LAYOUTS["fixed"].self_test(layers)
 
 
-@pytest.mark.parametrize("failing", [("micro",), ("micro", "gemv"), ("micro", "gemv", "wx", "wx4", "kernel")])
+def test_layout_registry_names_and_removed_layouts():
+    """The registry holds the kept layouts; a removed or unknown name is refused where the
+    config is made, naming the layouts that exist."""
+    assert set(LAYOUTS) == set(KEPT)
+    for name in ("gemv", "wx", "wx4", "blas"):
+        with pytest.raises(ValueError, match="row_layout must be one of .*'kernel', 'micro', 'fixed'"):
+            EngineConfig(row_layout=name)
+    with pytest.raises(ValueError, match="engine_layouts_history"):
+        EngineConfig(row_layout="wx4")
+
+
+@pytest.mark.parametrize("failing", [("micro",), ("kernel",), ("kernel", "micro")])
 def test_auto_layout_when_some_self_tests_fail(monkeypatch, failing):
     """`auto` takes only layouts whose self-test passed on this machine, also when the
-    first one (micro, the tie-break reference) failed: found on an AVX-512 Xeon where
-    micro failed on a 64-wide model and `auto` raised KeyError. The result is still exact."""
+    first one (the tie-break reference) failed: found on an AVX-512 Xeon where micro failed
+    on a 64-wide model and `auto` raised KeyError. The result is still exact."""
     for name in failing:
-        monkeypatch.setattr(RowLayout, f"{name}_is_row_invariant", staticmethod(lambda layers: False))
+        monkeypatch.setattr(LAYOUTS[name], "self_test", classmethod(lambda cls, linears: False))
     model = tiny_model("llama", seed=4)
     engine = Engine(model, EngineConfig(width=8, capacity=256))
     assert engine.layout.name not in failing
@@ -115,12 +140,12 @@ def test_auto_layout_when_some_self_tests_fail(monkeypatch, failing):
 def test_auto_layout_prefers_the_kernel_at_equal_product_cost(monkeypatch):
     """At equal product (GEMM) time `auto` takes the C++ kernel layout, whose fused layers
     and row attention make the whole step cheaper (found on an AVX-512 Xeon: micro was
-    picked at 4% dearer products and its AR step took 35 ms vs the kernel's 24 ms)."""
+    picked at slightly dearer products and its AR step was much slower)."""
     from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
-    monkeypatch.setattr(Engine, "_gemm_seconds", lambda self, layout, reps=3: 1.0)
+    monkeypatch.setattr(costs, "gemm_seconds", lambda layout, linears, width, reps=3: 1.0)
     assert Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256)).layout.name == "kernel"
 
 
@@ -153,20 +178,20 @@ def test_bad_engine_config():
         EngineConfig(width=8, capacity=4)
 
 
-@pytest.mark.parametrize("layout", ["wx", "wx4", "kernel"])
+@pytest.mark.parametrize("layout", ["micro", "kernel"])
 def test_step_costs_are_per_program_and_monotone(layout):
     """The draft budget's cost curve: one figure per width, 1.0 for one row, never falling
-    with more rows, and equal for widths that run the same programs (wx4: 1-4 rows are one
-    4-row step, 5-8 rows one 8-row step). Measuring it leaves decoding exact."""
+    with more rows, and equal for widths that run the same programs (micro: 1 and 2 rows
+    are one 2-row step with one attention chunk). Measuring it leaves decoding exact."""
     model = tiny_model("llama", seed=4)
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=512, row_layout=layout))
     prompt = list(range(3, 60))
     before = engine.generate_ar(prompt, 12)
-    costs = engine.step_costs
-    assert len(costs) == engine.width + 1 and costs[0] == costs[1] == 1.0
-    assert all(b >= a for a, b in zip(costs[1:], costs[2:]))
-    if layout == "wx4":
-        assert len(set(costs[1:5])) == 1 and len(set(costs[5:9])) == 1
+    costs_ = engine.step_costs
+    assert len(costs_) == engine.width + 1 and costs_[0] == costs_[1] == 1.0
+    assert all(b >= a for a, b in itertools.pairwise(costs_[1:]))
+    if layout == "micro":
+        assert costs_[1] == costs_[2]
     assert engine.one_row_seconds > 0
     assert engine.generate_ar(prompt, 12) == before
 
@@ -205,3 +230,33 @@ def test_kernel_layout_fused_layers_match_the_pytorch_layer(kind):
     engine._fused_layers = fused
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_engine_package_imports_form_no_cycle():
+    """No module of hf_selfspec/engine imports, at import time, one that imports it back
+    (annotation-only imports under TYPE_CHECKING and imports inside functions excluded)."""
+    import ast
+    from pathlib import Path
+
+    import hf_selfspec.engine as package
+
+    folder = Path(package.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        deps = set()
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_selfspec.engine."):
+                deps.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
+    assert "programs" not in graph["runner"] and "runner" not in graph["programs"]
+
+    def visit(node, stack):
+        assert node not in stack, f"import cycle: {' -> '.join([*stack, node])}"
+        for dep in graph[node]:
+            visit(dep, [*stack, node])
+
+    for module in graph:
+        visit(module, [])

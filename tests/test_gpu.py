@@ -16,8 +16,9 @@ from conftest import tiny_model
 
 import hf_selfspec.engine.runner as runner_module
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+from hf_selfspec.engine.attention import triton_attention
 from hf_selfspec.engine.programs import Engine, EngineConfig
-from hf_selfspec.engine.runner import CudaGraphRunner, triton_attention
+from hf_selfspec.engine.runner import CudaGraphRunner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = [torch.bfloat16, torch.float32]
@@ -118,6 +119,34 @@ def test_runner_plumbing_with_stand_in_graphs(monkeypatch):
     assert "seg" not in vars(engine) and "ar_step" not in vars(engine)
 
 
+def test_graph_executor_refuses_cpu_engine():
+    model = tiny_model("llama", seed=0, layers=2, vocab=256, hidden=HIDDEN)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        Engine(model, EngineConfig(width=4, capacity=64, row_layout="fixed", executor="cuda_graphs"))
+
+
+def test_engine_built_with_the_graph_executor(monkeypatch):
+    """EngineConfig(executor="cuda_graphs"): the engine's programs are the runner's for its
+    lifetime; growing the KV cache drops the captured programs (they replay the old cache's
+    addresses) and decoding stays exact. On the CPU with stand-in graphs."""
+    monkeypatch.setattr(runner_module, "_require_cuda", lambda engine: None)
+    monkeypatch.setattr(CudaGraphRunner, "_record",
+                        lambda self, body: ((g := _EagerGraph(body)), g.outputs))
+    model = tiny_model("llama", seed=0, layers=4, vocab=256, hidden=HIDDEN)
+    eager = Engine(model, EngineConfig(width=4, capacity=512, row_layout="fixed"))
+    engine = Engine(model, EngineConfig(width=4, capacity=64, row_layout="fixed", executor="cuda_graphs"))
+    assert engine.graphs is not None and vars(engine)["verify"] == engine.graphs.verify
+    prompt = list(range(3, 30))
+    assert engine.generate_ar(prompt, 16) == eager.generate_ar(prompt, 16)
+    assert ("ar",) in engine.graphs.captured
+    engine.ensure_capacity(300)
+    assert engine.graphs.captured == []
+    long_prompt = list(range(3, 120)) + list(range(3, 60))
+    assert engine.generate_ar(long_prompt, 40) == eager.generate_ar(long_prompt, 40)
+    spec = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(long_prompt, 40)
+    assert spec.tokens == eager.generate_ar(long_prompt, 40)
+
+
 def test_runner_rejects_unknown_keys(monkeypatch):
     monkeypatch.setattr(runner_module, "_require_cuda", lambda engine: None)
     runner = CudaGraphRunner(_engine("cpu", width=4, capacity=64))
@@ -190,6 +219,25 @@ def test_speculative_equals_ar_on_cuda(dtype):
     assert spec.tokens == reference
     assert spec.stats.drafted > 0  # verification of several rows did happen
     assert runner.captured == runner_keys and not runner.eager
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_graph_executor_on_cuda_is_exact_across_cache_growth(dtype):
+    """An engine built with the CUDA-graph executor: AR and speculative tokens equal the
+    eager engine's, before and after its KV cache grows (graphs captured again)."""
+    model = tiny_model("llama", seed=0, layers=4, vocab=256, hidden=HIDDEN).to("cuda", dtype)
+    eager = Engine(model, EngineConfig(width=8, capacity=1024, row_layout="fixed"))
+    engine = Engine(model, EngineConfig(width=8, capacity=256, executor="cuda_graphs"))
+    assert engine.layout.name == "fixed" and engine.graphs is not None
+    prompt = list(range(3, 120)) + list(range(3, 40))
+    assert engine.generate_ar(prompt, 48) == eager.generate_ar(prompt, 48)
+    engine.ensure_capacity(900)
+    long_prompt = prompt * 4
+    reference = eager.generate_ar(long_prompt, 48)
+    assert engine.generate_ar(long_prompt, 48) == reference
+    spec = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(long_prompt, 48)
+    assert spec.tokens == reference and not engine.graphs.eager
 
 
 @needs_cuda

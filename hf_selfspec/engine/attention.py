@@ -1,24 +1,46 @@
-"""Row-invariant attention over the static KV cache, in plain PyTorch (the CPU path).
+"""The engine's attention backends, all row-invariant: a row's output depends only on its
+own query and the keys it may see, never on how many rows share the step.
 
-Why not SDPA: libraries pick kernels and reduction orders by shape, so the result for a
-row would depend on how many rows and keys share the call. Here every reduction has a
-fixed shape: keys are visited in blocks of `KEY_BLOCK` slots at absolute offsets
-(block b = slots [b*KEY_BLOCK, (b+1)*KEY_BLOCK)), with an online softmax. A block that a
-row cannot see contributes exactly nothing (its scores are -inf: the running max is
+  BlockAttention   plain PyTorch (any CPU layout without the C++ kernel): fixed chunks of
+                   query rows against fixed key blocks with an online softmax (below).
+  CppRowAttention  the C++ `rows_attention` (kernel layout, kernels/cpu_rows.cpp): each row
+                   and head on its own, up to its key limit, in one fixed order; the only
+                   backend that follows a draft tree's path slots.
+  TritonAttention  the Triton `row_attention` (CUDA, kernels/attention.py): each (row, head)
+                   reads its prefix length from the device metadata buffer, so a captured
+                   CUDA graph replays at any position.
+
+Every backend binds to one step: `backend.bind(engine, meta)` returns
+`attend(q [Hq, R, d] after RoPE, layer) -> o [R, Hq*d]` in q's dtype; the step's KV is
+already written at meta.slots when it is called.
+
+Why not SDPA for the block path: libraries pick kernels and reduction orders by shape, so
+the result for a row would depend on how many rows and keys share the call. Here every
+reduction has a fixed shape: keys are visited in blocks of `KEY_BLOCK` slots at absolute
+offsets (block b = slots [b*KEY_BLOCK, (b+1)*KEY_BLOCK)), with an online softmax. A block
+that a row cannot see contributes exactly nothing (its scores are -inf: the running max is
 unchanged, the rescale factor is exp(0) = 1 and the added terms are 0), so a row's output
 is bit-identical whatever the number of blocks the widest row of the step needs, and
-whatever the other rows are. The GPU path uses the Triton kernel in `hf_selfspec.kernels` (`kernels/`),
-the CPU `kernel` row layout the C++ `rows_attention` (kernels/cpu_rows.cpp).
+whatever the other rows are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # annotations only: programs.py imports this module
+    from .meta import StepMeta
+    from .programs import Engine
 
 # Keys per block. Fixed for the engine's lifetime (never chosen from the rows), large
 # enough that chat contexts take 1-3 blocks (few ops per layer), small enough that the
 # masked tail of the last block is cheap.
 KEY_BLOCK = 256
+
+Attend = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def visible_bias(key_limit: torch.Tensor, num_keys: int, group: int) -> torch.Tensor:
@@ -39,28 +61,134 @@ def block_attention(
 ) -> torch.Tensor:
     """Online-softmax attention over fixed key blocks.
 
-    q:        [Hkv, G*W, d] fp32, already scaled by 1/sqrt(d) (query head h = kv*G + g)
-    k_cache:  [Hkv, S, d]   one layer's keys (S a multiple of KEY_BLOCK)
+    q:        [Hkv, G*W, d] fp32 (fp64 for an fp64 model), already scaled by 1/sqrt(d)
+              (query head h = kv*G + g)
+    k_cache:  [Hkv, S, d]   one layer's keys, in the model's dtype (S a multiple of KEY_BLOCK)
     v_cache:  [Hkv, S, d]
     bias:     [G*W, nb*KEY_BLOCK] from `visible_bias`; nb = blocks the widest row needs
-    returns   [Hkv, G*W, d]
+    returns   [Hkv, G*W, d] in q's dtype
+
+    A bf16/fp16 cache is widened block by block (exact, elementwise), so the softmax and
+    the sums run in q's dtype whatever the model's.
     """
     num_blocks = bias.shape[1] // KEY_BLOCK
     acc = l_sum = m_max = None
     for b in range(num_blocks):
         lo, hi = b * KEY_BLOCK, (b + 1) * KEY_BLOCK
-        scores = torch.matmul(q, k_cache[:, lo:hi].transpose(1, 2)) + bias[:, lo:hi]  # [Hkv, GW, B]
+        keys = k_cache[:, lo:hi].to(q.dtype)  # no copy when the dtypes agree
+        values = v_cache[:, lo:hi].to(q.dtype)
+        scores = torch.matmul(q, keys.transpose(1, 2)) + bias[:, lo:hi]  # [Hkv, GW, B]
         block_max = scores.amax(-1, keepdim=True)
         if b == 0:  # block 0 holds slot 0, which every row sees: block_max is finite
             m_max = block_max
             p = torch.exp(scores - m_max)
             l_sum = p.sum(-1, keepdim=True)
-            acc = torch.matmul(p, v_cache[:, lo:hi])
+            acc = torch.matmul(p, values)
             continue
         m_new = torch.maximum(m_max, block_max)
         rescale = torch.exp(m_max - m_new)
         p = torch.exp(scores - m_new)
         l_sum = l_sum * rescale + p.sum(-1, keepdim=True)
-        acc = acc * rescale + torch.matmul(p, v_cache[:, lo:hi])
+        acc = acc * rescale + torch.matmul(p, values)
         m_max = m_new
     return acc / l_sum
+
+
+class BlockAttention:
+    """`block_attention` on fixed chunks of `attention_rows` query rows (the layout's), so a
+    row's attention call has the same shape whatever the number of real rows."""
+
+    name = "block"
+    needs_masks = True  # make_meta builds one visible_bias per chunk
+    supports_trees = False  # a scattered path would change the masked blocks' summation order
+
+    def bind(self, engine: Engine, meta: StepMeta) -> Attend:
+        v = engine.view
+        R, Hq, Hkv, d, group = meta.rows, v.num_heads, v.num_kv_heads, v.head_dim, engine.group
+        A = engine.layout.attention_rows
+        # fp32 softmax for fp32/bf16/fp16 models (as HF's eager attention); fp64 stays fp64
+        dtype = torch.promote_types(v.dtype, torch.float32)
+        QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
+        q_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
+        o_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
+        k_cache, v_cache, scaling, biases = engine.k_cache, engine.v_cache, v.scaling, meta.biases
+
+        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
+            q_all[:, :R] = q.to(dtype) * scaling
+            for c, bias in enumerate(biases):
+                qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, group * A, d)
+                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias)
+                o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
+            return o_all[:, :R].to(q.dtype).transpose(0, 1).reshape(R, Hq * d)
+
+        return attend
+
+
+class CppRowAttention:
+    """The C++ `rows_attention` (float32 CPU): row r sees slots [0, key_limit[r]], or its
+    committed prefix plus its tree path (row-invariant by construction: cpu_rows.cpp)."""
+
+    name = "cpp_rows"
+    needs_masks = False
+    supports_trees = True
+
+    def __init__(self, kernel):
+        self.kernel = kernel  # load_rows_attention()
+
+    def bind(self, engine: Engine, meta: StepMeta) -> Attend:
+        fn, limits = self.kernel, meta.key_limit[:meta.rows]
+        k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
+
+        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
+            return fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path)
+
+        return attend
+
+
+class TritonAttention:
+    """`hf_selfspec.kernels.row_attention` on CUDA. Row r sees slots [0, key_limit[r]]: its
+    prefix length comes from the device metadata (no host value), so the launch is the same
+    at every position and inside a CUDA graph. Pad rows (those writing the trash slot) see
+    no key and get zeros: their attention would be dropped anyway, and an AR step has W-1
+    of them. The per-step kernel arguments are built once per step, not once per layer."""
+
+    name = "triton"
+    needs_masks = False  # the kernel reads key_limit itself
+    supports_trees = False  # the engine passes no ancestor slots (chains only)
+
+    def bind(self, engine: Engine, meta: StepMeta) -> Attend:
+        from hf_selfspec.kernels import row_attention
+
+        rows = meta.rows
+        pad = meta.slots[:rows] == engine.trash_slot
+        prefix_len = torch.where(pad, 0, meta.key_limit[:rows] + 1).to(torch.int32)  # [R]
+        # a chain: everything is in the prefix, no extra tree slots (-1 pads)
+        no_ancestors = torch.full((rows, 1), -1, dtype=torch.int32, device=prefix_len.device)
+        k_cache, v_cache, scale = engine.k_cache, engine.v_cache, engine.view.scaling
+
+        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
+            o = row_attention(q.transpose(0, 1), k_cache[layer], v_cache[layer], prefix_len,
+                              no_ancestors, scale)  # [R, Hq, d]
+            return o.reshape(rows, -1)
+
+        return attend
+
+
+def select_attention(device: torch.device, layout) -> BlockAttention | CppRowAttention | TritonAttention:
+    """The backend for an engine on `device` with row layout `layout`: Triton on CUDA, the
+    C++ rows where the layout brought them (kernel), else the PyTorch block attention."""
+    if device.type == "cuda":
+        return TritonAttention()
+    if layout.kernel_attention is not None:
+        return CppRowAttention(layout.kernel_attention)
+    return BlockAttention()
+
+
+def uses_row_attention(engine: Engine) -> bool:
+    """Whether the engine's attention is the Triton kernel (CUDA) rather than a CPU backend."""
+    return isinstance(engine.attention, TritonAttention)
+
+
+def triton_attention(engine: Engine, meta: StepMeta) -> Attend:
+    """`TritonAttention().bind(engine, meta)` (the hook the CUDA tests call directly)."""
+    return TritonAttention().bind(engine, meta)

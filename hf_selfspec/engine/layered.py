@@ -37,6 +37,25 @@ class LayerWeights:
     down: torch.nn.Linear
 
 
+# weight dtypes the engine's layouts may serve (each layout's self-test decides on this machine)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_plain_linear(name: str, module) -> None:
+    """The engine runs a projection as `x @ weight^T (+ bias)` on the module's own float
+    weight: a subclass (bitsandbytes, GPTQ, AWQ, LoRA wrappers) or an integer weight would
+    be computed wrongly, so refuse it by name."""
+    weight = getattr(module, "weight", None)
+    if type(module) is not torch.nn.Linear or not isinstance(weight, torch.Tensor) \
+            or weight.dtype not in FLOAT_DTYPES:
+        kind = type(module).__module__ + "." + type(module).__qualname__
+        dtype = getattr(weight, "dtype", None)
+        raise UnsupportedModelError(
+            f"{name} is a {kind} (weight dtype {dtype}); the engine runs plain torch.nn.Linear "
+            f"projections with float weights ({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
+            "Quantized or wrapped layers are not supported: use plain model.generate().")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics)."""
     dtype = x.dtype
@@ -54,15 +73,8 @@ class LayeredModel:
     """Embedding, decoder layers, final norm, LM head and RoPE tables of an HF causal LM."""
 
     def __init__(self, model: torch.nn.Module, max_positions: int):
+        self.check_supported(model, max_positions)
         config = model.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
-                f"got model_type={model_type!r} ({type(model).__name__}). "
-                "Use plain model.generate() for this model."
-            )
-        self._check_features(config, max_positions)
         inner = model.model
         self.model = model
         self.config = config
@@ -80,7 +92,43 @@ class LayeredModel:
         self.device = self.embed.device
         self.scaling = self.head_dim**-0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
+        self.max_positions = max_positions
         self.cos, self.sin = self._rope_tables(inner, max_positions)  # [P, d] each
+
+    @classmethod
+    def check_supported(cls, model: torch.nn.Module, max_positions: int = 1) -> None:
+        """Raise (UnsupportedModelError, a ValueError) naming what the engine cannot run:
+        the architecture, a feature (sliding window, activation), quantization, or a
+        projection that is not a plain float nn.Linear. Cheap: attach_heads may call it."""
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
+                f"got model_type={model_type!r} ({type(model).__name__}). "
+                "Use plain model.generate() for this model."
+            )
+        cls._check_features(config, max_positions)
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            raise UnsupportedModelError(
+                f"this model is quantized ({type(quantizer).__name__}); the engine runs float "
+                "weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
+                "model.generate()")
+        inner = model.model
+        projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name))
+                       for i, layer in enumerate(inner.layers)
+                       for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                           ("mlp", ("gate_proj", "up_proj", "down_proj")))
+                       for name in names]
+        for name, module in projections + [("lm_head", model.lm_head)]:
+            _check_plain_linear(name, module)
+
+    def set_max_positions(self, max_positions: int) -> None:
+        """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank)."""
+        self._check_features(self.config, max_positions)
+        self.max_positions = max_positions
+        self.cos, self.sin = self._rope_tables(self.model.model, max_positions)
 
     @staticmethod
     def _check_features(config, max_positions: int) -> None:
@@ -91,6 +139,14 @@ class LayeredModel:
                 f"sliding-window attention (window {window}) is not implemented by the engine; "
                 f"use a capacity <= {window} or plain model.generate()."
             )
+        quantization = getattr(config, "quantization_config", None)
+        if quantization:  # attach_heads calls this before the model's modules are looked at
+            method = quantization.get("quant_method") if isinstance(quantization, dict) \
+                else getattr(quantization, "quant_method", type(quantization).__name__)
+            raise UnsupportedModelError(
+                f"this model is quantized (quantization_config: {method}); the engine runs "
+                "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
+                "model.generate()")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu').")

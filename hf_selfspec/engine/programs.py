@@ -1,104 +1,74 @@
-"""The fixed-width engine: static KV cache and the step programs `ar`, `seg`, `verify`.
+"""The fixed-shape engine: static KV cache and the step programs `ar`, `seg`, `verify`.
 
 A token's row must be computed bit for bit the same whether it is an AR step (1 real
 row), a catch-up of m rows or a verification of n rows: this is what makes speculative
-greedy output identical to the engine's own AR output. Libraries choose GEMM kernels by
-shape, so the engine fixes the shapes. Six row layouts, chosen per machine by a bitwise
-self-test at start-up and, among those that pass, by measured cost (`RowLayout`):
+greedy output identical to the engine's own AR output. Libraries choose kernels by shape,
+so the engine fixes what a row's arithmetic depends on in three places:
 
-  fixed   every GEMM, norm and elementwise op runs on exactly `width` rows (real rows
-          first, padding after). Works with any BLAS; the CUDA-graph layout.
-  micro   GEMMs run on chunks of 2 or 3 rows. On MKL (this CPU) the 2- and 3-row GEMM
-          path computes each row independently of the others (checked bit for bit on the
-          model's own weight shapes at start-up), so a step costs what its real rows cost:
-          1-2 rows ~ a GEMV, 8 rows ~ 2x. A 1-row step is padded to 2 rows.
-  gemv    x @ W^T with W^T stored contiguous ([in, out], a transposed copy of every weight):
-          on MKL, products of 1, 2 and 3 rows compute each row alike (self-tested the same
-          way), so a 1-row step needs no padding; GEMMs run on chunks of at most 3 rows.
-          Measured on a 2-core AMD EPYC (AVX2, MKL, SmolLM2-135M, all 211 weights): 1 / 2 / 3
-          rows 33 / 55 / 68 ms, against micro's 73 (padded) / 73 / 96 ms and HF's 1-row
-          F.linear 41 ms. Costs one more copy of the weights in memory.
-  wx      W @ x^T (the weight as stored, times the rows as columns), on chunks of 2 or 3
-          rows like micro (a 1-row step padded to 2): MKL's tall-skinny path computes each
-          column alike for 2 and 3 columns (self-tested the same way; 4+ columns go through
-          another kernel, hence the chunks). Measured on the same AMD EPYC, all 211 weights
-          of SmolLM2-135M, median of 7 interleaved runs: 2 / 3 / 4 rows 0.76 / 0.87 / 0.84x
-          the gemv layout's 1-row step, where F.linear and x @ W^T cost 1.65x for 2 rows.
-  wx4     W @ x^T on blocks of exactly 4 or 8 columns (a step padded to whole 4-row
-          blocks). MKL's kernel for 4 and 8 columns computes a column bit for bit alike at
-          any place of a 4- or 8-column product (self-tested; 2-3 columns and 5-7, 12, 16
-          columns round differently, hence the fixed blocks). Measured on the same AMD EPYC,
-          all 211 weights, median of 9 interleaved runs, x F.linear's 1-row product: 2 / 3 /
-          4 / 8 columns 0.77 / 0.88 / 0.76 / 1.10x. A whole verify step (attention on
-          chunks of 4 query rows): 1-4 rows cost one AR step, 8 rows 1.7x (wx: 4 rows 1.7x,
-          8 rows 2.9x), so three drafts are free and seven cost 0.7 of a step.
-
-  kernel  our own C++ product (kernels/cpu_rows.cpp: every dot product runs the same
-          AVX2 instruction sequence whatever the rows, so it is row-invariant by
-          construction, and a step streams each weight once): no padding, 1 row costs one
-          weight stream and 8 rows ~1.5x. Measured on the same AMD EPYC, all 211 weights:
-          1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms vs wx4's 42-53 / 71-80 ms. Attention too
-          is our C++ kernel (`rows_attention`: each row and head on its own, up to its key
-          limit, in one fixed order), and a whole decoder layer is one C++ call
-          (`rows_layer`: norms, products, RoPE, KV write, attention, SiLU), so a step makes
-          30 calls instead of ~1000 small PyTorch ops (layers with linear biases keep the
-          PyTorch ops around the same products). Side by side, SmolLM2 at a 300-token
-          context: AR step 28.7 ms fused vs 37.7 ms as PyTorch ops vs 47.3 ms with the
-          PyTorch block attention; 4 rows 38.7 vs 47.5 ms. Built once per machine (needs
-          AVX2/FMA, a C++ compiler and ninja; float32 models on the CPU).
-
-`auto` measures the GEMMs of the model's own weights for an AR step, a 4-row step and a
-`width`-row step in each layout that passes its self-test and takes the cheapest (micro
-unless another is more than 10% cheaper, so the choice is stable between runs). The
-measured verify cost of 1..W rows (`Engine.step_costs`, in AR steps) is what the draft
-budget plans with.
+  products   a row layout (layouts.py: kernel, micro, fixed), chosen per machine by a
+             bitwise self-test at start-up and, among those that pass, by measured cost
+  attention  a row-invariant backend (attention.py: C++ rows, block attention, Triton)
+  the rest   norms, RoPE and elementwise ops act on each row alone
 
 Pad rows reuse row 0's position and write their KV to a trash slot no real row can see.
-Attention runs on fixed chunks of query rows (`RowLayout.attention_rows`) and is
-row-invariant (see attention.py); in the kernel layout, on each row alone (cpu_rows.cpp).
+The measured verify cost of 1..W rows (`Engine.step_costs`, in AR steps, costs.py) is what
+the draft budget plans with; it and `auto`'s layout choice are cached on disk (cache.py).
 
 Programs (all share `run_layers`):
   ar          1 row, all layers, LM head, argmax
   seg[a,b,m]  m rows through layers [a, b)
   verify[c,n] n rows from layer c to the end, LM head, argmax per row
-On the CPU the programs run eagerly; the metadata of a step (positions, KV slots, key
-limits) lives in one buffer written by one copy, as the CUDA-graph runner will need.
+The metadata of a step (positions, KV slots, key limits) lives in one device buffer
+written by one copy, so the CUDA-graph executor (runner.py) replays a captured program at
+any position. The engine reads the model's own weights, never a copy of them; what it
+owns is the KV cache (sized to the request, grown and shrunk by copying) and small buffers.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from hf_selfspec.kernels.cpu_rows import NO_PATH
 
-from .attention import KEY_BLOCK, block_attention, visible_bias
+from . import costs
+from .attention import KEY_BLOCK, select_attention, visible_bias
+from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, rms_norm, rotate_half
-from .runner import triton_attention, uses_row_attention
+from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
+from .meta import StepMeta
 
-# Most rows one step takes (row 0 + drafts). Measured with scripts/bench.py --widths
-# (SmolLM2-135M, fp32, 2 threads; docs/benchmarks.md): in the micro layout a verify step of
-# 1 / 2 / 3 / 4 / 6 / 8 rows costs 1.00 / 1.07 / 1.09 / 1.69 / 1.81 / 2.23x one row, so 8
-# rows leave the draft budget (decoding/policy.py) room for long copies where they pay.
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
+           "row_chunks", "weight_signature"]
+
+# Most rows one step takes (row 0 + drafts): enough room for long copies where they pay
+# (docs/benchmarks.md, scripts/bench.py --widths).
 DEFAULT_WIDTH = 8
 DEFAULT_CAPACITY = 2048
-# Interleaved timing rounds per distinct step in `Engine.step_costs` (median taken): on the
-# 2-core CI machine a best-of-2 per width gave 4-row costs from 1.0x to 1.4x between runs.
-STEP_COST_ROUNDS = 7
+# A request-sized cache holds whole key blocks. `ensure_capacity(..., release=True)`
+# shrinks a cache that is more than SHRINK_RATIO times what a request needs back to
+# max(EngineConfig.capacity, that need): a one-off long prompt does not keep its memory.
+SHRINK_RATIO = 2
 
-RowLayoutName = Literal["auto", "fixed", "micro", "gemv", "wx", "wx4", "kernel"]
-ROW_LAYOUTS = ("auto", "fixed", "micro", "gemv", "wx", "wx4", "kernel")
+RowLayoutName = Literal["auto", "kernel", "micro", "fixed"]
+ROW_LAYOUTS = ("auto", *LAYOUTS)
+# the layouts that were removed (their history: docs/engine_layouts_history.md)
+REMOVED_LAYOUTS = ("gemv", "wx", "wx4")
 PrefillName = Literal["hf", "engine"]
+ExecutorName = Literal["eager", "cuda_graphs"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """width: rows per step (fixed for the engine's lifetime);
-    capacity: KV slots for prompt + new tokens + one block of drafts."""
+    capacity: KV slots for prompt + new tokens + one block of drafts at start (the engine
+    grows its cache for a longer request and shrinks it back to this size, see
+    `Engine.ensure_capacity`)."""
 
     width: int = DEFAULT_WIDTH
     capacity: int = DEFAULT_CAPACITY
@@ -108,186 +78,40 @@ class EngineConfig:
     # are exactly those of HF's generate(); "engine": W-row chunks through the decode
     # programs. Speculative and AR decoding always share the prefill, so either is exact.
     prefill: PrefillName = "hf"
+    # cache `auto`'s layout choice and the step costs on disk (engine/cache.py); off: a
+    # process measures them again (HF_SELFSPEC_NO_CACHE=1 turns it off everywhere)
+    measurement_cache: bool = True
+    # "cuda_graphs": the programs are captured once per key and replayed (runner.py; CUDA
+    # and the fixed layout only); "eager": every op from Python
+    executor: ExecutorName = "eager"
 
     def __post_init__(self):
         if self.prefill not in ("hf", "engine"):
             raise ValueError(f"prefill must be 'hf' or 'engine', got {self.prefill!r}")
         if self.row_layout not in ROW_LAYOUTS:
-            raise ValueError(f"row_layout must be one of {ROW_LAYOUTS}, got {self.row_layout!r}")
+            removed = (f" ({self.row_layout!r} was removed; see docs/engine_layouts_history.md)"
+                       if self.row_layout in REMOVED_LAYOUTS else "")
+            raise ValueError(f"row_layout must be one of {ROW_LAYOUTS}, got {self.row_layout!r}{removed}")
         if not isinstance(self.width, int) or not 1 <= self.width <= 64:
             raise ValueError(f"width must be an int in [1, 64], got {self.width!r}")
         if not isinstance(self.capacity, int) or self.capacity < 2 * self.width:
             raise ValueError(f"capacity must be an int >= 2*width, got {self.capacity!r}")
+        if self.measurement_cache not in (True, False):
+            raise ValueError(f"measurement_cache must be True or False, got {self.measurement_cache!r}")
+        if self.executor not in ("eager", "cuda_graphs"):
+            raise ValueError(f"executor must be 'eager' or 'cuda_graphs', got {self.executor!r}")
 
 
-@dataclass
-class StepMeta:
-    """Per-step row metadata. positions/slots/key_limit are device tensors [W] (views of
-    one buffer); `rows` is how many rows the GEMMs of this step compute."""
-
-    positions: torch.Tensor  # RoPE position of each row
-    slots: torch.Tensor  # KV slot each row writes (pad rows: the trash slot)
-    key_limit: torch.Tensor  # last slot each row may attend to
-    num_real: int
-    rows: int
-    biases: list[torch.Tensor]  # per attention chunk: [G*A, nb*KEY_BLOCK] additive masks
-    cos: torch.Tensor  # [rows, d]
-    sin: torch.Tensor
-    # draft trees (kernel layout only): [n, P] int64, row r's path slots after the committed
-    # prefix (ancestors then itself, -1 pads; see cpu_rows.cpp rows_attention); [0, 0]: a chain
-    path: torch.Tensor = NO_PATH
+def weight_signature(model: torch.nn.Module) -> tuple:
+    """Storage, dtype, device and shape of every parameter the engine reads: a change means
+    the engine's view (and its cache dtype, RoPE tables, layout) is stale. In-place edits
+    of the same tensors keep the signature (and need no rebuild: the engine reads them)."""
+    params = list(model.model.parameters()) + list(model.lm_head.parameters())
+    return tuple((p.data_ptr(), p.dtype, p.device, tuple(p.shape)) for p in params)
 
 
-def row_chunks(rows: int) -> list[tuple[int, int]]:
-    """Split `rows` (>= 2) into consecutive chunks of 3 rows and at most two of 2 rows."""
-    chunks, lo = [], 0
-    while rows - lo > 0:
-        left = rows - lo
-        size = 2 if left in (2, 4) else 3
-        chunks.append((lo, lo + size))
-        lo += size
-    return chunks
-
-
-def quad_chunks(rows: int) -> list[tuple[int, int]]:
-    """Split `rows` (a multiple of 4) into consecutive chunks of 8 rows and at most one of 4."""
-    return [(lo, min(lo + 8, rows)) for lo in range(0, rows, 8)]
-
-
-def _wx_product(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] times w [out, in] as (w @ x^T)^T, rows back contiguous."""
-    return torch.mm(w, x.t()).t().contiguous()
-
-
-class RowLayout:
-    """How many rows a step's GEMMs compute, and in which chunks (see module docstring)."""
-
-    def __init__(self, name: str, width: int, layers: Sequence[torch.nn.Linear] = ()):
-        self.name = name
-        self.width = width
-        # gemv: W^T [in, out] contiguous per weight, keyed by the layer object
-        self.transposed: dict[int, torch.Tensor] = (
-            {id(layer): layer.weight.detach().t().contiguous() for layer in layers}
-            if name == "gemv" else {})
-        # query rows per attention call: fixed shapes, so a row's attention never depends
-        # on how many rows share the step (micro: 3, as cheap as the 1-3 row GEMMs)
-        # (kernel: one row per attention "chunk", each row computed on its own)
-        self.attention_rows = width if name == "fixed" else 4 if name == "wx4" else 1 if name == "kernel" else 3
-        self._kernel = self.kernel_attention = self.kernel_layer = None
-        if name == "kernel":
-            from hf_selfspec.kernels.cpu_rows import (
-                build_error,
-                load_rows_attention,
-                load_rows_layer,
-                load_rows_linear,
-            )
-
-            self._kernel = load_rows_linear()
-            self.kernel_attention = load_rows_attention()
-            self.kernel_layer = load_rows_layer()
-            if self._kernel is None or self.kernel_attention is None:
-                raise ValueError(f"row_layout='kernel' is not available here: {build_error()}; "
-                                 "use row_layout='auto'")
-
-    def rows(self, num_real: int) -> int:
-        if self.name == "fixed":
-            return self.width
-        if self.name == "wx4":
-            return -(-num_real // 4) * 4  # pad to whole 4-column blocks
-        if self.name == "kernel":
-            return num_real
-        return num_real if self.name == "gemv" else max(num_real, 2)  # micro, wx: pad 1 to 2
-
-    def attention_chunks(self, num_real: int) -> int:
-        return -(-num_real // self.attention_rows)
-
-    def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        """x [rows, in] -> [rows, out] (+ the layer's bias: Qwen2's q/k/v, Llama with
-        attention_bias / mlp_bias), the row-invariant way."""
-        if self.name in ("fixed", "micro"):
-            return self._product(x, layer)  # nn.Linear adds its bias itself
-        y = self._product(x, layer)
-        return y if layer.bias is None else y + layer.bias
-
-    def _product(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-        if self.name == "gemv":
-            wt = self.transposed[id(layer)]
-            if x.shape[0] <= 3:
-                return x @ wt
-            return torch.cat([x[lo:lo + 3] @ wt for lo in range(0, x.shape[0], 3)])
-        if self.name == "kernel":
-            return self._kernel(x.contiguous(), layer.weight)
-        if self.name == "wx4":
-            w = layer.weight
-            if x.shape[0] <= 8:
-                return _wx_product(w, x)
-            return torch.cat([_wx_product(w, x[lo:hi]) for lo, hi in quad_chunks(x.shape[0])])
-        if self.name == "wx":
-            w = layer.weight
-            if x.shape[0] <= 3:
-                return _wx_product(w, x)
-            return torch.cat([_wx_product(w, x[lo:hi]) for lo, hi in row_chunks(x.shape[0])])
-        if self.name == "fixed" or x.shape[0] <= 3:
-            return layer(x)
-        return torch.cat([layer(x[lo:hi]) for lo, hi in row_chunks(x.shape[0])])
-
-    @staticmethod
-    def _rows_invariant(layers: list[torch.nn.Linear], product, ref_rows: int,
-                        sizes: tuple[int, ...] = (2, 3)) -> bool:
-        """Bitwise self-test on the model's own weight shapes: a row's product (as row 0 of
-        `ref_rows` rows) must not change in blocks of `sizes` rows, at any place, whatever
-        its neighbours."""
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        for layer in layers:
-            w = layer.weight
-            x = torch.randn(ref_rows, w.shape[1], generator=gen).to(w.device, w.dtype)
-            with torch.no_grad():
-                ref = product(layer, x)[0]
-                for size in sizes:
-                    for place in range(size):
-                        block = torch.randn(size, w.shape[1], generator=gen).to(w.device, w.dtype)
-                        block[place] = x[0]
-                        if not torch.equal(product(layer, block)[place], ref):
-                            return False
-        return True
-
-    @staticmethod
-    def micro_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
-        """F.linear on 2- and 3-row chunks (the micro layout; a 1-row step is padded to 2)."""
-        return RowLayout._rows_invariant(layers, lambda layer, x: layer(x), ref_rows=2)
-
-    @staticmethod
-    def wx_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
-        """W @ x^T on 2- and 3-row chunks (the wx layout; a 1-row step is padded to 2)."""
-        return RowLayout._rows_invariant(
-            layers, lambda layer, x: _wx_product(layer.weight.detach(), x), ref_rows=2)
-
-    @staticmethod
-    def wx4_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
-        """W @ x^T on 4- and 8-row blocks (the wx4 layout; steps padded to whole 4-row blocks)."""
-        return RowLayout._rows_invariant(
-            layers, lambda layer, x: _wx_product(layer.weight.detach(), x), ref_rows=4, sizes=(4, 8))
-
-    @staticmethod
-    def kernel_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
-        """Our C++ product on 1, 2, 3, 4 and 8 rows (row-invariant by construction; checked
-        like the others). False where it cannot be built or the weights are not float32."""
-        from hf_selfspec.kernels.cpu_rows import load_rows_linear
-
-        kernel = load_rows_linear()
-        if kernel is None or any(lin.weight.dtype != torch.float32 or lin.weight.device.type != "cpu"
-                                 or not lin.weight.is_contiguous() for lin in layers):
-            return False
-        shapes = list({tuple(lin.weight.shape): lin for lin in layers}.values())  # one per shape
-        return RowLayout._rows_invariant(
-            shapes, lambda layer, x: kernel(x.contiguous(), layer.weight.detach()), ref_rows=1,
-            sizes=(2, 3, 4, 8))
-
-    @staticmethod
-    def gemv_is_row_invariant(layers: list[torch.nn.Linear]) -> bool:
-        """x @ W^T on 1, 2 and 3 rows (the gemv layout)."""
-        return RowLayout._rows_invariant(
-            layers, lambda layer, x: x @ layer.weight.detach().t().contiguous(), ref_rows=1)
+def _whole_blocks(slots: int) -> int:
+    return -(-slots // KEY_BLOCK) * KEY_BLOCK
 
 
 class Engine:
@@ -296,18 +120,15 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.width = self.config.width
-        self.capacity = self.config.capacity
-        self.view = LayeredModel(model, self.capacity)
+        self.view = LayeredModel(model, self.config.capacity)
         v = self.view
         self.group = v.num_heads // v.num_kv_heads
-        # slot `capacity` is the trash slot for pad rows; round up to whole key blocks
-        self.num_slots = -(-(self.capacity + 1) // KEY_BLOCK) * KEY_BLOCK
-        self.trash_slot = self.capacity
-        shape = (v.num_layers, v.num_kv_heads, self.num_slots, v.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        self.v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self._signature = weight_signature(model)
+        self._measured = MeasurementCache(machine_key(v, self.width), tuple(LAYOUTS), self.width,
+                                          enabled=self.config.measurement_cache)
         self.layout = self._choose_layout()
-        # metadata rows: every GEMM row and every attention query row of the widest step
+        self.attention = select_attention(v.device, self.layout)
+        # metadata rows: every product row and every attention query row of the widest step
         a = self.layout.attention_rows
         self.meta_rows = max(self.width, -(-self.width // a) * a)
         self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
@@ -318,10 +139,21 @@ class Engine:
         # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
         params = inspect.signature(model.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._step_costs: tuple[float, ...] | None = None
+        self._one_row_seconds: float | None = None
+        self.k_cache = self.v_cache = None
+        self._allocate(self.config.capacity)
+        self.graphs = None  # the CUDA-graph executor, when built with one
+        if self.config.executor == "cuda_graphs":
+            from .runner import CudaGraphRunner  # runner.py never imports this module
+
+            self.graphs = CudaGraphRunner(self)
+            self.graphs.attach()
 
     def _fused_layer_weights(self) -> list[list[torch.Tensor]] | None:
         """Per layer, the weights `rows_layer` takes (see cpu_rows.cpp), or None when the
-        layers run as PyTorch ops (another layout, or linear biases)."""
+        layers run as PyTorch ops (another layout, or linear biases). Detached views of the
+        model's own parameters: the same storage, no copy."""
         if self.layout.kernel_layer is None:
             return None
         fused = []
@@ -341,74 +173,65 @@ class Engine:
         return [lin for lw in v.layers for lin in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)] + [v.lm_head]
 
     def _choose_layout(self) -> RowLayout:
-        wanted = self.config.row_layout
-        if wanted == "fixed" or (wanted == "auto" and self.view.device.type != "cpu"):
-            return RowLayout("fixed", self.width)
-        lw = self.view.layers[0]
-        shapes = [lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down, self.view.lm_head]
-        tests = {"micro": RowLayout.micro_is_row_invariant, "gemv": RowLayout.gemv_is_row_invariant,
-                 "wx": RowLayout.wx_is_row_invariant, "wx4": RowLayout.wx4_is_row_invariant,
-                 # the kernel takes float32 CPU weights stored contiguous: every weight, not
-                 # just the tested shapes (a tied or adapted model may hold other views)
-                 "kernel": lambda layers: RowLayout.kernel_is_row_invariant(self._all_linears())}
-        if wanted in tests:
-            if wanted == "kernel" and not tests[wanted](shapes):
-                from hf_selfspec.kernels.cpu_rows import build_error
-
-                raise ValueError(
-                    "row_layout='kernel' needs a float32 model on an AVX2 CPU and the compiled "
-                    f"kernel ({build_error() or 'it built'}); use row_layout='auto'.")
-            if not tests[wanted](shapes):
-                raise ValueError(
-                    f"row_layout={wanted!r} was asked for, but this BLAS does not compute its 1-3 row "
-                    "GEMMs row-invariantly; use row_layout='fixed' (or 'auto')."
-                )
-            return RowLayout(wanted, self.width, self._all_linears())
-        passing = [name for name, test in tests.items() if test(shapes)]
-        if not passing:
-            return RowLayout("fixed", self.width)
-        layouts = {name: RowLayout(name, self.width, self._all_linears()) for name in passing}
-        if len(layouts) == 1:
-            return next(iter(layouts.values()))
-        costs = {name: self._gemm_seconds(layout) for name, layout in layouts.items()}
-        best = min(costs, key=costs.get)
-        # the reference layout stays unless another's products are >10% cheaper: the C++
-        # kernel where it passed (its fused layers and row attention save time that products
-        # alone do not show: on an AVX-512 Xeon, equal product time, AR step 24.4 vs 35.4 ms
-        # with micro), else micro; with neither, the cheapest passing layout
-        reference = next((name for name in ("kernel", "micro") if name in costs), best)
-        if costs[best] > 0.9 * costs[reference]:
-            best = reference
-        return layouts[best]
-
-    @torch.no_grad()
-    def _gemm_seconds(self, layout: RowLayout, reps: int = 3) -> float:
-        """Best-of-`reps` seconds of every weight's product for an AR step, a 4-row step and
-        a `width`-row step (what a decoder takes: AR where drafts do not pay, a few drafts,
-        long copies)."""
-        import time
-
+        """The configured layout, or `auto`'s choice (cached on disk with what it depends on)."""
+        wanted, v = self.config.row_layout, self.view
         linears = self._all_linears()
-        v = self.view
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        total = 0.0
-        for n in sorted({1, min(4, self.width), self.width}):
-            rows = layout.rows(n)
-            xs = {}
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                for lin in linears:
-                    k = lin.weight.shape[1]
-                    if k not in xs:
-                        # a local generator: never consume the user's RNG (sampling seeds)
-                        xs[k] = torch.randn(rows, k, generator=gen).to(v.device, v.dtype)
-                    layout.linear(xs[k], lin)
-                best = min(best, time.perf_counter() - t0)
-            total += best
-        return total
+        cached = self._measured.layout if wanted == "auto" else None
+        layout = choose_layout(
+            wanted, self.width, v.device, linears, cached=cached,
+            measure=lambda candidate: costs.gemm_seconds(candidate, linears, self.width))
+        if wanted == "auto" and v.device.type == "cpu" and layout.name in AUTO_ORDER and layout.name != cached:
+            self._measured.store_layout(layout.name)
+        return layout
 
     # ---- capacity -----------------------------------------------------------------------
+
+    def _allocate(self, capacity: int, keep: int = 0) -> None:
+        """A KV cache of `capacity` usable slots (+ the trash slot pad rows write, rounded up
+        to whole key blocks), with the first `keep` slots of the current cache copied in."""
+        v = self.view
+        num_slots = _whole_blocks(capacity + 1)
+        shape = (v.num_layers, v.num_kv_heads, num_slots, v.head_dim)
+        old_k, old_v = self.k_cache, self.v_cache
+        self.k_cache = self.v_cache = None  # the caller's references keep the old ones alive
+        k_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        if keep and old_k is not None:
+            k_cache[:, :, :keep] = old_k[:, :, :keep]
+            v_cache[:, :, :keep] = old_v[:, :, :keep]
+        del old_k, old_v
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.capacity = capacity
+        self.num_slots = num_slots
+        self.trash_slot = capacity
+        if v.max_positions != capacity:
+            v.set_max_positions(capacity)
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.reset()  # captured programs read the old cache's addresses
+
+    def capacity_for(self, need: int) -> int:
+        """The capacity a cache for `need` slots gets: whole key blocks (the trash slot
+        included), at most the model's max_position_embeddings (never below `need`)."""
+        limit = getattr(self.view.config, "max_position_embeddings", None)
+        capacity = _whole_blocks(need + 1) - 1
+        return max(need, min(capacity, limit)) if limit else capacity
+
+    def ensure_capacity(self, need: int, *, keep: int | None = None, release: bool = False) -> None:
+        """Room for `need` KV slots: a shorter cache grows to `capacity_for(need)` by copying
+        its first `keep` slots (default: all it has; 0 when no slot is in use yet) into a new
+        one; nothing is measured again. With `release`, a cache more than SHRINK_RATIO times
+        `capacity_for(need)` shrinks back to max(EngineConfig.capacity, that), so a one-off
+        long request does not keep its memory."""
+        if not isinstance(need, int) or need < 1:
+            raise ValueError(f"need must be a positive int, got {need!r}")
+        target = self.capacity
+        wanted = self.capacity_for(need)
+        if need > self.capacity:
+            target = wanted
+        elif release and self.capacity > SHRINK_RATIO * wanted and self.capacity > self.config.capacity:
+            target = max(self.config.capacity, wanted)
+        if target != self.capacity:
+            self._allocate(target, keep=min(self.capacity, target) if keep is None else min(keep, target))
 
     def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
         """prompt + max_new + W must fit the KV cache; raise before any work otherwise."""
@@ -419,8 +242,14 @@ class Engine:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + draft width "
                 f"({self.width}) = {need} exceeds the engine's KV capacity ({self.capacity}). "
-                "Shorten the prompt, lower max_new_tokens, or attach with a larger capacity."
+                "Shorten the prompt, lower max_new_tokens, or call engine.ensure_capacity(need)."
             )
+
+    def is_stale(self) -> bool:
+        """Whether the model's parameters changed storage, dtype, device or shape since the
+        engine was built (`model.to(...)`, `load_state_dict(..., assign=True)`): then the
+        engine must be rebuilt (SelfSpecState.engine_for does)."""
+        return weight_signature(self.view.model) != self._signature
 
     # ---- metadata -----------------------------------------------------------------------
 
@@ -430,7 +259,7 @@ class Engine:
         row attention (kernel layout) visits a row's path slots in depth order, exactly as a
         chain row's keys; the PyTorch block attention sums over masked key blocks, whose
         order a scattered path would change."""
-        return self.layout.kernel_attention is not None
+        return self.attention.supports_trees
 
     def make_meta(
         self, positions: Sequence[int], key_limits: Sequence[int] | None = None,
@@ -454,9 +283,9 @@ class Engine:
         positions_t, slots_t, limit_t = self._meta[0], self._meta[1], self._meta[2]
         num_keys = (max(limits) // KEY_BLOCK + 1) * KEY_BLOCK
         a = self.layout.attention_rows
-        # CUDA: the Triton kernel reads limit_t itself (runner.triton_attention); kernel
-        # layout: the C++ attention reads it (cpu_rows.cpp); no masks for either
-        biases = [] if uses_row_attention(self) or self.layout.kernel_attention else [
+        # the block attention takes one mask per chunk of query rows; the Triton and C++
+        # row attentions read limit_t themselves
+        biases = [] if not self.attention.needs_masks else [
             visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group)
             for c in range(self.layout.attention_chunks(n))]
         rows = self.layout.rows(n)
@@ -512,15 +341,7 @@ class Engine:
         h = self._pad(h, R)
         cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
         slots = meta.slots[:R]
-        A = self.layout.attention_rows
-        # CUDA: the Triton kernel, which reads the key limits from the metadata buffer, so
-        # a captured graph replays at any position (runner.py)
-        attend = (triton_attention(self, meta) if uses_row_attention(self)
-                  else self._kernel_attention(meta) if self.layout.kernel_attention else None)
-        if attend is None:
-            QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
-            q_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
-            o_all = torch.zeros(Hq, QR, d, dtype=torch.float32, device=h.device)
+        attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
         for li in range(start, end):
             lw = v.layers[li]
             x = rms_norm(h, lw.input_norm, v.eps)
@@ -536,32 +357,11 @@ class Engine:
             k = k * cos + rotate_half(k) * sin
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
-            if attend is not None:
-                o = attend(q, li)  # [R, Hq*d] in h's dtype
-            else:
-                # attention on chunks of A query rows (fixed shapes)
-                q_all[:, :R] = q.float() * v.scaling
-                for c, bias in enumerate(meta.biases):
-                    qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, self.group * A, d)
-                    oc = block_attention(qc, self.k_cache[li], self.v_cache[li], bias)
-                    o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
-                o = o_all[:, :R].to(h.dtype).transpose(0, 1).reshape(R, Hq * d)
+            o = attend(q, li)  # [R, Hq*d] in h's dtype
             h = h + lin(o, lw.o)
             x = rms_norm(h, lw.post_norm, v.eps)
             h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
         return h[:n]
-
-    def _kernel_attention(self, meta: StepMeta):
-        """Attention of one step through the C++ row kernel (kernel layout, float32 CPU):
-        `attend(q [Hq, R, d], layer) -> o [R, Hq*d]`, row r seeing slots [0, key_limit[r]]
-        (row-invariant by construction: kernels/cpu_rows.cpp)."""
-        fn, limits = self.layout.kernel_attention, meta.key_limit[:meta.rows]
-        k_cache, v_cache, scale, path = self.k_cache, self.v_cache, self.view.scaling, meta.path
-
-        def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
-            return fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path)
-
-        return attend
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream after the last layer [n, H] -> (logits [n, V], final hidden
@@ -593,41 +393,16 @@ class Engine:
 
     @property
     def step_costs(self) -> tuple[float, ...]:
-        """Measured verify cost of n rows (index n = 1..W; index 0 = 1 row) in units of a
-        1-row step, measured once per engine.
-
-        Steps that run the same programs (same GEMM rows and attention chunks: in wx4, 1-4
-        rows are one 4-row step) are timed once, as the widest of them; the distinct steps
-        are timed in interleaved rounds and each takes its median, so a burst of machine
-        noise cannot make one width look cheap or dear for the engine's lifetime (the draft
-        budget plans with these figures). The timing runs at a context of two key blocks
-        (a typical chat), writing KV in the last W slots, which any later use overwrites
-        before reading."""
-        if getattr(self, "_step_costs", None) is None:
-            import statistics
-            import time
-
-            layout = self.layout
-            key = {n: (layout.rows(n), layout.attention_chunks(n)) for n in range(1, self.width + 1)}
-            widest = {k: max(n for n in key if key[n] == k) for k in set(key.values())}
-            base = self.capacity - self.width
-            limit = min(base, 2 * KEY_BLOCK - 1)
-            samples: dict[tuple, list[float]] = {k: [] for k in widest}
-            with torch.no_grad():
-                h = self.embed([0] * self.width)
-                for rounds in range(1 + STEP_COST_ROUNDS):  # round 0: warm-up
-                    for k, n in widest.items():
-                        meta = self.make_meta(range(base, base + n), [limit] * n)  # one shared buffer
-                        t0 = time.perf_counter()
-                        self.verify(h[:n], 0, meta)
-                        if rounds > 0:
-                            samples[k].append(time.perf_counter() - t0)
-            seconds = [statistics.median(samples[key[n]]) for n in range(1, self.width + 1)]
-            self._one_row_seconds = seconds[0]
-            costs = [s / seconds[0] for s in seconds]
-            for i in range(1, len(costs)):  # more rows never cost less (timing noise)
-                costs[i] = max(costs[i], costs[i - 1])
-            self._step_costs = tuple([1.0] + costs)
+        """Verify cost of n rows (index n = 1..W; index 0 = 1 row) in units of a 1-row step:
+        measured once per model, machine and software (costs.measure_step_costs), cached on
+        disk (cache.py) and kept when the KV cache grows."""
+        if self._step_costs is None:
+            context = costs.cost_context(self)
+            found = self._measured.step_costs(self.layout.name, context)
+            if found is None:
+                found = costs.measure_step_costs(self)
+                self._measured.store_step_costs(self.layout.name, context, *found)
+            self._step_costs, self._one_row_seconds = found
         return self._step_costs
 
     @property

@@ -11,8 +11,8 @@ the whole step at once. What lets ONE captured graph serve every call with its k
              engine's device buffer `engine._meta`, which `Engine.make_meta` fills with one
              copy before every step; RoPE cos/sin are gathered from it inside the graph.
   keys       The number of keys attention visits must not be baked in at capture. On CUDA
-             the engine's attention is the Triton kernel `row_attention` (`triton_attention`
-             below): each (row, head) program reads its prefix length from the metadata
+             the engine's attention is the Triton kernel `row_attention` (`TritonAttention`
+             in attention.py): each (row, head) program reads its prefix length from the metadata
              buffer and loops over exactly the keys it needs, so a graph replays at any
              position and costs what the context costs. The alternative, `block_attention`
              captured at the full capacity (mask built in the graph over every key block),
@@ -25,6 +25,9 @@ intermediates may back another graph's outputs), so every output is cloned right
 replay, before any other replay: callers own what they get, exactly as from the eager
 programs. Same maths as the eager path by construction: the graph body calls the engine's
 own `seg` / `verify` / `embed_rows`; only the metadata is taken from the device buffer.
+An engine built with `EngineConfig(executor="cuda_graphs")` owns one runner, attached for
+its lifetime; when its KV cache is reallocated (`Engine.ensure_capacity`) the runner forgets
+its graphs and captures again.
 """
 
 from __future__ import annotations
@@ -37,46 +40,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attention import visible_bias
+from .attention import triton_attention, uses_row_attention, visible_bias  # noqa: F401 (re-exported)
+from .meta import StepMeta
 
-if TYPE_CHECKING:  # programs.py imports this module (the attention hook): no cycle at runtime
-    from .programs import Engine, StepMeta
+if TYPE_CHECKING:  # annotations only: programs.py builds this executor, never at import
+    from .programs import Engine
 
 # ("seg", start, end) | ("verify", start) | ("ar",)
 ProgramKey = tuple
-
-
-def uses_row_attention(engine: Engine) -> bool:
-    """Whether the engine's attention is the Triton kernel (on CUDA) rather than the PyTorch
-    `block_attention` (CPU). `Engine.run_layers` and the graph metadata both ask this."""
-    return engine.view.device.type == "cuda"
-
-
-def triton_attention(engine: Engine, meta: StepMeta) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """Attention of one step through `hf_selfspec.kernels.row_attention`, for `run_layers`.
-
-    Returns `attend(q, layer)`: q [Hq, R, d] (after RoPE, model dtype, this step's KV already
-    written at meta.slots) -> o [R, Hq*d] in q's dtype. Row r sees slots [0, key_limit[r]]:
-    its prefix length comes from the device metadata (no host value), so the launch is the
-    same at every position and inside a CUDA graph. Pad rows (those writing the trash slot)
-    see no key and get zeros: their attention would be dropped anyway, and an AR step has
-    W-1 of them. The per-step kernel arguments are built once here, not once per layer.
-    """
-    from hf_selfspec.kernels import row_attention
-
-    rows = meta.rows
-    pad = meta.slots[:rows] == engine.trash_slot
-    prefix_len = torch.where(pad, 0, meta.key_limit[:rows] + 1).to(torch.int32)  # [R]
-    # a chain: everything is in the prefix, no extra tree slots (-1 pads)
-    no_ancestors = torch.full((rows, 1), -1, dtype=torch.int32, device=prefix_len.device)
-    k_cache, v_cache, scale = engine.k_cache, engine.v_cache, engine.view.scaling
-
-    def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
-        o = row_attention(q.transpose(0, 1), k_cache[layer], v_cache[layer], prefix_len,
-                          no_ancestors, scale)  # [R, Hq, d]
-        return o.reshape(rows, -1)
-
-    return attend
 
 
 def _require_cuda(engine: Engine) -> None:
@@ -191,21 +162,35 @@ class CudaGraphRunner:
             ("ar",), lambda: self._engine_ar_step(token, position), 1)
         return logits[0], int(argmax[0]), final[0]
 
+    _ROUTED = ("seg", "verify", "ar_step")
+
+    def attach(self) -> None:
+        """From now on `engine.seg`, `engine.verify` and `engine.ar_step` are this runner's
+        (instance attributes shadowing the class methods): an engine built with
+        `EngineConfig(executor="cuda_graphs")` is attached for its lifetime."""
+        engine = self.engine
+        if any(name in vars(engine) for name in self._ROUTED):
+            raise RuntimeError("a CudaGraphRunner is already attached to this engine")
+        for name in self._ROUTED:
+            setattr(engine, name, getattr(self, name))
+
+    def detach(self) -> None:
+        for name in self._ROUTED:
+            vars(self.engine).pop(name, None)
+
     @contextmanager
     def attached(self) -> Iterator[CudaGraphRunner]:
-        """Within the block, `engine.seg`, `engine.verify` and `engine.ar_step` are this
-        runner's (instance attributes shadowing the class methods; removed on exit)."""
-        engine = self.engine
-        names = ("seg", "verify", "ar_step")
-        if any(name in vars(engine) for name in names):
-            raise RuntimeError("a CudaGraphRunner is already attached to this engine")
-        for name in names:
-            setattr(engine, name, getattr(self, name))
+        """Within the block the engine's programs are this runner's (removed on exit)."""
+        self.attach()
         try:
             yield self
         finally:
-            for name in names:
-                vars(engine).pop(name, None)
+            self.detach()
+
+    def reset(self) -> None:
+        """Forget every captured program: the engine's KV cache was reallocated (it grew or
+        shrank), and a graph replays the addresses it was captured with."""
+        self._programs.clear()
 
     # ---- capture ------------------------------------------------------------------------
 
@@ -244,12 +229,10 @@ class CudaGraphRunner:
 
     def _graph_meta(self) -> StepMeta:
         """A StepMeta whose tensors are all computed from the device buffer, in the graph."""
-        from .programs import StepMeta
-
         engine, v, width = self.engine, self.engine.view, self.width
         meta = engine._meta[:, :width]  # fixed layout: W GEMM rows = W attention rows
         positions, slots, key_limit = meta[0], meta[1], meta[2]
-        if uses_row_attention(engine):
+        if not engine.attention.needs_masks:
             biases = []  # the kernel reads key_limit itself
         else:  # block_attention at full capacity: same bits, more work (module docstring)
             biases = [visible_bias(key_limit, engine.num_slots, engine.group)]

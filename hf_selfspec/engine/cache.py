@@ -1,0 +1,214 @@
+"""On-disk cache of what the engine measured about this machine: the row layout `auto`
+chose and the step costs of that layout, so a later process (or a bigger KV cache) pays
+neither the product timing nor the step-cost timing again.
+
+An entry is keyed by everything the measurements depend on: the CPU model, torch's thread
+count, the model's shape, dtype and device type, the torch and package versions, the C++
+kernel source, and the engine width. Any change gives another key (a new measurement);
+stale entries are dropped oldest first beyond `MAX_ENTRIES`.
+
+Where: `$HF_SELFSPEC_CACHE/measurements.json`, else `$XDG_CACHE_HOME/hf_selfspec/`, else
+`~/.cache/hf_selfspec/`. Off: `HF_SELFSPEC_NO_CACHE=1` or `EngineConfig(measurement_cache=False)`.
+The file is untrusted input: an entry whose types or ranges are wrong is ignored with one
+warning (and measured again), never used.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+FILE_NAME = "measurements.json"
+MAX_ENTRIES = 64  # models x machines x widths one user meets; oldest dropped first
+# plausibility bounds of a cached measurement (anything outside is corrupt)
+MAX_STEP_COST = 1000.0  # W rows at most this many 1-row steps
+MAX_ROW_SECONDS = 3600.0
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("HF_SELFSPEC_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hf_selfspec"
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get("HF_SELFSPEC_NO_CACHE", "") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; platform's answer elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def _software() -> dict[str, str]:
+    from hf_selfspec import __version__
+    from hf_selfspec.kernels.cpu_rows import SOURCE
+
+    try:
+        kernel = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    except OSError:
+        kernel = "missing"
+    return {"torch": torch.__version__, "package": __version__, "kernel_source": kernel}
+
+
+def machine_key(view, width: int) -> dict[str, Any]:
+    """What the layout choice and the step costs of `view` (a LayeredModel) depend on."""
+    lw = view.layers[0]
+    linears = [lin for layer in view.layers for lin in (layer.q, layer.k, layer.v, layer.o,
+                                                         layer.gate, layer.up, layer.down)]
+    return {
+        "cpu": cpu_model(), "threads": torch.get_num_threads(), **_software(),
+        "model_type": view.config.model_type, "layers": view.num_layers,
+        "hidden": view.hidden_size, "heads": view.num_heads, "kv_heads": view.num_kv_heads,
+        "head_dim": view.head_dim, "intermediate": int(lw.gate.weight.shape[0]),
+        "vocab": view.vocab_size, "qk_norm": lw.q_norm is not None,
+        "biases": any(lin.bias is not None for lin in linears),
+        "dtype": str(view.dtype), "device": view.device.type, "width": width,
+    }
+
+
+def _digest(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+class MeasurementCache:
+    """The cached measurements of one key (see module docstring). Reads the file once at
+    construction; every `store_*` rewrites it atomically (a concurrent writer may win: the
+    loser's measurement is simply taken again later)."""
+
+    def __init__(self, key: dict[str, Any], layouts: tuple[str, ...], width: int, enabled: bool = True):
+        self.enabled = enabled and not disabled_by_env()
+        self.key = key
+        self.digest = _digest(key)
+        self.path = cache_dir() / FILE_NAME
+        self._layouts = layouts
+        self._width = width
+        self.entry: dict[str, Any] = {}
+        if self.enabled:
+            self.entry = self._valid_entry(self._read().get(self.digest))
+
+    # ---- reading (untrusted input) ---------------------------------------------------------
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            raw = self.path.read_text()
+        except FileNotFoundError:
+            return {}
+        except OSError as err:
+            self._warn(f"cannot be read ({err})")
+            return {}
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            self._warn("is not valid JSON")
+            return {}
+        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+            self._warn(f"is not a format-{FORMAT} measurement cache")
+            return {}
+        return data["entries"]
+
+    def _valid_entry(self, entry: Any) -> dict[str, Any]:
+        """The entry's valid parts; a wrong part is dropped with a warning."""
+        if entry is None:
+            return {}
+        if not isinstance(entry, dict):
+            self._warn("has an entry that is not an object")
+            return {}
+        valid: dict[str, Any] = {}
+        if "layout" in entry:
+            if entry["layout"] in self._layouts:
+                valid["layout"] = entry["layout"]
+            else:
+                self._warn(f"names an unknown row layout {entry['layout']!r}")
+        costs = entry.get("step_costs", {})
+        if not isinstance(costs, dict):
+            self._warn("has step costs that are not an object")
+            costs = {}
+        valid["step_costs"] = {}
+        for name, value in costs.items():
+            if self._valid_costs(value):
+                valid["step_costs"][name] = value
+            else:
+                self._warn(f"has invalid step costs for {name!r}")
+        return valid
+
+    def _valid_costs(self, value: Any) -> bool:
+        if not isinstance(value, dict):
+            return False
+        costs, seconds = value.get("costs"), value.get("one_row_seconds")
+        if not isinstance(costs, list) or len(costs) != self._width + 1:
+            return False
+        if not all(type(c) in (int, float) and math.isfinite(c) and 1.0 <= c <= MAX_STEP_COST for c in costs):
+            return False
+        if costs[0] != 1.0 or costs[1] != 1.0 or any(b < a for a, b in itertools.pairwise(costs[1:])):
+            return False
+        return type(seconds) in (int, float) and math.isfinite(seconds) and 0.0 < seconds <= MAX_ROW_SECONDS
+
+    def _warn(self, what: str) -> None:
+        warnings.warn(f"the hf_selfspec measurement cache {self.path} {what}: ignored "
+                      "(the engine measures again and rewrites it)", RuntimeWarning, stacklevel=4)
+
+    # ---- the entry -------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> str | None:
+        """The layout `auto` chose before for this key, or None."""
+        return self.entry.get("layout")
+
+    def step_costs(self, layout: str, context: int) -> tuple[tuple[float, ...], float] | None:
+        """(step costs, one-row seconds) measured before for `layout` at key limit `context`."""
+        value = self.entry.get("step_costs", {}).get(f"{layout}@{context}")
+        return None if value is None else (tuple(float(c) for c in value["costs"]), float(value["one_row_seconds"]))
+
+    def store_layout(self, layout: str) -> None:
+        self.entry["layout"] = layout
+        self._write()
+
+    def store_step_costs(self, layout: str, context: int, costs: tuple[float, ...], seconds: float) -> None:
+        self.entry.setdefault("step_costs", {})[f"{layout}@{context}"] = {
+            "costs": list(costs), "one_row_seconds": seconds}
+        self._write()
+
+    def _write(self) -> None:
+        """Merge this entry into the file (atomic replace). A cache that cannot be written
+        costs a measurement next time, nothing else: no error."""
+        if not self.enabled:
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the reader warned already, if at all
+                entries = self._read()
+            entries.pop(self.digest, None)
+            entries[self.digest] = {"key": self.key, **self.entry}  # newest last
+            while len(entries) > MAX_ENTRIES:
+                entries.pop(next(iter(entries)))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".measurements.")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": FORMAT, "entries": entries}, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as err:
+            warnings.warn(f"could not write the hf_selfspec measurement cache {self.path}: {err}",
+                          RuntimeWarning, stacklevel=3)

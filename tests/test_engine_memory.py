@@ -1,0 +1,346 @@
+"""What the engine holds and when it is rebuilt: no second copy of the model's weights (every
+layout kept), a KV cache sized to the request that grows and shrinks by copying without
+measuring again, the measurement cache on disk (untrusted input), stale engines rebuilt
+after `.to()` / new tensors, and quantized or wrapped projections refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import engine_or_skip, hf_greedy, tiny_model
+
+from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+from hf_selfspec.engine import cache as measurement_cache
+from hf_selfspec.engine import costs
+from hf_selfspec.engine.layered import LayeredModel, UnsupportedModelError
+from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.integration import SelfSpecState
+
+KEPT = ["fixed", "micro", "kernel"]
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh measurement cache per test (engine/cache.py)."""
+    path = tmp_path / "selfspec_cache"
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(path))
+    monkeypatch.delenv("HF_SELFSPEC_NO_CACHE", raising=False)
+    return path
+
+
+def _no_measuring(monkeypatch):
+    """From here on, any measurement fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(costs, "gemm_seconds", refuse)
+    monkeypatch.setattr(costs, "measure_step_costs", refuse)
+
+
+# ---- weights: the model's own storage ----------------------------------------------------
+
+
+def _tensors(obj, seen=None, path="engine"):
+    """Every tensor reachable from `obj` through attributes, lists, tuples, dicts and
+    dataclasses (not through the HF model itself), as (path, tensor)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if isinstance(obj, torch.nn.Module) and not isinstance(obj, torch.nn.Linear):
+        return []  # the HF model and its submodules: the model's own, not the engine's
+    if isinstance(obj, torch.nn.Linear):  # a reference to one of the model's projections
+        return [(f"{path}.{name}", p) for name, p in obj.named_parameters()]
+    found = []
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.startswith(
+            ("hf_selfspec", "builtins")):
+        items = vars(obj).items()
+    else:
+        return []
+    for key, value in items:
+        found += _tensors(value, seen, f"{path}.{key}")
+    return found
+
+
+def _model_storages(model):
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+# what the engine owns besides references to the model: KV cache, metadata, RoPE tables
+OWNED = ("k_cache", "v_cache", "_meta", "_meta_host", "view.cos", "view.sin")
+
+
+def _weights_the_engine_reads(engine):
+    return [(path, t) for path, t in _tensors(engine)
+            if not any(path == f"engine.{name}" for name in OWNED)]
+
+
+@pytest.mark.parametrize("layout", KEPT)
+@pytest.mark.parametrize("tie", [False, True])
+def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, tie):
+    """Per layout kept: every tensor the engine (its view, layout, attention, fused-layer
+    lists) holds, other than its KV cache and small buffers, lives in the storage of one of
+    the model's parameters, before and after decoding (a layout that keeps a transposed or
+    concatenated copy fails here: see the negative control below)."""
+    model = tiny_model("llama", seed=1, tie=tie)
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=256, row_layout=layout))
+    storages = _model_storages(model)
+    prompt = list(range(3, 40))
+    assert engine.generate_ar(prompt, 8) == hf_greedy(model, prompt, 8)
+    read = _weights_the_engine_reads(engine)
+    assert len(read) >= 9 * 4  # at least every projection and norm of every layer
+    for path, t in read:
+        assert t.untyped_storage().data_ptr() in storages, f"{path} is not the model's storage"
+    # what the engine owns besides: the KV cache dominates; the rest is small
+    kv = engine.k_cache.numel() + engine.v_cache.numel()
+    owned = sum(t.numel() for path, t in _tensors(engine) if path in {f"engine.{n}" for n in OWNED})
+    assert owned - kv < 0.1 * sum(p.numel() for p in model.parameters())
+
+
+def test_the_storage_check_finds_a_copy():
+    """Negative control: a layout holding a transposed copy of a weight (the removed `gemv`
+    layout did, for every weight) is caught by the walk above."""
+    model = tiny_model("llama", seed=1)
+    engine = Engine(model, EngineConfig(width=8, capacity=256, row_layout="fixed"))
+    engine.layout.transposed = {0: model.model.layers[0].mlp.up_proj.weight.detach().t().contiguous()}
+    storages = _model_storages(model)
+    bad = [path for path, t in _weights_the_engine_reads(engine)
+           if t.untyped_storage().data_ptr() not in storages]
+    assert bad == ["engine.layout.transposed.0"]
+
+
+# ---- KV cache: sized to the request, grown and shrunk by copying -------------------------
+
+
+@pytest.mark.parametrize("layout", ["micro", "kernel"])
+def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch, layout):
+    """A cache too short for the rest of a generation grows mid-way (the used prefix
+    copied): the continued AR tokens equal a fresh, big engine's, and nothing is measured
+    again (step costs kept)."""
+    model = tiny_model("llama", seed=2)
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=64, row_layout=layout))
+    step_costs = engine.step_costs
+    _no_measuring(monkeypatch)
+    prompt = list(range(3, 40))
+    reference = Engine(model, EngineConfig(width=8, capacity=512, row_layout=layout)).generate_ar(prompt, 60)
+    logits, _ = engine.prefill(prompt)
+    tokens = [int(logits.argmax())]
+    position = len(prompt)
+    while len(tokens) < 60:
+        if position + engine.width >= engine.capacity:
+            engine.ensure_capacity(position + 64)  # copies every slot it has
+        _, token, _ = engine.ar_step(tokens[-1], position)
+        tokens.append(token)
+        position += 1
+    assert engine.capacity > 64
+    assert tokens == reference
+    assert engine.step_costs == step_costs
+    assert engine.generate_ar(prompt, 60) == reference
+
+
+def test_cache_is_sized_to_the_request_and_released(monkeypatch):
+    """SelfSpecState.engine_for: the same engine serves a longer request (its cache grown,
+    in whole key blocks, nothing measured), and a later short request shrinks a very large
+    cache back to the configured size; tokens equal a fresh engine's throughout."""
+    model = tiny_model("llama", seed=3)
+    state = SelfSpecState(None, DecodeConfig(lookup="only"), EngineConfig(width=8, capacity=256))
+    engine = state.engine_for(model, 100)
+    assert engine.capacity == 256
+    engine.step_costs  # noqa: B018 (measured once, here)
+    _no_measuring(monkeypatch)
+    prompt = torch.randint(3, 256, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert state.engine_for(model, len(prompt) + 20 + 8) is engine
+    assert engine.capacity >= len(prompt) + 28 and (engine.capacity + 1) % 256 == 0
+    fresh = Engine(model, EngineConfig(width=8, capacity=2048, row_layout=engine.layout.name))
+    assert engine.generate_ar(prompt, 20) == fresh.generate_ar(prompt, 20)
+    assert state.engine_for(model, 100) is engine
+    assert engine.capacity == 256 and engine.k_cache.shape[2] == 512
+    short = list(range(3, 60))
+    assert engine.generate_ar(short, 20) == fresh.generate_ar(short, 20)
+
+
+def test_capacity_growth_stops_at_the_models_positions():
+    model = tiny_model("llama", seed=3)
+    engine = Engine(model, EngineConfig(width=8, capacity=64, row_layout="fixed"))
+    engine.ensure_capacity(2040)
+    assert engine.capacity == 2047  # whole key blocks with the trash slot
+    engine.ensure_capacity(2048)
+    assert engine.capacity == 2048  # max_position_embeddings, not the next key block
+    assert engine.view.cos.shape[0] == 2048
+
+
+# ---- the measurement cache on disk -------------------------------------------------------
+
+
+def test_a_second_engine_reads_the_measurements(monkeypatch, cache_dir):
+    """The layout choice and the step costs of a second engine for the same model come from
+    the cache: no timing at all (the measuring functions raise)."""
+    model = tiny_model("llama", seed=4)
+    first = Engine(model, EngineConfig(width=8, capacity=256))
+    first_costs = first.step_costs
+    assert (cache_dir / measurement_cache.FILE_NAME).exists()
+    _no_measuring(monkeypatch)
+    second = Engine(model, EngineConfig(width=8, capacity=256))
+    assert second.layout.name == first.layout.name
+    assert second.step_costs == first_costs and second.one_row_seconds == first.one_row_seconds
+    prompt = list(range(3, 40))
+    assert second.generate_ar(prompt, 12) == first.generate_ar(prompt, 12)
+
+
+def test_measurements_are_keyed_by_what_they_depend_on(monkeypatch):
+    """Another width, dtype or thread count, or a disabled cache, measures again."""
+    model = tiny_model("llama", seed=4)
+    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    calls = []
+    real = costs.measure_step_costs
+    monkeypatch.setattr(costs, "measure_step_costs", lambda engine: calls.append(1) or real(engine))
+    Engine(model, EngineConfig(width=4, capacity=256)).step_costs  # noqa: B018
+    assert len(calls) == 1
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2
+    Engine(model, EngineConfig(width=8, capacity=256, measurement_cache=False)).step_costs  # noqa: B018
+    assert len(calls) == 3
+    monkeypatch.setenv("HF_SELFSPEC_NO_CACHE", "1")
+    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    assert len(calls) == 4
+    monkeypatch.delenv("HF_SELFSPEC_NO_CACHE")
+    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    assert len(calls) == 4  # the first one's entry is still there
+
+
+@pytest.mark.parametrize("corrupt", [
+    "not json {", json.dumps([1, 2]), json.dumps({"format": 99, "entries": {}}),
+    "ENTRY:{\"layout\": \"gemv\"}",
+    "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": [1.0, 1.0, 0.5], \"one_row_seconds\": 0.01}}}",
+    "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": \"COSTS_NAN\", \"one_row_seconds\": 0.01}}}",
+    "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": \"COSTS_OK\", \"one_row_seconds\": -1}}}",
+    "ENTRY:[1]",
+])
+def test_a_corrupt_cache_is_ignored_with_a_warning(cache_dir, corrupt):
+    """The cache file is untrusted: wrong JSON, format, layout names, cost lengths, values
+    or ranges are ignored with a warning, measured again, and the file rewritten."""
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, EngineConfig(width=8, capacity=256))
+    engine.step_costs  # noqa: B018
+    path = cache_dir / measurement_cache.FILE_NAME
+    if corrupt.startswith("ENTRY:"):
+        data = json.loads(path.read_text())
+        (digest, _entry), = data["entries"].items()
+        key = f"{engine.layout.name}@{costs.cost_context(engine)}"
+        text = corrupt[len("ENTRY:"):].replace("KEY", key)
+        text = text.replace('"COSTS_NAN"', json.dumps([1.0] * 8) .replace("]", ", NaN]"))
+        text = text.replace('"COSTS_OK"', json.dumps([1.0] * 9))
+        data["entries"][digest] = json.loads(text)
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(corrupt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = Engine(model, EngineConfig(width=8, capacity=256))
+        costs_again = again.step_costs
+    assert any("measurement cache" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert len(costs_again) == 9 and costs_again[1] == 1.0
+    json.loads(path.read_text())  # rewritten, valid
+
+
+# ---- stale engines -----------------------------------------------------------------------
+
+
+def test_engine_for_rebuilds_after_dtype_or_new_weights():
+    """`.to(float64)`, `.to(bfloat16)` and `load_state_dict(new tensors, assign=True)` after
+    the first call rebuild the engine, whose tokens then equal a fresh engine's; an in-place
+    edit of the same tensors keeps it (the engine reads them)."""
+    model = tiny_model("llama", seed=5)
+    config = EngineConfig(width=8, capacity=256)
+    state = SelfSpecState(None, DecodeConfig(lookup="only"), config)
+    prompt = list(range(3, 50))
+    first = state.engine_for(model, 100)
+    first.generate_ar(prompt, 8)
+    assert state.engine_for(model, 100) is first
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    assert state.engine_for(model, 100) is first
+
+    model.to(torch.float64)
+    second = state.engine_for(model, 100)
+    assert second is not first and second.view.dtype == torch.float64
+    assert second.generate_ar(prompt, 16) == Engine(model, config).generate_ar(prompt, 16)
+
+    other = tiny_model("llama", seed=6).to(torch.float64)
+    model.load_state_dict(other.state_dict(), assign=True)
+    third = state.engine_for(model, 100)
+    assert third is not second
+    assert third.generate_ar(prompt, 16) == Engine(other, config).generate_ar(prompt, 16)
+    assert third.generate_ar(prompt, 16) == hf_greedy(other, prompt, 16)
+
+    model.to(torch.bfloat16)
+    fourth = state.engine_for(model, 100)
+    assert fourth is not third and fourth.view.dtype == torch.bfloat16
+    assert fourth.generate_ar(prompt, 16) == Engine(model, config).generate_ar(prompt, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_decode_exactly(dtype):
+    """A bf16/fp16 model is served by a layout that passes its self-test in that dtype
+    (never the float32-only C++ kernel), and speculative decoding equals the engine's own
+    AR decoding in that dtype."""
+    model = tiny_model("llama", seed=7).to(dtype)
+    engine = Engine(model, EngineConfig(width=8, capacity=256))
+    assert engine.layout.name in ("micro", "fixed") and engine.k_cache.dtype == dtype
+    prompt = list(range(3, 60)) + list(range(3, 30))  # repeats: prompt lookup drafts
+    reference = engine.generate_ar(prompt, 40)
+    spec = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 40)
+    assert spec.tokens == reference
+
+
+# ---- refused models ----------------------------------------------------------------------
+
+
+def test_quantized_models_are_refused_by_name():
+    model = tiny_model("llama", seed=0)
+    model.hf_quantizer = type("Bnb4BitHfQuantizer", (), {})()
+    with pytest.raises(UnsupportedModelError, match="quantized .*Bnb4BitHfQuantizer"):
+        LayeredModel(model, 64)
+    del model.hf_quantizer
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(UnsupportedModelError, match="quantized .*gptq"):
+        LayeredModel._check_features(model.config, 1)  # what attach_heads calls first
+
+
+def test_wrapped_or_integer_projections_are_refused_by_name():
+    class Linear8bit(torch.nn.Linear):
+        pass
+
+    model = tiny_model("llama", seed=0)
+    old = model.model.layers[1].self_attn.k_proj
+    model.model.layers[1].self_attn.k_proj = Linear8bit(old.in_features, old.out_features, bias=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj is a .*Linear8bit"):
+        Engine(model, EngineConfig(width=8, capacity=64))
+    model.model.layers[1].self_attn.k_proj = old
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight, dtype=torch.int8),
+                                              requires_grad=False)
+    with pytest.raises(ValueError, match="lm_head is a torch.nn.modules.linear.Linear .*int8"):
+        LayeredModel.check_supported(model)
+
+
+def test_config_replace_keeps_validation():
+    """SelfSpecState builds engines with dataclasses.replace: the new fields validate too."""
+    with pytest.raises(ValueError, match="executor"):
+        dataclasses.replace(EngineConfig(), executor="graphs")
+    with pytest.raises(ValueError, match="measurement_cache"):
+        EngineConfig(measurement_cache="no")
