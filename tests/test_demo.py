@@ -134,3 +134,95 @@ def test_demo_page_generates_identical_outputs_and_speedup(browser, demo_server,
               for s in browser.find_elements(By.CSS_SELECTOR, "#selfspec-text span")}
     assert titles and "draft" not in titles and titles <= {"model", "copy", "head0", "head1",
                                                            "head2", "head3", "head4"}, titles
+
+
+# --------------------------------------------------------------------------- limits (no browser)
+
+
+def _load_app():
+    """app.py as a module (it needs gradio: scripts/ci_browser_setup.sh installs it)."""
+    import importlib.util
+
+    try:
+        import gradio  # noqa: F401
+    except ImportError:
+        pytest.fail(f"the demo tests need gradio; {SETUP_HINT}", pytrace=False)
+    spec = importlib.util.spec_from_file_location("selfspec_demo_app", ROOT / "app.py")
+    app = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = app  # its dataclasses look their module up there
+    spec.loader.exec_module(app)
+    return app
+
+
+class CharTokenizer:
+    """The two tokenizer calls the demo makes, for a tiny random model: a token per
+    character of the prompt, token ids as text."""
+
+    def apply_chat_template(self, messages, **kwargs):
+        import torch
+
+        return {"input_ids": torch.tensor([[3 + ord(c) % 200 for c in messages[-1]["content"]]])}
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in tokens)
+
+
+@pytest.fixture
+def tiny_demo():
+    """The demo's Demo on a tiny random model (no EOS: a turn runs to its token budget),
+    with a record of the generate() calls it makes."""
+    from conftest import tiny_model
+
+    import hf_selfspec
+
+    app = _load_app()
+    model = hf_selfspec.attach_heads(tiny_model("llama", seed=30), heads=False)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    calls = []
+
+    def recording_generate(*args, **kwargs):
+        calls.append(kwargs.get("assistant"))
+        return type(model).generate(model, *args, **kwargs)
+
+    model.generate = recording_generate
+    return app, app.Demo(model, CharTokenizer()), calls
+
+
+def test_demo_limits_prompts_and_tokens_on_the_server(tiny_demo, monkeypatch):
+    import gradio as gr
+
+    app, demo, calls = tiny_demo
+    for prompt in ("", "   ", None, "x" * (app.MAX_PROMPT_CHARS + 1)):
+        with pytest.raises(gr.Error):
+            next(demo.turn(prompt, 16))
+    monkeypatch.setattr(app, "MAX_PROMPT_TOKENS", 10)
+    with pytest.raises(gr.Error, match="at most 10 tokens"):
+        next(demo.turn("eleven char", 16))
+    assert calls == []  # refused before any work
+    assert app.clamp_new_tokens(10**9) == app.NEW_TOKENS_CAP
+    assert app.clamp_new_tokens(-5) == 1 and app.clamp_new_tokens("many") == app.MAX_NEW_TOKENS
+    *_, (selfspec_html, plain_html, stats_html) = demo.turn("hello", 10**9)  # an API client's value
+    assert "identical outputs" in stats_html
+    assert calls == ["self", None] and demo.model.selfspec_stats.new_tokens == app.NEW_TOKENS_CAP
+
+
+def test_an_abandoned_turn_is_cancelled(tiny_demo):
+    """Gradio closes the turn's generator when the browser goes away: its generate() stops at
+    the next token, the plain call never starts, and the model is free again at once."""
+    app, demo, calls = tiny_demo
+    turn = demo.turn("hello world", app.NEW_TOKENS_CAP)
+    next(turn)  # the first chunk is on the page
+    turn.close()
+    assert demo.lock.acquire(timeout=60), "the abandoned turn still holds the model"
+    demo.lock.release()
+    assert calls == ["self"], calls
+    assert demo.model.selfspec_stats.new_tokens < app.NEW_TOKENS_CAP
+
+
+def test_demo_queue_is_bounded_and_serial(tiny_demo):
+    app, demo, _ = tiny_demo
+    ui = app.build_ui(demo)
+    assert ui._queue.max_size == app.QUEUE_SIZE
+    assert ui._queue.default_concurrency_limit == 1, "one turn at a time"
+    assert all(fn.concurrency_limit in ("default", 1) for fn in ui.fns.values())
