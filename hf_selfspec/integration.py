@@ -20,7 +20,7 @@ import json
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -384,6 +384,11 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with assistant='self': pass input_ids")
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and (ids.dim() != 2 or ids.shape[1] == 0):
+        # HF would fail deep inside its input preparation (an IndexError) for these
+        raise ValueError(f"input_ids must be a 2-D tensor [batch, length >= 1], got shape {tuple(ids.shape)}"
+                         + (": add the batch dimension (ids[None])" if ids.dim() == 1 else ""))
     if kwargs.get("cache_implementation") == "paged":
         # HF would switch to continuous batching before our loop is reached
         raise ValueError("cache_implementation='paged' (continuous batching) is not supported with "
