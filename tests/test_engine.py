@@ -65,8 +65,12 @@ def _block_rows(engine, tokens, positions):
     return engine.embed(tokens), meta
 
 
-@pytest.mark.parametrize("layout,dtype", [(name, torch.float32) for name in KEPT]
-                         + [("fixed", torch.bfloat16), ("micro", torch.bfloat16), ("fixed", torch.float16)])
+# every layout in every dtype it serves (the C++ kernel reads bf16/fp16 weights as stored)
+LAYOUT_DTYPES = [(name, dtype) for name in KEPT for dtype in (torch.float32, torch.bfloat16)] + [
+    ("fixed", torch.float16), ("kernel", torch.float16)]
+
+
+@pytest.mark.parametrize("layout,dtype", LAYOUT_DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_rows_are_invariant_to_the_other_rows(kind, layout, dtype):
     """Row i of a step with n real rows == the same row computed alone (same width), for
@@ -196,13 +200,34 @@ def test_step_costs_are_per_program_and_monotone(layout):
     assert engine.generate_ar(prompt, 12) == before
 
 
-def test_kernel_layout_needs_float32_weights():
-    """The C++ row kernel takes float32 weights: asked for on a bfloat16 model it is refused
-    with a clear error before any work, and `auto` picks another layout there."""
-    model = tiny_model("llama", seed=6).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="float32"):
+def test_kernel_layout_refuses_dtypes_it_does_not_read():
+    """The C++ row kernel reads fp32/bf16/fp16 weights as stored: asked for on a float64
+    model it is refused with a clear error before any work, and `auto` picks another layout."""
+    model = tiny_model("llama", seed=6).to(torch.float64)
+    with pytest.raises(ValueError, match="float32/bfloat16/float16"):
         Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel"))
     assert Engine(model, EngineConfig(width=8, capacity=256)).layout.name != "kernel"
+
+
+@pytest.mark.parametrize("layout,dtype", LAYOUT_DTYPES)
+def test_rows_do_not_depend_on_where_segs_split_the_layers(layout, dtype):
+    """AR runs all layers in one go, a chain in several segs: a row's logits must not depend
+    on the split (bf16/fp16: the residual stream rounds at every layer boundary)."""
+    model = tiny_model("qwen3", seed=9).to(dtype)
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=400, row_layout=layout))
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    engine.prefill(prompt)
+    block, positions = [5, 17, 99], range(len(prompt), len(prompt) + 3)
+    h, meta = _block_rows(engine, block, positions)
+    whole, _, _ = engine.verify(h, 0, meta)
+    for splits in ([1], [2], [1, 3]):
+        h, meta = _block_rows(engine, block, positions)
+        start = 0
+        for end in splits:
+            h = engine.seg(h, start, end, meta)
+            start = end
+        logits, _, _ = engine.verify(h, start, meta)
+        assert torch.equal(logits, whole), splits
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])

@@ -294,18 +294,30 @@ def test_engine_for_rebuilds_after_dtype_or_new_weights():
     assert fourth.generate_ar(prompt, 16) == Engine(model, config).generate_ar(prompt, 16)
 
 
+@pytest.mark.parametrize("layout", KEPT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_models_decode_exactly(dtype):
-    """A bf16/fp16 model is served by a layout that passes its self-test in that dtype
-    (never the float32-only C++ kernel), and speculative decoding equals the engine's own
-    AR decoding in that dtype."""
+def test_half_precision_models_decode_exactly(dtype, layout):
+    """A bf16/fp16 model is served in its own dtype (weights and KV cache as stored, no fp32
+    copy) by every layout whose self-test passes, and speculative decoding equals the
+    engine's own AR decoding in that dtype."""
     model = tiny_model("llama", seed=7).to(dtype)
-    engine = Engine(model, EngineConfig(width=8, capacity=256))
-    assert engine.layout.name in ("micro", "fixed") and engine.k_cache.dtype == dtype
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=256, row_layout=layout))
+    assert engine.k_cache.dtype == dtype
     prompt = list(range(3, 60)) + list(range(3, 30))  # repeats: prompt lookup drafts
     reference = engine.generate_ar(prompt, 40)
     spec = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 40)
     assert spec.tokens == reference
+    assert spec.stats.drafted > 0
+
+
+def test_auto_serves_bf16_with_the_kernel_where_it_builds():
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    if load_rows_linear() is None:
+        pytest.skip("the C++ row kernel cannot be built on this machine")
+    model = tiny_model("llama", seed=7).to(torch.bfloat16)
+    engine = Engine(model, EngineConfig(width=8, capacity=256))
+    assert engine.layout.name in ("kernel", "micro")  # micro only where its products are >10% cheaper
 
 
 # ---- refused models ----------------------------------------------------------------------

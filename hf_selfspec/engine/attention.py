@@ -125,7 +125,7 @@ class BlockAttention:
 
 
 class CppRowAttention:
-    """The C++ `rows_attention` (float32 CPU): row r sees slots [0, key_limit[r]], or its
+    """The C++ `rows_attention` (CPU; fp32/bf16/fp16 caches): row r sees slots [0, key_limit[r]], or its
     committed prefix plus its tree path (row-invariant by construction: cpu_rows.cpp)."""
 
     name = "cpp_rows"
@@ -140,7 +140,9 @@ class CppRowAttention:
         k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
-            return fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path)
+            # float32 out (bf16/fp16 q and caches widened exactly): back to q's dtype
+            o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path)
+            return o.to(q.dtype)
 
         return attend
 

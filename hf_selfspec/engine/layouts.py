@@ -8,8 +8,8 @@ layout whose self-test passes on this machine is used.
   kernel  our C++ product (kernels/cpu_rows.cpp): every dot product runs the same
           instruction sequence whatever the rows, so it is row-invariant by construction,
           and a step streams each weight once; no padding. Brings the C++ row attention
-          and a whole decoder layer in one call (`rows_layer`). Needs an AVX2/FMA CPU, a
-          C++ compiler and float32 weights stored contiguous.
+          and a whole decoder layer in one call (`rows_layer`). Needs an AVX2/FMA/F16C CPU, a
+          C++ compiler and fp32/bf16/fp16 weights stored contiguous (read as stored).
   micro   F.linear on chunks of 2 or 3 rows: on MKL the 2- and 3-row GEMM path computes
           each row independently of the others (the self-test checks it), so a step costs
           what its real rows cost. A 1-row step is padded to 2.
@@ -180,8 +180,9 @@ class KernelLayout(RowLayout):
     """The C++ row kernels (cpu_rows.cpp): products, attention and fused decoder layers."""
 
     name = "kernel"
-    # what cpu_rows.cpp reads today; widen when it reads bf16/fp16 weights in registers
-    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    # weight (and KV cache) dtypes cpu_rows.cpp reads as stored, widening to float32 in
+    # registers: a bf16 model streams half the bytes of an fp32 one, and holds no fp32 copy
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self, width: int):
         from hf_selfspec.kernels.cpu_rows import (
@@ -200,8 +201,12 @@ class KernelLayout(RowLayout):
                              "use row_layout='auto'")
 
     def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
+        """The product in float32 (x widened exactly), then the bias, then rounded once to
+        x's dtype: bf16/fp16 activations stay in the model's dtype, as F.linear's would."""
         y = self._product(x.contiguous(), layer.weight)
-        return y if layer.bias is None else y + layer.bias
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.to(x.dtype)
 
     @classmethod
     def self_test(cls, linears: Sequence[Linear]) -> bool:

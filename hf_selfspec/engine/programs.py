@@ -331,12 +331,19 @@ class Engine:
         n = h.shape[0]
         if self._fused_layers is not None:  # kernel layout: one C++ call per layer, no padding
             layer, slots, limits = self.layout.kernel_layer, meta.slots[:n], meta.key_limit[:n]
-            cos, sin = meta.cos[:n], meta.sin[:n]
-            h = h.contiguous()
+            # rows_layer computes in float32 (bf16/fp16 weights and caches widened in registers)
+            cos, sin = meta.cos[:n].float().contiguous(), meta.sin[:n].float().contiguous()
+            dtype = h.dtype
+            h = h.float().contiguous()
             for li in range(start, end):
                 h = layer(h, self._fused_layers[li], self.k_cache[li], self.v_cache[li], cos, sin,
                           slots, limits, v.eps, v.scaling, meta.path)
-            return h
+                if dtype != torch.float32:
+                    # the residual stream rounds to the model's dtype at EVERY layer boundary,
+                    # so a row's bits never depend on where a seg ends (AR: one run of all
+                    # layers; a chain: several segs), as with the PyTorch layers in that dtype
+                    h = h.to(dtype).float()
+            return h.to(dtype)
         lin = self.layout.linear
         h = self._pad(h, R)
         cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
