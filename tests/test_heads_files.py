@@ -235,6 +235,19 @@ def test_heads_without_a_probe_warn_that_the_distance_is_unknown(tmp_path):
         load_heads(tmp_path, perturbed_copy(model, 1e-3))
 
 
+def test_heads_without_a_probe_record_it_on_their_own_model(tmp_path):
+    """Loaded on the model whose fingerprint they carry, older heads get its probe, and
+    a re-save writes it: from then on a near-identical checkpoint gets a distance."""
+    model = tiny_model("llama", seed=0, layers=4)
+    save_heads(random_top_heads(model), tmp_path)
+    _edit_json(tmp_path / CONFIG, lambda d: {k: v for k, v in d.items() if k != "base_probe"})
+    heads = load_heads(tmp_path, model)
+    assert heads.config.base_probe == weight_probe(model)
+    save_heads(heads, tmp_path)
+    with pytest.warns(HeadsMismatchWarning, match=r"relative weight distance (\S+) "):
+        load_heads(tmp_path, perturbed_copy(model, 1e-3))
+
+
 @pytest.mark.slow
 def test_default_heads_on_a_perturbed_default_model(model, tmp_path):
     """The shipped heads on a copy of the default model with 1e-3 relative noise on every

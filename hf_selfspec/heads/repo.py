@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-# fingerprint and weight_probe: older callers import them from here
-from .base import check_compatible, fingerprint, weight_probe  # noqa: F401
+from .base import check_compatible, fingerprint, weight_probe
 from .calibrate import Calibration, ChainCalibration
 from .card import render_card
 from .kinds import HEAD_KIND, ExitHeads, HeadsConfig
@@ -195,6 +194,10 @@ def load_heads(source, model=None, *, revision: str | None = None, cache_dir=Non
             check_compatible(config, model)  # sizes are the model's own from here on
         except ValueError as e:
             raise ValueError(f"{folder / CONFIG_FILE}: {e}") from None
+        if not config.base_probe and fingerprint(model) == config.base_fingerprint:
+            # heads saved before the probe existed, on their own model: record it, so that
+            # a re-save (a fine-tune, say) can tell how far another checkpoint is
+            config.base_probe = weight_probe(model)
     state = _read_weights(folder / WEIGHTS_FILE, kind, config)
     heads = kind.module(config)
     heads.load_state_dict(state, strict=True)  # keys, shapes and dtypes checked above
