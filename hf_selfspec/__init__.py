@@ -1,8 +1,12 @@
 """hf_selfspec: exact self-speculative decoding for Hugging Face generate().
 
     model = AutoModelForCausalLM.from_pretrained(...)
-    hf_selfspec.attach_heads(model, heads="...")      # one added line
+    hf_selfspec.attach_heads(model)                    # one added line (heads="..." if you have them)
     model.generate(**inputs, assistant="self")         # same tokens as greedy, faster
+    print(model.selfspec_stats.summary())              # why: tau, accepted drafts, token sources
+
+Without heads for the model, drafts come from exact prompt lookup (a one-time warning says
+how to train or fetch heads); the embedded default model gets its shipped draft heads.
 """
 
 from . import _kernels_path  # noqa: F401 (hf_selfspec.kernels from a source tree; first)

@@ -497,7 +497,8 @@ def _check_token_ids(model, input_ids: torch.Tensor, eos: list[int], pad) -> Non
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     vocab = model.get_input_embeddings().weight.shape[0]
-    out_vocab = model.get_output_embeddings().weight.shape[0]
+    head = model.get_output_embeddings()
+    out_vocab = head.weight.shape[0] if head is not None else vocab
     if input_ids.numel():
         low, high = int(input_ids.min()), int(input_ids.max())
         if low < 0 or high >= vocab:
