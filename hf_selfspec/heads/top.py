@@ -29,7 +29,6 @@ from .base import final_norm, fingerprint, lm_head_weight, rms_norm, weight_prob
 TOP_KIND = "top_draft"
 FORMAT_VERSION = 1
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_norm = rms_norm  # the name scripts/context_heads_study.py imports
 
 
 class DraftNode(NamedTuple):
