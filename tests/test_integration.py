@@ -187,13 +187,17 @@ def test_heads_of_another_model_are_refused(tmp_path):
     assert not hasattr(model, "_selfspec")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def _any_model(kind, seed):
+    return _mistral(None, seed) if kind == "mistral" else tiny_model(kind, seed=seed, layers=4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
 def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(kind, tmp_path):
     """attach_heads(model) / from_pretrained(path) without heads on a model the shipped heads
     are not for: exact prompt lookup, one warning that says how to get heads."""
     import warnings
 
-    stock = tiny_model(kind, seed=2, layers=4)
+    stock = _any_model(kind, 2)
     stock.save_pretrained(tmp_path)
     with pytest.warns(UserWarning) as caught:
         model = hf_selfspec.AutoSelfSpecModelForCausalLM.from_pretrained(tmp_path)
@@ -203,8 +207,8 @@ def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(ki
     assert model._selfspec.heads is None and model._selfspec.decode_config.lookup == "only"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: a second attach of the same model is silent
-        attach_heads(tiny_model(kind, seed=2, layers=4))
-        attach_heads(tiny_model(kind, seed=2, layers=4), heads=False)
+        attach_heads(_any_model(kind, 2))
+        attach_heads(_any_model(kind, 2), heads=False)
     ids = prompt(12)
     expected = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, **GREEDY)
     assert torch.equal(model.generate(ids, max_new_tokens=24, assistant="self", **GREEDY), expected)
