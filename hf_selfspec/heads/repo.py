@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,39 +45,45 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 
 @dataclass(frozen=True)
 class HeadKind:
-    """How one kind of heads is read and written."""
+    """How one kind of heads is read and written (one entry of KINDS per kind)."""
 
     name: str
     config: type  # HeadsConfig / TopHeadsConfig: from_dict, validate, to_dict
     module: type  # ExitHeads / TopDraftHeads: built from a config alone
+    weights_dtype: Callable[[Any], torch.dtype]  # config -> dtype of the stored floats
+    read_calibration: Callable[[Any, Any], Any]  # (calibration.json data, config) -> calibration
+    # (heads, thresholds or None) -> the calibration to save
+    calibration_of: Callable[[Any, list[float] | None], Any]
 
-    def weights_dtype(self, config) -> torch.dtype:
-        """dtype of the floating-point tensors in heads.safetensors."""
-        if self.name == TOP_KIND:
-            return STORAGE_DTYPES[config.storage_dtype]
-        return torch.float32
 
-    def read_calibration(self, data, config):
-        if self.name == TOP_KIND:
-            return ChainCalibration.from_dict(data, config.depth)
-        return Calibration.from_dict(data, num_heads=len(config.layers))
+def _exit_calibration(heads, thresholds):
+    """Exit heads save their Calibration; without one the identity map, threshold 0.6
+    (labelled uncalibrated in calibration.json)."""
+    if thresholds is not None:
+        raise ValueError("thresholds= is for top-layer heads; exit heads save their Calibration")
+    return heads.calibration or Calibration.uncalibrated(len(heads))
 
-    def calibration_of(self, heads, thresholds=None):
-        """The calibration to save: heads without one get the identity map (exit heads:
-        threshold 0.6, labelled so) or threshold 0 per step (top-layer heads)."""
-        if self.name == TOP_KIND:
-            if thresholds is None:
-                thresholds = (heads.calibration.thresholds if heads.calibration is not None
-                              else [0.0] * heads.config.depth)
-            return ChainCalibration(thresholds)
-        if thresholds is not None:
-            raise ValueError("thresholds= is for top-layer heads; exit heads save their Calibration")
-        return heads.calibration or Calibration.uncalibrated(len(heads))
+
+def _chain_calibration(heads, thresholds):
+    """Top-layer heads save per-step thresholds: the ones given, else the heads' own, else
+    0 (always draft)."""
+    if thresholds is None:
+        thresholds = (heads.calibration.thresholds if heads.calibration is not None
+                      else [0.0] * heads.config.depth)
+    return ChainCalibration(thresholds)
 
 
 KINDS = {
-    HEAD_KIND: HeadKind(HEAD_KIND, HeadsConfig, ExitHeads),
-    TOP_KIND: HeadKind(TOP_KIND, TopHeadsConfig, TopDraftHeads),
+    HEAD_KIND: HeadKind(
+        HEAD_KIND, HeadsConfig, ExitHeads,
+        weights_dtype=lambda config: torch.float32,
+        read_calibration=lambda data, config: Calibration.from_dict(data, len(config.layers)),
+        calibration_of=_exit_calibration),
+    TOP_KIND: HeadKind(
+        TOP_KIND, TopHeadsConfig, TopDraftHeads,
+        weights_dtype=lambda config: STORAGE_DTYPES[config.storage_dtype],
+        read_calibration=lambda data, config: ChainCalibration.from_dict(data, config.depth),
+        calibration_of=_chain_calibration),
 }
 
 
@@ -290,8 +298,8 @@ def save_heads(heads, folder, card: bool = True, *, thresholds: list[float] | No
     folder.mkdir(parents=True, exist_ok=True)
     heads.config.validate()
     calibration = kind.calibration_of(heads, thresholds)
-    if kind.name == HEAD_KIND:
-        heads.calibration = calibration
+    if heads.calibration is None:
+        heads.calibration = calibration  # as loading the folder would give
     stored = kind.weights_dtype(heads.config)
     state = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
     # floats in the file's dtype whatever the model's, so a file does not depend on it
