@@ -10,17 +10,19 @@ from conftest import tiny_model
 from test_decoding import prompt, random_heads, random_top_heads
 
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+from hf_selfspec.decoding.candidates import DraftContext, Source
+from hf_selfspec.decoding.cycle import DraftPlan
 from hf_selfspec.decoding.tree import DraftTree
 from hf_selfspec.engine.programs import Engine, EngineConfig
 
 
 def test_trie_merges_branches_and_lays_out_rows():
     tree = DraftTree(7, width=8)
-    assert tree.add_branch([1, 2, 3], "copy") == [1, 2, 3]
-    assert tree.add_branch([1, 2, 9, 4], "head0") == [1, 2, 4, 5]  # shares rows 1, 2
-    assert tree.add_branch([5], "head0") == [6]
-    assert tree.add_branch([6, 7, 8], "copy") == [7]  # full: width 8
-    assert tree.room == 0 and tree.add(0, 11, "copy") is None
+    assert tree.add_branch([1, 2, 3], Source.COPY) == [1, 2, 3]
+    assert tree.add_branch([1, 2, 9, 4], Source.HEAD) == [1, 2, 4, 5]  # shares rows 1, 2
+    assert tree.add_branch([5], Source.HEAD) == [6]
+    assert tree.add_branch([6, 7, 8], Source.COPY) == [7]  # full: width 8
+    assert tree.room == 0 and tree.add(0, 11, Source.COPY) is None
     assert tree.depth == [0, 1, 2, 3, 3, 4, 1, 1]
     assert not tree.is_chain
     positions, slots, paths = tree.layout(100)
@@ -32,9 +34,9 @@ def test_trie_merges_branches_and_lays_out_rows():
     assert tree.walk(model) == [1, 2, 4, 5]
     assert tree.walk([5, 0, 0, 0, 0, 0, 0, 0]) == [6]
     assert tree.walk([3, 0, 0, 0, 0, 0, 0, 0]) == []
-    assert tree.add_branch([4, 5, 6], "copy", stop_tokens={4}) == []  # still full
+    assert tree.add_branch([4, 5, 6], Source.COPY, stop_tokens={4}) == []  # still full
     chain = DraftTree(7, width=4)
-    assert chain.add_branch([1, 2, 3, 4], "copy", stop_tokens={2}) == [1, 2]  # EOS ends it
+    assert chain.add_branch([1, 2, 3, 4], Source.COPY, stop_tokens={2}) == [1, 2]  # EOS ends it
     assert chain.is_chain
 
 
@@ -43,6 +45,11 @@ def kernel_setup():
     model = tiny_model("llama", seed=0, layers=4)
     engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
     return model, engine
+
+
+def tree_context(committed, final, tree=True):
+    """A draft context after `committed` (position: as if the prompt were empty)."""
+    return DraftContext(list(committed), final, len(committed), frozenset(), tree=tree)
 
 
 class OracleTrees(SelfSpecDecoder):
@@ -55,30 +62,31 @@ class OracleTrees(SelfSpecDecoder):
         self.reference = reference
         self.shape = shape
 
-    def draft_tree(self, out, final_before, budget, eos, stats, policy):
+    def draft(self, ctx, budget, policy, stats):
+        out = ctx.committed
         tree = DraftTree(out[-1], self.engine.width)
         n = len(out)
         truth = self.reference[n: n + budget]
         if not truth or budget <= 0:
-            return tree, {}
+            return DraftPlan(tree, {})
         wrong = (truth[0] + 1) % self.engine.view.vocab_size
         if self.shape == "sibling":  # row 1 wrong (+ a chain under it), the truth as a sibling
-            tree.add_branch([wrong, truth[0], wrong], "head0")
-            tree.add_branch(truth[:2], "head0")
+            tree.add_branch([wrong, truth[0], wrong], Source.HEAD)
+            tree.add_branch(truth[:2], Source.HEAD)
         elif self.shape == "merged":  # two branches sharing the truth's first tokens
-            tree.add_branch(truth[:2] + [wrong], "copy")
-            tree.add_branch(truth[:4], "head0")
+            tree.add_branch(truth[:2] + [wrong], Source.COPY)
+            tree.add_branch(truth[:4], Source.HEAD)
         elif self.shape == "deep_gap":  # decoys between every accepted row
             parent = 0
             for token in truth[:3]:
-                tree.add(parent, (token + 2) % self.engine.view.vocab_size, "copy")
-                parent = tree.add(parent, token, "head0")
+                tree.add(parent, (token + 2) % self.engine.view.vocab_size, Source.COPY)
+                parent = tree.add(parent, token, Source.HEAD)
         elif self.shape == "full":  # the truth last, after rows that fill most of the width
             for k in range(1, 5):
-                tree.add(0, (truth[0] + k) % self.engine.view.vocab_size, "copy")
-            tree.add_branch(truth, "head0")  # cut where the tree is full
+                tree.add(0, (truth[0] + k) % self.engine.view.vocab_size, Source.COPY)
+            tree.add_branch(truth, Source.HEAD)  # cut where the tree is full
         stats.drafted += len(tree) - 1
-        return tree, {}
+        return DraftPlan(tree, {})
 
 
 @pytest.mark.parametrize("shape", ["sibling", "merged", "deep_gap", "full"])
@@ -209,11 +217,11 @@ def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
 
 def test_trie_truncate_keeps_a_tree():
     tree = DraftTree(7, width=8)
-    tree.add_branch([1, 2, 3], "copy")
-    tree.add_branch([4, 5], "head0")
+    tree.add_branch([1, 2, 3], Source.COPY)
+    tree.add_branch([4, 5], Source.HEAD)
     tree.truncate(5)
     assert tree.tokens == [7, 1, 2, 3, 4] and tree.children[4] == {} and tree.children[0] == {1: 1, 4: 4}
-    assert tree.add(4, 5, "head0") == 5
+    assert tree.add(4, 5, Source.HEAD) == 5
 
 
 def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
@@ -232,7 +240,7 @@ def test_extra_rows_are_taken_only_where_the_step_cost_pays(kernel_setup):
         for adaptive in (True, False):
             stats = DecodeStats(exits_per_head=[0, 0, 0])
             policy = DraftBudget(costs, 7, adaptive=adaptive)
-            tree, _ = decoder.draft_tree([5, 6], final, 7, set(), stats, policy)
+            tree = decoder.draft(tree_context([5, 6], final), 7, policy, stats).tree
             sizes[name, adaptive] = len(tree)
     # the whole width when rows are free, else 3 drafts; adaptive=False keeps every row
     assert sizes == {("flat", True): 8, ("steep", True): 4, ("flat", False): 8, ("steep", False): 8}
@@ -244,7 +252,6 @@ def test_a_paying_copy_is_drafted_when_the_heads_do_not_pay(kernel_setup, tree):
     the heads themselves get no budget this cycle (else nothing drafts, the copy's rate is
     never updated and the loop is stuck in AR steps on copyable text: measured on an
     adversarial prompt, tau 1.2 instead of 2.8). Both the chain and the tree cycle."""
-    from hf_selfspec.decoding.cycle import _Block
     from hf_selfspec.decoding.policy import DraftBudget
     from hf_selfspec.stats import DecodeStats
 
@@ -252,8 +259,8 @@ def test_a_paying_copy_is_drafted_when_the_heads_do_not_pay(kernel_setup, tree):
     top = random_top_heads(model, depth=3)
     decoder = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, lookup="first", tree=tree))
     text = [5, 6, 7, 8, 9, 5, 6]
-    decoder.lookup.reset(text)
-    assert decoder.lookup.propose(3) == [7, 8, 9]
+    decoder.lookup.start(text)
+    assert decoder.lookup.index.propose(3) == [7, 8, 9]
     # flat verification costs: any copy pays; a head draft costs a whole step: heads never pay
     policy = DraftBudget([1.0] * 9, 7, draft_costs={"head": 1.0, "copy": 0.0})
     policy.tracker("head").successes, policy.tracker("head").trials = 9.0, 10.0  # rate 0.9
@@ -261,14 +268,9 @@ def test_a_paying_copy_is_drafted_when_the_heads_do_not_pay(kernel_setup, tree):
     assert policy.rate("copy") < policy.rate("head")
     stats = DecodeStats(exits_per_head=[0, 0, 0])
     final = torch.randn(model.config.hidden_size)
-    if tree == "on":
-        drafted, branches = decoder.draft_tree(text, final, 7, set(), stats, policy)
-        assert drafted.tokens[1:4] == [7, 8, 9] and set(branches) == {"copy"}
-    else:
-        block = _Block(engine, text[-1], len(text))
-        block.final_before, block.committed = final, text
-        decoder.draft_block(block, 7, set(), stats, policy)
-        assert block.tokens[1:4] == [7, 8, 9] and set(block.sources[1:]) == {"copy"}
+    plan = decoder.draft(tree_context(text, final, tree == "on"), 7, policy, stats)
+    assert plan.tree.tokens[1:4] == [7, 8, 9] and set(plan.branches) == {"copy"}
+    assert set(plan.tree.kinds[1:]) == {Source.COPY}
 
 
 def test_a_copy_that_extends_the_heads_chain_is_not_cut_short(kernel_setup):
@@ -294,12 +296,13 @@ def test_a_copy_that_extends_the_heads_chain_is_not_cut_short(kernel_setup):
 
     def tree_for(after):  # the copy proposes `after` (the text after the last "5 6")
         text = [5, 6] + after + [5, 6]
-        decoder.lookup.reset(text)
+        decoder.lookup.start(text)
         policy = DraftBudget(costs, 7, draft_costs={"head": 0.0, "copy": 0.0})
         policy.tracker("head").successes, policy.tracker("head").trials = 9.0, 10.0  # rate 0.9
         policy.tracker("copy").successes, policy.tracker("copy").trials = 8.0, 10.0  # rate 0.8
-        assert decoder.lookup.propose(min(7, policy.budget("copy")))[:len(after)] == after
-        return decoder.draft_tree(text, final, 7, set(), DecodeStats(exits_per_head=[0, 0, 0]), policy)
+        assert decoder.lookup.index.propose(min(7, policy.budget("copy")))[:len(after)] == after
+        plan = decoder.draft(tree_context(text, final), 7, policy, DecodeStats(exits_per_head=[0, 0, 0]))
+        return plan.tree, plan.branches
 
     extension = [t for t in range(40, 60) if t not in heads_tokens][:4]
     tree, branches = tree_for(heads_tokens + extension)
@@ -387,6 +390,6 @@ def test_tree_rows_follow_the_heads_calibration(kernel_setup):
         policy = DraftBudget(costs, 7)
         for _ in range(50):
             policy.calibration("head").update(1.0, observed)
-        tree, _ = decoder.draft_tree([5, 6], final, 7, set(), DecodeStats(exits_per_head=[0, 0, 0]), policy)
+        tree = decoder.draft(tree_context([5, 6], final), 7, policy, DecodeStats(exits_per_head=[0, 0, 0])).tree
         sizes[observed] = len(tree)
     assert sizes[0.2] < sizes[2.0], sizes

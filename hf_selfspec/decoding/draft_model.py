@@ -20,8 +20,9 @@ from typing import Sequence
 import torch
 
 from ..engine.programs import Engine
+from .candidates import Candidate, DraftContext, Proposal, Source
 
-SOURCE_DRAFT_MODEL = "draft_model"  # source label of an accepted draft-model token
+SOURCE_DRAFT_MODEL = Source.DRAFT_MODEL.value  # source label of an accepted draft-model token
 
 
 def check_draft_model(model, draft_model) -> None:
@@ -49,13 +50,28 @@ def check_draft_model(model, draft_model) -> None:
 class DraftModelDrafter:
     """Drafts from a smaller model in its own engine; one instance per request."""
 
-    def __init__(self, engine: Engine, confidence: float, prompt: Sequence[int]):
+    key = SOURCE_DRAFT_MODEL  # its key in the draft budget
+
+    def __init__(self, engine: Engine, confidence: float):
         self.engine = engine
         self.confidence = confidence
+        self.start([])
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """A new request: forget the draft cache's contents."""
         self.prompt = list(prompt)
         self.seen: list[int] = []  # tokens whose KV is in the draft cache, positions 0..len-1
         self._logits: torch.Tensor | None = None  # [V] logits after seen[-1]
         self._committed = 0  # leading tokens of `seen` that are committed (never change)
+
+    def accepted(self, tokens: Sequence[int]) -> None:
+        pass  # the next proposal catches the draft cache up on the committed tokens
+
+    def propose(self, ctx: DraftContext, budget: int) -> Proposal:
+        """Up to `budget` drafts after the committed tokens (a chain)."""
+        drafts, qs = self.draft(ctx.committed, budget, ctx.eos, ctx.scorer)
+        return Proposal(self.key, [Candidate(j - 1, t, Source.DRAFT_MODEL, j, q=q)
+                                   for j, (t, q) in enumerate(zip(drafts, qs))])
 
     def _catch_up(self, committed: Sequence[int]) -> None:
         """Bring the draft cache to prompt + `committed` (the tokens committed so far)."""
@@ -87,8 +103,8 @@ class DraftModelDrafter:
         self.seen.extend(new)
 
     @torch.no_grad()
-    def propose(self, committed: Sequence[int], budget: int, eos: set[int],
-                scorer=None) -> tuple[list[int], list[torch.Tensor | None]]:
+    def draft(self, committed: Sequence[int], budget: int, eos: set[int] | frozenset[int],
+              scorer=None) -> tuple[list[int], list[torch.Tensor | None]]:
         """Up to `budget` drafts after prompt + `committed`. Greedy: argmax drafts. With a
         scorer (sampling): each draft is sampled from the draft model's distribution
         processed like the main model's; returns (drafts, q per draft)."""

@@ -1,13 +1,9 @@
-"""How many drafts a cycle should take: measured step cost vs live acceptance, with a guard.
+"""Which rows pay: how many drafts a cycle takes, and which rows of a draft tree are kept.
 
 Costs are in engine-AR steps (one committed token without drafting): the engine measures
 the cost of verifying 1..W rows once, on the machine it runs on (`Engine.step_costs`),
-because the curve differs a lot between CPUs: on a 2-core Intel AVX-512 machine (micro
-layout) 2 / 3 / 4 / 8 rows cost 1.07 / 1.09 / 1.69 / 2.23x one row; on a 2-core AMD EPYC
-(AVX2) 2 / 3 rows cost ~1.4 / 1.7x in the gemv layout, 1.00 / 1.11x in the wx layout, and
-in the wx4 layout (which the engine picks there) 2-4 rows cost one row and 8 rows ~1.7x.
-Drafting adds its own cost: a top-layer
-head step ~3-5% of a step (scripts/head_study.py draft_cost), a copy ~0.
+because the curve differs a lot between CPUs (docs/benchmarks.md). Drafting adds its own
+cost (DRAFT_COST: a top-layer head step is a few percent of a step, a copy ~0).
 
 With a per-draft acceptance rate a (each draft accepted given the previous one was), k
 drafts commit 1 + a + a^2 + ... + a^k tokens in expectation; the budget is the k that
@@ -17,12 +13,19 @@ maximises expected tokens per unit of cost, and 0 (a plain AR step) when no k be
 The guard: a drafter whose budget is 0 is probed with one draft every PROBE_EVERY cycles,
 so the controller notices when drafting pays again; on text where drafts are never
 accepted a request costs AR plus (probe cost - 1) / PROBE_EVERY of a step.
+
+`select_tree_rows` is the same rule for trees, a pure function of the proposals, the live
+rates and the cost curve: rows are taken likeliest first while expected tokens per unit
+of verification cost grow.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from .candidates import Candidate, Source
+from .tree import DraftTree
 
 # Cost of drafting one token, in AR steps, per drafter kind.
 DRAFT_COST = {"head": 0.04, "copy": 0.0}
@@ -58,8 +61,8 @@ class AcceptanceTracker:
 @dataclass
 class ProbabilityCalibration:
     """Decayed sums of a drafter's own probabilities for the rows it put in trees and of
-    those rows' acceptances: `scale` turns its probabilities into expected acceptances (the
-    shipped heads' path probabilities over-predict by ~7% on held-out own replies)."""
+    those rows' acceptances: `scale` turns its probabilities into expected acceptances
+    (trained heads' path probabilities over-predict a little on held-out text)."""
 
     predicted: float = PRIOR_WEIGHT
     observed: float = PRIOR_WEIGHT
@@ -133,3 +136,103 @@ class DraftBudget:
         if drafter not in self.calibrations:
             self.calibrations[drafter] = ProbabilityCalibration()
         return self.calibrations[drafter]
+
+
+@dataclass
+class TreeRows:
+    """The rows a tree cycle verifies, and each drafter's first-chain rows among them (what
+    its live acceptance is updated with)."""
+
+    tree: DraftTree
+    branches: dict[str, list[int]]
+
+
+def select_tree_rows(root: int, width: int, copy: Sequence[Candidate], heads: Sequence[Candidate], *,
+                     copy_rate: float, heads_rate: float, heads_scale: float, heads_key: str,
+                     costs: Sequence[float], adaptive: bool,
+                     eos: frozenset[int] | set[int] = frozenset()) -> TreeRows:
+    """Merge a prompt-lookup copy (a chain) and the heads' tree (candidates with path
+    probabilities, likeliest first) into one trie of at most `width` rows under `root`.
+
+    When the copy's live rate is at least the heads', its chain goes first (the tokens its
+    own budget paid for); otherwise the heads' chain is first. Every other row is weighed by
+    its expected acceptance (a head node: its path probability x the heads' live
+    calibration `heads_scale`; the copy's j-th token: copy_rate^j), and a branch that
+    leaves the first chain (another token at the same depth) only counts where that chain
+    is wrong (x its miss rate); a copy that agrees with the heads' whole chain and goes on
+    competes with nothing. Rows are added likeliest first, and the tree keeps the number
+    of rows that maximises expected tokens per unit of verification cost (`costs[n]`: the
+    cost of n rows); with adaptive=False every proposed row is kept. Chains stop after an
+    EOS token."""
+    tree = DraftTree(root, width)
+    heads = list(heads)
+    heads_first = not copy or (bool(heads) and copy_rate < heads_rate)
+    expected = 1.0
+    copy_rows: list[int] = []
+    if not heads_first:  # the copy's chain (its policy budget already weighed its cost)
+        for j, c in enumerate(copy):
+            row = tree.add(copy_rows[-1] if copy_rows else 0, c.token, Source.COPY, j)
+            if row is None:
+                break
+            copy_rows.append(row)
+            expected += copy_rate ** (j + 1)
+            if c.token in eos:
+                break
+        first_tokens = [tree.tokens[r] for r in copy_rows]
+        miss = 1.0 - copy_rate
+    else:
+        first_tokens = [c.token for c in heads if c.on_chain]
+        miss = 1.0 - heads_rate
+
+    def leaves_first(step: int, token: int, parent_left: bool) -> bool:
+        return parent_left or (step < len(first_tokens) and token != first_tokens[step])
+
+    extras = []  # (weight, order, is_copy, index)
+    left: list[bool] = []  # per head node: its path leaves the first chain (only the copy's can)
+    for i, node in enumerate(heads):
+        left.append(not heads_first and leaves_first(node.step, node.token,
+                                                     node.parent >= 0 and left[node.parent]))
+        extras.append((heads_scale * node.prob * (miss if left[-1] else 1.0), len(extras), False, i))
+    if heads_first:
+        copy_left = False
+        for j, c in enumerate(copy):
+            copy_left = leaves_first(j, c.token, copy_left)
+            extras.append(((miss if copy_left else 1.0) * copy_rate ** (j + 1), len(extras), True, j))
+            if c.token in eos:
+                break
+    extras.sort(key=lambda e: (-e[0], e[1]))
+    best_rows, best_value = len(tree), expected / costs[len(tree)]
+    node_rows: dict[int, int] = {}
+    for weight, _order, is_copy, index in extras:
+        if is_copy:
+            if index != len(copy_rows):  # its parent did not make it
+                continue
+            parent, candidate = (copy_rows[-1] if copy_rows else 0), copy[index]
+        else:
+            candidate = heads[index]
+            if candidate.parent >= 0 and candidate.parent not in node_rows:
+                continue
+            parent = node_rows[candidate.parent] if candidate.parent >= 0 else 0
+        before = len(tree)
+        row = tree.add(parent, candidate.token, candidate.source, candidate.step)
+        if row is None:
+            break
+        if is_copy:
+            copy_rows.append(row)
+        else:
+            node_rows[index] = row
+        if len(tree) > before:
+            if not is_copy:
+                tree.predicted[row] = candidate.prob
+            expected += weight
+            value = expected / costs[len(tree)]
+            if value > best_value + 1e-9 or not adaptive:
+                best_rows, best_value = len(tree), value
+    tree.truncate(best_rows)
+    branches: dict[str, list[int]] = {}
+    if copy_rows:
+        branches[Source.COPY.value] = [r for r in copy_rows if r < best_rows]
+    if heads:
+        chain_rows = [node_rows[i] for i, n in enumerate(heads) if n.on_chain and i in node_rows]
+        branches[heads_key] = [r for r in chain_rows if r < best_rows]
+    return TreeRows(tree, branches)

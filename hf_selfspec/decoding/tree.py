@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .candidates import Source, source_label
+
 
 class DraftTree:
     """Rows of one tree cycle: row 0 is the last committed token; rows are only appended,
@@ -28,7 +30,9 @@ class DraftTree:
     def __init__(self, root_token: int, width: int):
         self.width = width
         self.tokens = [root_token]
-        self.sources = ["model"]
+        self.kinds = [Source.MODEL]  # who drafted each row
+        self.steps = [0]  # for head rows: which head / chain step
+        self.q: list = [None]  # sampling (chains): the distribution each draft was drawn from
         self.parent = [-1]
         self.depth = [0]
         self.children: list[dict[int, int]] = [{}]
@@ -43,7 +47,11 @@ class DraftTree:
     def room(self) -> int:
         return self.width - len(self.tokens)
 
-    def add(self, parent: int, token: int, source: str) -> int | None:
+    def label(self, row: int) -> str:
+        """The stats label of a row's token (source_label)."""
+        return source_label(self.kinds[row], self.steps[row])
+
+    def add(self, parent: int, token: int, source: Source, step: int = 0, q=None) -> int | None:
         """The row holding `token` under `parent`: an existing child, else a new row (None
         when the tree is full)."""
         existing = self.children[parent].get(token)
@@ -53,14 +61,16 @@ class DraftTree:
             return None
         row = len(self.tokens)
         self.tokens.append(token)
-        self.sources.append(source)
+        self.kinds.append(Source(source))
+        self.steps.append(step)
+        self.q.append(q)
         self.parent.append(parent)
         self.depth.append(self.depth[parent] + 1)
         self.children.append({})
         self.children[parent][token] = row
         return row
 
-    def add_branch(self, tokens: Sequence[int], source: str, parent: int = 0,
+    def add_branch(self, tokens: Sequence[int], source: Source, parent: int = 0,
                    stop_tokens: frozenset[int] | set[int] = frozenset()) -> list[int]:
         """Insert a chain of tokens under `parent` (merging with rows already there) until
         the tree is full or a stop token (EOS) was placed. Returns the branch's rows."""
@@ -80,7 +90,7 @@ class DraftTree:
         kept is a tree)."""
         if rows >= len(self.tokens):
             return
-        for name in ("tokens", "sources", "parent", "depth", "children"):
+        for name in ("tokens", "kinds", "steps", "q", "parent", "depth", "children"):
             del getattr(self, name)[rows:]
         self.predicted = {r: p for r, p in self.predicted.items() if r < rows}
         for kids in self.children:
@@ -101,6 +111,11 @@ class DraftTree:
         slots = [pos0 + i for i in range(len(self.tokens))]
         paths = [[pos0 + r for r in self.path(i)] for i in range(len(self.tokens))]
         return positions, slots, paths
+
+    @property
+    def drafts(self) -> list[int]:
+        """The tokens of every row but the root."""
+        return self.tokens[1:]
 
     @property
     def is_chain(self) -> bool:
