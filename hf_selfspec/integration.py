@@ -405,7 +405,8 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
 
 def _configured_assistant(model, generation_config):
     """`assistant` of the GenerationConfig passed, else of the model's own (a custom
-    GenerationConfig entry: HF keeps it through to_dict / save_pretrained / from_pretrained)."""
+    GenerationConfig entry: save_pretrained writes it, and HF reads it back from a model's
+    own generation_config.json, though not from one it derived from the model config)."""
     for config in (generation_config, getattr(model, "generation_config", None)):
         value = getattr(config, "assistant", None) if config is not None else None
         if value is not None:
