@@ -9,6 +9,10 @@ A head's threshold is the smallest confidence whose calibrated acceptance reache
 `cost_of_draft / value_of_accept` (draft when the expected gain of an accepted token
 exceeds the cost of drafting it). A head drafts when `confidence >= threshold`; NEVER
 (2.0, above any confidence) means the head never reaches the bar.
+
+`Calibration` serves exit heads (one map per head); `ChainCalibration` top-layer heads (one
+threshold per chain step, P(accept) = the confidence). Both read calibration.json as
+untrusted input: every field checked, a ValueError naming the field otherwise.
 """
 
 from __future__ import annotations
