@@ -15,8 +15,9 @@
 // traffic of one. Measured on the 2-core AMD EPYC CI machine, all 211 weights of
 // SmolLM2-135M: 1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms against MKL's 4- / 8-column
 // products (the wx4 layout) 42-53 / 71-80 ms; streaming the same bytes (sum) takes 34 ms.
-// Threads split the outputs o (at::parallel_for: torch's own pool and thread count); a dot
-// product never depends on the split.
+// Threads split the outputs o (torch's OpenMP team by default, or the work-sharing `Pool`
+// where other processes share the cores: see "threads" below); a dot product never depends
+// on the split.
 //
 // Dtypes: weights (and the KV cache) may be float32, bfloat16 or float16; each element is
 // widened to float32 in registers (bf16: the 16 bits shifted left by 16; fp16: F16C
@@ -34,8 +35,17 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -88,13 +98,169 @@ inline bool float_kind(const torch::Tensor& t) {
   return s == at::kFloat || s == at::kBFloat16 || s == at::kHalf;
 }
 
+// ---- threads ------------------------------------------------------------------------------
+//
+// Two ways to split a call's outputs over torch.get_num_threads() threads, chosen at run time
+// by `rows_pool(mode)` (both compute every output with the same arithmetic, so results are
+// bit for bit the same either way):
+//  - default: torch's OpenMP team (at::parallel_for, static shares). Best where the cores
+//    are the process's own: measured on a 2-core Xeon (the process alone on the cores), an
+//    engine-like step (211 products, a 49152-row LM head, torch argmax / softmax between)
+//    takes 23.4 / 29-30 / 36 ms with 1 / 4 / 8 rows.
+//  - the work-sharing pool below: the same step 23-25 / 31-32 / 35-36 ms there (1.0 / 1.04-1.12
+//    / 0.96-0.98x), but 2.5-10x faster than OpenMP where other processes busy the cores
+//    (same machine with ~10 runnable threads: 99-118 / 154-178 / 179-218 ms against
+//    250-343 / 517-1777 / 429-1818 ms), because nothing waits for an unscheduled thread.
+//
+// Chunks of a call run on torch.get_num_threads() threads: the calling thread and resident
+// workers each claim the chunks of their own contiguous share first, then what is left of
+// the others' (atomic counters), and the call returns once every claimed chunk is done. Which thread computes a chunk never changes its arithmetic. Unlike an OpenMP
+// team (at::parallel_for) nothing waits for a thread that has not started: on a machine
+// whose cores other processes also use, a worker the OS has not scheduled claims nothing
+// and the caller computes its chunks, where an OpenMP barrier waits (with default spinning)
+// for every thread of the team: measured on a 2-core Xeon shared with three busy
+// processes, one step's products took 2.6 s with 2 OpenMP threads against 0.09 s with 1.
+// Workers spin ~1 ms for the next call (a step's products follow one another within
+// microseconds), then sleep on a condition variable. A call made while another thread's call
+// holds the pool, or inside a parallel region, or in a forked child (no workers there: it
+// claims every chunk itself), runs on the calling thread alone.
+std::atomic<bool> g_use_pool{false};  // rows_pool(): false = OpenMP (at::parallel_for)
+inline bool use_pool() { return g_use_pool.load(std::memory_order_relaxed); }
+
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: its detached workers may outlive exit
+    return *pool;
+  }
+
+  // f(c) for every chunk c in [0, n), each on one thread
+  template <typename F>
+  void run(int64_t n, const F& f) {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+    std::unique_lock<std::mutex> owner(submit_, std::try_to_lock);
+    if (threads <= 1 || !owner.owns_lock() || at::in_parallel_region()) {
+      for (int64_t c = 0; c < n; ++c) f(c);
+      return;
+    }
+    start_workers(static_cast<int>(threads) - 1);
+    auto job = std::make_shared<Job>();
+    job->n = n;
+    job->helpers = static_cast<int>(threads) - 1;
+    job->fn = [&f](int64_t c) { f(c); };
+    job->mxcsr = _mm_getcsr();  // the caller's denormal modes on every thread
+    job->shares.reset(new Share[threads]);
+    for (int64_t t = 0; t < threads; ++t) {
+      job->shares[t].next.store(t * n / threads, std::memory_order_relaxed);
+      job->shares[t].end = (t + 1) * n / threads;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      current_ = job;
+      seq_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    work(*job, 0);
+    // chunks claimed by workers: a worker holding one is running it (or preempted in it)
+    for (int spins = 0; job->done.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < 4096) _mm_pause();
+      else sched_yield();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    current_.reset();  // a late worker finds no job; one holding `job` claims only c >= n
+  }
+
+ private:
+  struct alignas(64) Share {  // the chunks [next, end) a thread takes first; others take the rest
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+  struct Job {
+    int64_t n = 0;
+    int helpers = 0;
+    unsigned mxcsr = 0;
+    std::function<void(int64_t)> fn;
+    std::unique_ptr<Share[]> shares;
+    std::atomic<int64_t> done{0};
+  };
+
+  // thread t (0: the caller) takes its own contiguous share of the chunks first (each
+  // thread streams its own part of the weights, as a static split would), then what is left
+  // of the others' shares: a thread that has not started leaves its share to the others
+  static void work(Job& job, int t) {
+    const int T = job.helpers + 1;
+    for (int i = 0; i < T; ++i) {
+      Share& share = job.shares[(t + i) % T];
+      for (int64_t c; (c = share.next.fetch_add(1, std::memory_order_relaxed)) < share.end;) {
+        job.fn(c);
+        job.done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  }
+
+  void start_workers(int count) {  // with submit_ held
+    while (static_cast<int>(workers_) < count) {
+      const int id = static_cast<int>(workers_++);
+      std::thread([this, id] { worker(id); }).detach();
+    }
+  }
+
+  void worker(int id) {
+    uint64_t seen = seq_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
+      for (int i = 0; seq_.load(std::memory_order_acquire) == seen; ++i) {
+        _mm_pause();
+        if ((i & 255) == 255) {
+          if (std::chrono::steady_clock::now() > until) break;
+          if (i >= 2048) sched_yield();  // a thread waiting for this core (torch's own) runs first
+        }
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return seq_.load(std::memory_order_acquire) != seen; });
+        seen = seq_.load(std::memory_order_acquire);
+        job = current_;
+      }
+      if (job && id < job->helpers) {
+        _mm_setcsr(job->mxcsr);
+        work(*job, id + 1);
+      }
+    }
+  }
+
+  std::mutex submit_;  // one call at a time uses the workers
+  std::mutex mutex_;   // current_ and the wake-ups
+  std::condition_variable wake_;
+  std::shared_ptr<Job> current_;
+  std::atomic<uint64_t> seq_{0};
+  size_t workers_ = 0;
+};
+
+// f(o0, o1) over [0, O) in chunks of whole 12-row groups (every tile height divides 12),
+// about 8 chunks per thread so that a slow thread's share is taken by the others
+template <typename F>
+void for_outputs(int64_t O, const F& f) {
+  if (!use_pool()) {  // the default: torch's OpenMP team, outputs split in static shares
+    at::parallel_for(0, O, 64, f);
+    return;
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::max<int64_t>(12, (O + 8 * threads * 12 - 1) / (8 * threads * 12) * 12);
+  const int64_t n = (O + chunk - 1) / chunk;
+  Pool::get().run(n, [&](int64_t c) { f(c * chunk, std::min(O, (c + 1) * chunk)); });
+}
+
 // NW weight rows (w, stride K) times NX x rows (x, stride K); y[c * O + o + i].
 // NW and NX are compile-time so the NW * NX accumulators live in registers. With NREAL < NX
 // only NREAL x rows exist: the tile's spare columns re-read the last one and are not stored
 // (3 rows run in the 4-row tile this way, faster than a 3-row tile on a 2-core Xeon, layer
 // weights 19.5 vs 21.2 ms; each stored dot product's arithmetic is the same either way).
+// (never inlined: inlined into its caller's loop, the 3 x 4 tile's 16 registers spilled: 4 rows
+// 10-17% slower)
 template <typename T, int NW, int NX, int NREAL = NX>
-inline void tile(const T* __restrict w, const float* __restrict x, int64_t K, int64_t O,
+__attribute__((noinline)) void tile(const T* __restrict w, const float* __restrict x, int64_t K, int64_t O,
                  int64_t o, float* __restrict y) {
   __m256 acc[NW][NX];
 #pragma GCC unroll 8
@@ -135,13 +301,10 @@ inline void tile(const T* __restrict w, const float* __restrict x, int64_t K, in
   }
 }
 
-// output rows per thread task: threads split the outputs o in chunks of whole tiles
-constexpr int64_t kGrain = 64;
-
 // all R <= 8 rows against every weight row, NW weight rows per tile
 template <typename T, int NW, int NX, int NREAL = NX>
 void run(const T* wp, const float* xp, float* yp, int64_t K, int64_t O) {
-  at::parallel_for(0, O, kGrain, [&](int64_t o0, int64_t o1) {
+  for_outputs(O, [&](int64_t o0, int64_t o1) {
     int64_t o = o0;
     for (; o + NW <= o1; o += NW) tile<T, NW, NX, NREAL>(wp + o * K, xp, K, O, o, yp);
     for (; o < o1; ++o) tile<T, 1, NX, NREAL>(wp + o * K, xp, K, O, o, yp);
@@ -168,7 +331,7 @@ inline void tile_rows(const T* w, const float* x, int64_t K, int64_t O, int64_t 
 // weights once, not once per 8 rows
 template <typename T>
 void run_many(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
-  at::parallel_for(0, O, kGrain, [&](int64_t o0, int64_t o1) {
+  for_outputs(O, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o)
       for (int64_t r0 = 0; r0 < R; r0 += 8)
         tile_rows<T>(wp + o * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(8, R - r0));
@@ -221,6 +384,16 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
     linear_rows<T>(static_cast<const T*>(w.data_ptr()), xp, yp, R, K, O);
   });
   return y;
+}
+
+// mode 1: the work-sharing pool, 0: OpenMP (the default), -1: no change; returns the previous
+// mode (1 or 0). Results are bit-identical in both modes.
+int64_t rows_pool(int64_t mode);
+int64_t rows_pool(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "rows_pool: mode must be -1 (query), 0 (OpenMP) or 1 (pool), got ", mode);
+  const bool before = g_use_pool.load();
+  if (mode >= 0) g_use_pool.store(mode == 1);
+  return before ? 1 : 0;
 }
 
 // ---- attention ---------------------------------------------------------------------------
@@ -410,7 +583,7 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
   const int64_t P = meta.path.size(1);
   const int64_t* pp = meta.path.data_ptr<int64_t>();
   const int64_t d8 = d - d % 8;
-  at::parallel_for(0, R * Hq, 1, [&](int64_t i0, int64_t i1) {
+  auto body = [&](int64_t i0, int64_t i1) {
     alignas(32) float qs[kMaxHeadDim];
     alignas(32) float acc[kMaxHeadDim];
     for (int64_t item = i0; item < i1; ++item) {  // item = r * Hq + h
@@ -450,7 +623,9 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       for (int64_t c = 0; c < d8; c += 8) _mm256_storeu_ps(o + c, _mm256_div_ps(_mm256_load_ps(acc + c), lvec));
       for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / l;
     }
-  });
+  };
+  if (use_pool()) Pool::get().run(R * Hq, [&](int64_t i) { body(i, i + 1); });
+  else at::parallel_for(0, R * Hq, 1, body);
 }
 
 }  // namespace

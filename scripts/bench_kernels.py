@@ -7,6 +7,7 @@ correctness tool: its times say nothing about GPU speed).
 
     python scripts/bench_kernels.py [--head-dim 64] [--prefix 300] [--heads 9 3]
     python scripts/bench_kernels.py --cpu-rows [--threads 1 2] [--rows 1 4 8] [--dtypes float32 bfloat16]
+        [--baseline old_cpu_rows.cpp] [--pool]
 
 --cpu-rows: every product of one decode step of a SmolLM2-135M-shaped model (hidden 576,
 intermediate 1536, 30 layers, vocabulary 49152; 9 heads of 64 over 3 KV heads) through
@@ -56,9 +57,27 @@ def bench_cpu_rows(args) -> None:
 
     from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
 
-    linear = load_rows_linear()
-    if linear is None:
+    kernels = {"kernel": load_rows_linear()}
+    if kernels["kernel"] is None:
         raise SystemExit(f"the C++ kernel is not available: {build_error()}")
+    if args.pool:  # the same kernel on its work-sharing pool instead of OpenMP
+        from hf_selfspec.kernels.cpu_rows import use_work_pool
+
+        def pooled(x, w, _f=kernels["kernel"]):
+            use_work_pool(True)
+            try:
+                return _f(x, w)
+            finally:
+                use_work_pool(False)
+
+        kernels["pool"] = pooled
+    if args.baseline:  # another cpu_rows.cpp (e.g. `git show REV:kernels/cpu_rows.cpp`), same flags
+        from torch.utils.cpp_extension import load_inline
+
+        kernels["baseline"] = load_inline(
+            name="selfspec_cpu_rows_baseline", cpp_sources=[open(args.baseline).read()],
+            functions=["rows_linear"], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            extra_ldflags=["-fopenmp"]).rows_linear
     m = SMOLLM2
     H, I, d = m["hidden"], m["intermediate"], m["head_dim"]
     layer_shapes = [(m["heads"] * d, H), (m["kv_heads"] * d, H), (m["kv_heads"] * d, H), (H, m["heads"] * d),
@@ -73,14 +92,14 @@ def bench_cpu_rows(args) -> None:
     xs = {r: {k: torch.randn(r, k, generator=gen) for k in (H, I)} for r in args.rows}
     threads0 = torch.get_num_threads()
 
-    def step(name, rows):
+    def step(linear, name, rows):
         layers, head = weights[name]
         x = xs[rows]
         for w in layers:
             linear(x[w.shape[1]], w)
         linear(x[H], head)
 
-    def head_only(name, rows):
+    def head_only(linear, name, rows):
         linear(xs[rows][H], weights[name][1])
 
     def stream(name):  # every weight byte read once
@@ -92,10 +111,13 @@ def bench_cpu_rows(args) -> None:
     cases = {}
     for t in args.threads:
         for name in args.dtypes:
-            cases[("sum", t, name, 0)] = lambda name=name: stream(name)
+            cases[("sum", t, name, 0, "")] = lambda name=name: stream(name)
             for r in args.rows:
-                cases[("step", t, name, r)] = lambda name=name, r=r: step(name, r)
-                cases[("head", t, name, r)] = lambda name=name, r=r: head_only(name, r)
+                for kname, fn in kernels.items():
+                    if kname == "baseline" and name != "float32":
+                        continue
+                    cases[("step", t, name, r, kname)] = lambda fn=fn, name=name, r=r: step(fn, name, r)
+                    cases[("head", t, name, r, kname)] = lambda fn=fn, name=name, r=r: head_only(fn, name, r)
     samples = {key: [] for key in cases}
     for rnd in range(1 + args.repeats):  # round 0: warm-up
         for key, fn in cases.items():
@@ -113,15 +135,17 @@ def bench_cpu_rows(args) -> None:
         layers, head = weights[name]
         mb = (sum(w.numel() for w in layers) + head.numel()) * head.element_size() / 1e6
         print(f"\n{name}: {mb:.0f} MB of weights per step (211 products), LM head {head.numel() * head.element_size() / 1e6:.0f} MB")
-        print(f"{'what':<16}" + "".join(f"{f'{t} thr ms':>11}" for t in args.threads)
+        print(f"{'what':<23}" + "".join(f"{f'{t} thr ms':>11}" for t in args.threads)
               + (f"{'ratio':>8}" if len(args.threads) > 1 else "") + f"{'GB/s':>7}")
-        rows_list = [("sum", 0)] + [("step", r) for r in args.rows] + [("head", r) for r in args.rows]
-        for kind, r in rows_list:
-            times = [med[(kind, t, name, r)] for t in args.threads]
+        rows_list = [("sum", 0, "")] + [(kind, r, k) for kind in ("step", "head") for r in args.rows
+                                        for k in kernels if (kind, args.threads[0], name, r, k) in med]
+        for kind, r, kname in rows_list:
+            times = [med[(kind, t, name, r, kname)] for t in args.threads]
             label = "stream (sum)" if kind == "sum" else f"{kind} {r} row{'s' * (r > 1)}"
+            label += {"baseline": " (base)", "pool": " (pool)"}.get(kname, "")
             ratio = f"{times[0] / times[-1]:>8.2f}" if len(times) > 1 else ""
             gb = (head.numel() * head.element_size() / 1e6 if kind == "head" else mb) / times[-1]
-            print(f"{label:<16}" + "".join(f"{t:>11.2f}" for t in times) + ratio + f"{gb:>7.1f}")
+            print(f"{label:<23}" + "".join(f"{t:>11.2f}" for t in times) + ratio + f"{gb:>7.1f}")
 
 
 def main() -> None:
@@ -133,6 +157,8 @@ def main() -> None:
         parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                             choices=["float32", "bfloat16", "float16"])
         parser.add_argument("--repeats", type=int, default=7)
+        parser.add_argument("--baseline", help="a cpu_rows.cpp to time beside this one (float32 rows)")
+        parser.add_argument("--pool", action="store_true", help="also time the kernel on its own thread pool")
         bench_cpu_rows(parser.parse_args())
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

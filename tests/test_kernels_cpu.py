@@ -27,6 +27,7 @@ from hf_selfspec.kernels.cpu_rows import (
     remove_stale_lock,
     rows_attention_reference,
     rows_linear_reference,
+    use_work_pool,
     wait_for_build_lock,
 )
 
@@ -549,3 +550,31 @@ def test_lock_watch_removes_only_a_foreign_stale_lock(tmp_path):
         lock.touch()  # our own build's lock
         time.sleep(1.0)
     assert not watch.fired and lock.exists()
+
+
+# ---- threads: the work-sharing pool computes the same bits as OpenMP ---------------------
+
+def test_work_pool_gives_the_same_bits(kernel, attention, layer):
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(1000, 576, generator=gen).bfloat16()
+    x = torch.randn(11, 576, generator=gen)
+    k, v = _cache(gen, 3, 300, 64)
+    q = torch.randn(5, 9, 64, generator=gen)
+    lim = torch.tensor([0, 7, 100, 250, 299])
+    case = _layer_case(gen, R=6, **LAYER_SHAPES[1])
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        torch.set_num_threads(2)
+        for pool in (False, True):
+            use_work_pool(pool)
+            assert use_work_pool() is pool
+            c = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+            results[pool] = [kernel(x, w), kernel(x[:1], w), attention(q, k, v, lim, 0.125),
+                             _call(layer, c), c["k_cache"]]
+    finally:
+        use_work_pool(False)
+        torch.set_num_threads(threads)
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+    assert torch.equal(results[True][1][0], results[True][0][0])
