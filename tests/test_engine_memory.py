@@ -177,6 +177,9 @@ def test_capacity_growth_stops_at_the_models_positions():
     engine.ensure_capacity(2048)
     assert engine.capacity == 2048  # max_position_embeddings, not the next key block
     assert engine.view.cos.shape[0] == 2048
+    for bad in ({"need": 0}, {"need": 10, "keep": -1}, {"need": 10.5}):
+        with pytest.raises(ValueError, match="need|keep"):
+            engine.ensure_capacity(**bad)
 
 
 # ---- the measurement cache on disk -------------------------------------------------------

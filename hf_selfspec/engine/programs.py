@@ -224,6 +224,8 @@ class Engine:
         long request does not keep its memory."""
         if not isinstance(need, int) or need < 1:
             raise ValueError(f"need must be a positive int, got {need!r}")
+        if keep is not None and (not isinstance(keep, int) or keep < 0):
+            raise ValueError(f"keep must be None or an int >= 0, got {keep!r}")
         target = self.capacity
         wanted = self.capacity_for(need)
         if need > self.capacity:
@@ -231,7 +233,8 @@ class Engine:
         elif release and self.capacity > SHRINK_RATIO * wanted and self.capacity > self.config.capacity:
             target = max(self.config.capacity, wanted)
         if target != self.capacity:
-            self._allocate(target, keep=min(self.capacity, target) if keep is None else min(keep, target))
+            kept = self.capacity if keep is None else keep
+            self._allocate(target, keep=min(kept, self.capacity, target))
 
     def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
         """prompt + max_new + W must fit the KV cache; raise before any work otherwise."""
