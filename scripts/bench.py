@@ -3,6 +3,9 @@
     python scripts/bench.py                       # all categories, all methods
     python scripts/bench.py --per-category 2 --max-new-tokens 64 --methods hf_greedy,self
     python scripts/bench.py --widths               # also the cost of a step vs its rows
+    python scripts/bench.py --roofline             # also bytes per step over measured bandwidth
+    python scripts/bench.py --methods hf_greedy,self,llama_cpp_greedy,llama_cpp_lookup
+                                                   # llama.cpp as a peer (pip install llama-cpp-python)
     python scripts/bench.py --model HF_FOLDER --draft-model SMALLER_HF_FOLDER
                                                    # another model (no heads: prompt lookup),
                                                    # + HF assisted generation vs self-spec with
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import platform
 import statistics
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_cpp_peer
 
 from hf_selfspec import DecodeConfig, attach_heads  # noqa: E402
 from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
@@ -37,6 +42,9 @@ from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 METHODS = ("hf_greedy", "hf_prompt_lookup", "hf_early_exit", "engine_ar", "self_heads",
            "self_lookup", "self")
 DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
+# llama.cpp greedy and its prompt-lookup decoding on an F32 GGUF of the same weights
+# (scripts/llama_cpp_peer.py; needs llama-cpp-python, benchmark-only)
+PEER_METHODS = ("llama_cpp_greedy", "llama_cpp_lookup")
 # draft structures, each = the shipped default policy with one change (--methods to pick)
 TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_tree_beam1",
                 "self_heads_tree", "self_heads_chain", "self_heads_fixed", "self_heads_fixed_tree")
@@ -74,6 +82,9 @@ def run_method(method, model, ids, max_new, state):
         stats = model.selfspec_stats.as_dict()
     elif method == "hf_early_exit":
         out = model.generate(ids, assistant_early_exit=state["early_exit_layer"], **greedy)
+    elif method in PEER_METHODS:
+        tokens, seconds = state["peers"][method].generate(ids[0].tolist(), max_new, set(state["eos"]))
+        return tokens, seconds, None
     elif method == "engine_ar":
         engine = model._selfspec.engine_for(model, ids.shape[1] + max_new + 16)
         tokens = engine.generate_ar(ids[0].tolist(), max_new, state["eos"])
@@ -110,6 +121,56 @@ def width_curve(model, widths, reps=9):
     return rows
 
 
+def bandwidth_gbs(reps: int = 7, mib: int = 512) -> float:
+    """Memory bandwidth a plain torch reduction reaches over `mib` MiB (median of reps)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
+    """Bytes one engine step reads (weights + KV at `context`) over the measured bandwidth,
+    beside the step's measured time: how far each step is from the memory bound."""
+    engine = model._selfspec.engine_for(model, 1024)
+    cfg = model.config
+    params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    embed = model.get_input_embeddings().weight
+    if embed.data_ptr() != model.get_output_embeddings().weight.data_ptr():
+        weight_bytes -= embed.numel() * embed.element_size()  # a step reads one embedding row
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * embed.element_size()
+    gbs = bandwidth_gbs()
+    bound_ms = (weight_bytes + kv_bytes) / (gbs * 1e9) * 1e3
+    prompt = [100 + i % 200 for i in range(context)]
+    engine.prefill(prompt)
+    rows = []
+    for n in widths:
+        if n > engine.width:
+            continue
+        times = []
+        for _ in range(reps):
+            meta = engine.make_meta(range(context, context + n))
+            h = engine.embed(prompt[:n])
+            t0 = time.perf_counter()
+            engine.verify(h, 0, meta)
+            times.append(time.perf_counter() - t0)
+        ms = statistics.median(times) * 1e3
+        rows.append({"rows": n, "ms": ms, "bound_ms": bound_ms, "of_bound": bound_ms / ms})
+    print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
+          f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
+          f"({1e3 / bound_ms:.0f} AR steps/s)")
+    print(f"{'rows':>5} {'ms':>8} {'bound ms':>9} {'% of bound':>11}")
+    for r in rows:
+        print(f"{r['rows']:>5} {r['ms']:>8.1f} {r['bound_ms']:>9.1f} {r['of_bound']:>10.0%}")
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth_gbs": gbs, "steps": rows}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-category", type=int, default=3)
@@ -119,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--early-exit-layer", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--widths", action="store_true", help="also print the step cost vs rows")
+    ap.add_argument("--roofline", action="store_true",
+                    help="also print bytes per step over measured bandwidth (the memory bound)")
     ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
     ap.add_argument("--model", default=None,
                     help="HF model folder or id instead of the embedded default (heads: --heads, else none)")
@@ -132,8 +195,10 @@ def main(argv=None):
     if args.draft_model:
         methods += [m for m in DRAFT_METHODS if m not in methods]
     for m in methods:
-        if m not in METHODS + DRAFT_METHODS + TREE_METHODS:
-            ap.error(f"unknown method {m!r}; choose from {METHODS + DRAFT_METHODS + TREE_METHODS}")
+        if m not in METHODS + DRAFT_METHODS + TREE_METHODS + PEER_METHODS:
+            ap.error(f"unknown method {m!r}; choose from {METHODS + DRAFT_METHODS + TREE_METHODS + PEER_METHODS}")
+        if m in PEER_METHODS and (args.model or importlib.util.find_spec("llama_cpp") is None):
+            ap.error(f"method {m} needs llama-cpp-python (pip install llama-cpp-python) and the default model")
         if m in DRAFT_METHODS and not args.draft_model:
             ap.error(f"method {m} needs --draft-model")
 
@@ -161,6 +226,13 @@ def main(argv=None):
     state = {"eos": [tokenizer.eos_token_id], "early_exit_layer": args.early_exit_layer,
              "draft_model": draft_model,
              "decode": {k: dataclasses.replace(model._selfspec.decode_config, **v) for k, v in SELF_DECODE.items()}}
+    peers = [m for m in methods if m in PEER_METHODS]
+    if peers:
+        from llama_cpp_peer import LlamaCppPeer, f32_gguf
+
+        path = f32_gguf()
+        state["peers"] = {m: LlamaCppPeer(path, args.threads, lookup_tokens=10 if m == "llama_cpp_lookup" else 0)
+                          for m in peers}
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     categories = [c for c in args.categories.split(",") if c]
 
@@ -189,12 +261,14 @@ def main(argv=None):
 
     print_table(records, categories, methods)
     widths = width_curve(model, [1, 2, 3, 4, 6, 8]) if args.widths else None
+    bound = roofline(model) if args.roofline else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
             "engine_layout": model._selfspec.engine.layout.name if model._selfspec.engine else None}
-    out.write_text(json.dumps({"meta": meta, "records": records, "width_curve": widths}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "records": records, "width_curve": widths, "roofline": bound},
+                              indent=1))
     print(f"\nsaved {out}")
     png = out.with_suffix(".png")
     plot(records, categories, methods, png)

@@ -25,18 +25,16 @@ def _modules() -> dict[str, Path]:
             name = ".".join([base, *parts])
             if base == "hf_selfspec" and parts[:1] == ["kernels"]:
                 continue
-            if any(p.startswith("_old") for p in parts):
-                continue
             modules[name] = path
     return modules
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Modules of the package that `name` imports, anywhere in its file (a function-level
-    import is still a dependency)."""
+    import is still a dependency; an `if TYPE_CHECKING:` import, for annotations only, is not)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         targets = []
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -50,6 +48,20 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                        for alias in node.names]
         found.update(t for t in targets if t in modules and t != name)
     return found
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node outside `if TYPE_CHECKING:` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = getattr(child, "test", None) if isinstance(child, ast.If) else None
+            if test is not None and "TYPE_CHECKING" in ast.unparse(test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
 
 
 def test_package_import_graph_is_acyclic():
@@ -77,7 +89,7 @@ def test_pyproject_ships_every_package_folder():
     assert config["package-dir"] == {"hf_selfspec.kernels": "kernels"}
     folders = {".".join(["hf_selfspec", *p.parent.relative_to(ROOT / "hf_selfspec").parts])
                for p in (ROOT / "hf_selfspec").rglob("__init__.py")}
-    folders = {f.rstrip(".") for f in folders if "._old" not in f} | {"hf_selfspec.kernels"}
+    folders = {f.rstrip(".") for f in folders} | {"hf_selfspec.kernels"}
     assert set(config["packages"]) == folders
 
 
