@@ -15,7 +15,7 @@ from .engine.programs import EngineConfig
 from .integration import AutoSelfSpecModelForCausalLM, attach_heads, detach_heads
 from .stats import DecodeStats
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 
 
 def load_default():

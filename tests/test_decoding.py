@@ -263,3 +263,25 @@ def test_lossy_top_k_is_opt_in_and_stays_in_the_models_top_k(setup):
         DecodeConfig(lossy_top_k=0)
     with pytest.raises(ValueError, match="greedy option"):
         SelfSpecDecoder(engine, heads, DecodeConfig(lossy_top_k=2, **base)).generate([5, 6], 5, do_sample=True)
+
+
+@pytest.mark.parametrize("drafter", ["exit_heads", "top_heads_tree", "top_heads_chain", "lookup"])
+def test_a_full_cache_drafts_less_at_its_end(drafter):
+    """An engine whose KV cache holds exactly prompt + max_new_tokens slots (what AR
+    decoding needs): the last cycles draft fewer rows instead of writing past the cache,
+    and the output is still the AR output of a roomier engine."""
+    model = tiny_model("llama", seed=0, layers=4)
+    roomy = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
+    tight = Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel"))
+    heads = {"exit_heads": random_heads(model, [1, 3]), "lookup": None}.get(drafter, random_top_heads(model, 3))
+    config = dict(thresholds=ALWAYS, adaptive=False, lookup="off" if heads is not None else "only",
+                  tree="on" if drafter == "top_heads_tree" else "off")
+    if drafter == "exit_heads":
+        config["thresholds"] = (ALWAYS, ALWAYS)
+    p = prompt(4, 40, alphabet=6)  # repetitive: lookup copies too
+    max_new = tight.capacity - len(p)
+    expected = roomy.generate_ar(p, max_new)
+    result = SelfSpecDecoder(tight, heads, DecodeConfig(**config)).generate(p, max_new)
+    assert result.tokens == expected and result.stats.drafted > 0
+    with pytest.raises(ValueError, match="KV capacity"):
+        SelfSpecDecoder(tight, heads, DecodeConfig(**config)).generate(p, max_new + 1)

@@ -73,6 +73,7 @@ class DraftContext:
     eos: frozenset[int]
     tree: bool = False  # a tree may be proposed (else a chain)
     scorer: object | None = None  # sampling.RowScorer when sampling: drafts are sampled
+    room: int = 1 << 30  # KV slots left from `position` on: at most this many rows this cycle
 
 
 class Drafter(Protocol):

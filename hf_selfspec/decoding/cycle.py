@@ -180,7 +180,7 @@ class SelfSpecDecoder:
         do_sample: exact speculative sampling from the softmax of the scores."""
         engine = self.engine
         prompt_ids = list(prompt_ids)
-        engine.check_capacity(len(prompt_ids), max_new_tokens)
+        engine.check_capacity(len(prompt_ids), max_new_tokens, draft_rows=0)
         stats = stats if stats is not None else DecodeStats()
         stats.prompt_tokens = len(prompt_ids)
         stats.lossy = self.config.lossy_top_k > 1
@@ -204,7 +204,7 @@ class SelfSpecDecoder:
         if scorer is not None:
             min_new_tokens = 0
         if self.draft_engine is not None:
-            self.draft_engine.check_capacity(len(prompt_ids), max_new_tokens)
+            self.draft_engine.check_capacity(len(prompt_ids), max_new_tokens, draft_rows=0)
 
         # prefill: the prompt's KV, the first token from its last row
         logits, final_before = engine.prefill(prompt_ids)
@@ -220,8 +220,10 @@ class SelfSpecDecoder:
         policy = self._new_policy()
         tree = self.use_tree and not do_sample and scorer is None
         while not done:
-            budget = min(self.max_draft, max_new_tokens - len(out) - 1)
-            ctx = DraftContext(out, final_before, position, eos, tree, scorer if do_sample else None)
+            # near the end of the KV cache (the model's position range) a cycle drafts less
+            room = engine.capacity - position
+            budget = min(self.max_draft, max_new_tokens - len(out) - 1, room - 1)
+            ctx = DraftContext(out, final_before, position, eos, tree, scorer if do_sample else None, room)
             t0 = time.perf_counter()
             plan = self.draft(ctx, budget, policy, stats)
             t1 = time.perf_counter()
@@ -305,7 +307,7 @@ class SelfSpecDecoder:
         if (not copies and self.lookup is not None and mode == "fallback" and copy_budget > 0
                 and not (proposal and proposal.candidates)):
             copies = self._propose(self.lookup, ctx, copy_budget, stats).candidates
-        tree = DraftTree(ctx.committed[-1], self.engine.width)
+        tree = DraftTree(ctx.committed[-1], min(self.engine.width, ctx.room))
         rows = proposal.rows if proposal is not None else None
         chosen = copies or (proposal.candidates if proposal is not None else [])
         for candidate in chosen:
@@ -324,7 +326,7 @@ class SelfSpecDecoder:
         they pay (policy.select_tree_rows). A copy that goes first (its live rate is at
         least the heads') and fills the tree leaves no row for the heads: they are not
         evaluated."""
-        width = min(self.engine.width, self.max_draft + 1)
+        width = min(self.engine.width, self.max_draft + 1, ctx.room)
         if budget <= 0:
             return DraftPlan(DraftTree(ctx.committed[-1], width), {})
         mode = self.config.lookup

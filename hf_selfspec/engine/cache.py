@@ -63,7 +63,7 @@ def cpu_model() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _software() -> dict[str, str]:
-    from hf_selfspec import __version__
+    from hf_selfspec._version import __version__
     from hf_selfspec.kernels.cpu_rows import SOURCE
 
     try:

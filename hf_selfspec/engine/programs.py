@@ -236,15 +236,18 @@ class Engine:
             kept = self.capacity if keep is None else keep
             self._allocate(target, keep=min(kept, self.capacity, target))
 
-    def check_capacity(self, prompt_len: int, max_new_tokens: int) -> None:
-        """prompt + max_new + W must fit the KV cache; raise before any work otherwise."""
+    def check_capacity(self, prompt_len: int, max_new_tokens: int, draft_rows: int | None = None) -> None:
+        """prompt + max_new + `draft_rows` (default: the width) must fit the KV cache; raise
+        before any work otherwise. The speculative loop passes draft_rows=0: it drafts fewer
+        rows near the end of the cache, so it needs only the slots AR decoding needs."""
         if prompt_len < 1:
             raise ValueError("the prompt is empty: pass at least one input token")
-        need = prompt_len + max_new_tokens + self.width
+        rows = self.width if draft_rows is None else draft_rows
+        need = prompt_len + max_new_tokens + rows
         if need > self.capacity:
             raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + draft width "
-                f"({self.width}) = {need} exceeds the engine's KV capacity ({self.capacity}). "
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + draft rows "
+                f"({rows}) = {need} exceeds the engine's KV capacity ({self.capacity}). "
                 "Shorten the prompt, lower max_new_tokens, or call engine.ensure_capacity(need)."
             )
 
