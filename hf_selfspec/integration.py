@@ -220,10 +220,9 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     """
     from .engine.layered import LayeredModel
 
+    _install_attach_first_check()
     _check_sliding_window(model)
-    LayeredModel._check_features(model.config, 1)  # unsupported features fail here, early
-    if getattr(model.config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
-        LayeredModel(model, 1)  # raises UnsupportedModelError naming the architecture
+    LayeredModel.check_supported(model)  # unsupported features or layers fail here, early
     if "generate" in model.__dict__:
         raise ValueError(
             "this model instance has its own generate attribute (loaded with a custom_generate "
@@ -419,7 +418,8 @@ def _install_attach_first_check() -> None:
     assistant='self' as a keyword fails with HF's generic "model_kwargs are not used", and
     in a GenerationConfig it is silently ignored. Both raise ATTACH_FIRST instead. The hook
     sits on HF's GenerationConfig preparation and acts only on those two requests, which
-    HF would refuse or drop; every other call is untouched."""
+    HF would refuse or drop; every other call is untouched. Installed by the process's first
+    attach_heads (so importing the package does not import HF's generation stack)."""
     from transformers.generation.utils import GenerationMixin
 
     original = GenerationMixin._prepare_generation_config
@@ -437,8 +437,6 @@ def _install_attach_first_check() -> None:
     _prepare_generation_config.__doc__ = original.__doc__
     GenerationMixin._prepare_generation_config = _prepare_generation_config
 
-
-_install_attach_first_check()
 
 
 def _stop_strings_as_criteria(model, generation_config, kwargs):
