@@ -47,7 +47,7 @@ def args(model_folder, out, prompts, *extra):
     # the prompts run out long before a minute: collection ends early and the training
     # steps are capped, so the run is short whatever the machine's speed
     return [str(model_folder), "--out", str(out), "--minutes", "1", "--prompts", str(prompts),
-            "--max-new-tokens", "16", "--batch-size", "4", "--max-steps", "6", "--threads", "2",
+            "--max-new-tokens", "16", "--batch-size", "4", "--max-steps", "6", "--threads", "1",
             "--no-progress", *extra]
 
 
@@ -103,8 +103,10 @@ def test_a_second_run_continues_the_first(model_folder, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_folder)
     source, settings = PromptSource(prompts), CollectSettings(batch_size=4, max_new_tokens=16)
     state = WorkState.open(work, work_key(model, source, settings))
-    collect_split(model, tokenizer, source, "train", work, state, settings, 0.5, progress=False)
-    assert state.splits["train"].consumed == 4 and state.splits["train"].parts == 1  # then out of time
+    # an interrupted run: one batch (max_positions stops it, as a spent budget would)
+    collect_split(model, tokenizer, source, "train", work, state, settings, 60.0, max_positions=1,
+                  progress=False)
+    assert state.splits["train"].consumed == 4 and state.splits["train"].parts == 1
 
     assert main(args(model_folder, out, prompts)) == 0
     state = json.loads((work / "state.json").read_text())["splits"]

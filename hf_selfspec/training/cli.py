@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         collect=CollectSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens),
         fit=FitSettings(depth=args.depth, max_steps=args.max_steps),
         command=command, progress=not args.no_progress)
-    try:
-        import torch
+    import torch
 
+    threads = torch.get_num_threads()
+    try:
         config.validate()  # before the model loads: bad input fails in a second
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"hf-selfspec train-heads: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside a larger program (tests)
     return 0
 
 

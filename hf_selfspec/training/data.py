@@ -197,7 +197,9 @@ def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Pa
                   settings: CollectSettings, budget_s: float, max_positions: int | None = None,
                   progress: bool = True) -> int:
     """Answer the next prompts of `split` for up to `budget_s` seconds (a batch started
-    in time finishes) or until the split holds `max_positions`; returns the positions added.
+    in time finishes; none starts that, as long as the last one, would end over half its
+    length past the budget) or until the split holds `max_positions`; returns the
+    positions added.
     Each batch is saved as it finishes, so an interrupted run keeps all but the last."""
     from tqdm.auto import tqdm
 
@@ -213,13 +215,15 @@ def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Pa
     device = next(model.parameters()).device
     caught: list[torch.Tensor] = []
     hook = model.model.norm.register_forward_hook(lambda mod, inp, out: caught.append(out[:, -1].float().cpu()))
-    added, t0 = 0, time.monotonic()
+    added, t0, last_batch_s = 0, time.monotonic(), 0.0
     bar = tqdm(total=round(budget_s), desc=f"replies ({split})", disable=not progress,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s{postfix}")
     try:
         while time.monotonic() - t0 < budget_s:
             if max_positions is not None and st.positions >= max_positions:
                 break
+            if time.monotonic() - t0 + last_batch_s / 2 > budget_s:
+                break  # a batch like the last would end over half its length past the budget
             batch = [next(prompts, None) for _ in range(settings.batch_size)]
             batch = [b for b in batch if b is not None]
             if len(batch) < settings.batch_size:
@@ -247,7 +251,8 @@ def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Pa
             st.consumed = batch[-1][0] + 1
             st.replies += len(part["ids"])
             st.positions += positions
-            st.seconds = round(st.seconds + time.monotonic() - t_batch, 1)
+            last_batch_s = time.monotonic() - t_batch
+            st.seconds = round(st.seconds + last_batch_s, 1)
             state.save(folder)
             added += positions
             bar.update(min(round(time.monotonic() - t0), bar.total) - bar.n)
