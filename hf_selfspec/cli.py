@@ -1,10 +1,12 @@
-"""The `hf-selfspec` command: generate (streaming, tokens coloured by source), bench,
-train-heads, push-heads.
+"""The `hf-selfspec` command: generate (streaming, tokens coloured by source), train-heads,
+push-heads, bench, train-exit-heads.
 
-`bench` and `train-heads` run scripts/bench.py and scripts/train_heads.py of a source
-checkout with every argument passed through (`hf-selfspec bench --help` is the script's
-own help); a pip install has no scripts/ and says so in one line. Any error prints one
-line and exits with status 2 (HF_SELFSPEC_DEBUG=1 shows the traceback).
+`train-heads` trains top-layer draft heads for any supported model (hf_selfspec.training,
+part of the package). `bench` and `train-exit-heads` run scripts/bench.py and
+scripts/train_heads.py of a source checkout with every argument passed through
+(`hf-selfspec bench --help` is the script's own help); a pip install has no scripts/ and
+says so in one line. Any error prints one line and exits with status 2
+(HF_SELFSPEC_DEBUG=1 shows the traceback).
 """
 
 from __future__ import annotations
@@ -123,9 +125,13 @@ SCRIPT_COMMANDS = {
     "bench": ("bench.py", "benchmark vs HF greedy / prompt lookup / early exit, side by side "
                           "(--model, --heads, --draft-model, --methods, --per-category, "
                           "--max-new-tokens, ...)"),
-    "train-heads": ("train_heads.py", "train exit heads for a model by self-distillation "
-                                      "(--model, --out, --num-heads, ...); the shipped default "
-                                      "heads are top-layer draft heads from scripts/head_study.py"),
+    "train-exit-heads": ("train_heads.py", "train exit heads (early layers) for a model by "
+                                           "self-distillation (--model, --out, --num-heads, ...)"),
+}
+# subcommands of the package itself, all arguments passed to their own parser
+PACKAGE_COMMANDS = {
+    "train-heads": ("hf_selfspec.training.cli", "train top-layer draft heads for a model on its own "
+                                                "greedy replies: MODEL --out DIR --minutes N"),
 }
 
 
@@ -186,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-colour", action="store_true")
     g.set_defaults(func=cmd_generate)
 
+    for command, (module, text) in PACKAGE_COMMANDS.items():
+        sub.add_parser(command, help=f"{text}; flags: hf-selfspec {command} --help", add_help=False)
     for command, (script, text) in SCRIPT_COMMANDS.items():
         # listed here for the help; main() hands their arguments to the script untouched
         sub.add_parser(command, help=f"{text}; flags: hf-selfspec {command} --help (scripts/{script})",
@@ -206,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SCRIPT_COMMANDS:
         return _run_script(SCRIPT_COMMANDS[argv[0]][0], argv[1:])
+    if argv and argv[0] in PACKAGE_COMMANDS:
+        import importlib
+
+        return int(importlib.import_module(PACKAGE_COMMANDS[argv[0]][0]).main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)  # usage errors: argparse's message, status 2
     try:
         return int(args.func(args) or 0)

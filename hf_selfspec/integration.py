@@ -300,7 +300,7 @@ def _default_or_no_heads(model, revision):
             f"no heads given and the heads shipped with hf_selfspec are for {base_name}, not for "
             f"{repr(name) if name else 'this ' + type(model).__name__}: assistant='self' drafts with exact prompt lookup only (the model's own "
             "greedy output; faster where the text repeats its context). For more speed get heads "
-            f"for this model: train them with `hf-selfspec train-heads --model {name or 'MODEL'} --out FOLDER` "
+            f"for this model: train them with `hf-selfspec train-heads {name or 'MODEL'} --out FOLDER --minutes 60` "
             "and attach_heads(model, heads='FOLDER'), or pass published heads (heads='org/repo'). "
             "heads=False attaches without heads and without this warning.",
             UserWarning, stacklevel=3,

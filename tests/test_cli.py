@@ -11,7 +11,7 @@ def test_help_reads_well(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
-    for command in ("generate", "bench", "train-heads", "push-heads"):
+    for command in ("generate", "bench", "train-heads", "train-exit-heads", "push-heads"):
         assert command in out
 
 
@@ -87,8 +87,12 @@ def test_bench_and_train_heads_take_their_flags():
     assert bench.returncode == 0, bench.stderr
     for flag in ("--per-category", "--model", "--draft-model", "--methods", "--max-new-tokens"):
         assert flag in bench.stdout
-    train = _entry_point("train-heads", "--help")
+    train = _entry_point("train-exit-heads", "--help")
     assert train.returncode == 0 and "--out" in train.stdout and "--model" in train.stdout
+    top = _entry_point("train-heads", "--help")  # the package's own trainer (no scripts/ needed)
+    assert top.returncode == 0 and "--minutes" in top.stdout and "MODEL" in top.stdout
+    missing = _entry_point("train-heads", "default", "--out", "x", "--minutes", "1", "--prompts", "no_such.jsonl")
+    assert missing.returncode == 2 and "no_such.jsonl" in missing.stderr and "Traceback" not in missing.stderr
     bad = _entry_point("bench", "--methods", "no_such_method", "--per-category", "1")
     assert bad.returncode == 2 and "unknown method 'no_such_method'" in bad.stderr
     separated = _entry_point("bench", "--", "--methods", "no_such_method")
