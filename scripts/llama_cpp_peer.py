@@ -66,8 +66,10 @@ class LlamaCppPeer:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens)
+        # the draft path verifies several tokens per step and reads their logits: logits_all
         self.llm = Llama(model_path=str(model_path), n_ctx=context, n_threads=threads,
-                         n_threads_batch=threads, n_batch=512, draft_model=draft, verbose=False)
+                         n_threads_batch=threads, n_batch=512, draft_model=draft,
+                         logits_all=draft is not None, verbose=False)
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], float]:
         """(new token ids, seconds): greedy (top-1) tokens after `prompt`, whole call timed."""

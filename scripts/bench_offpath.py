@@ -1,0 +1,150 @@
+"""Off the happy path, side by side with HF greedy in one process: a bf16 model, a bigger
+random-weight model (memory and first call), and the first call of a fresh process.
+
+    python scripts/bench_offpath.py                    # all three parts
+    python scripts/bench_offpath.py --parts bf16 --prompts 4 --max-new-tokens 64
+
+bf16:    the default model cast to bfloat16: HF bf16 greedy vs generate(assistant="self")
+         (tokens/s; outputs equal to HF bf16 greedy; outputs equal to the engine's own AR
+         output in bf16, which is the exactness promise in that dtype).
+big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 32/8), fp32:
+         resident memory added by the engine beyond HF greedy's, first-call time, speed vs
+         HF greedy, identical outputs (acceptance of random weights means nothing: prompt
+         lookup only).
+process: a fresh Python process loads the default model and times its first and second
+         assistant="self" calls (the engine's measurements come from the on-disk cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_selfspec import attach_heads  # noqa: E402
+from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
+from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
+
+
+def rss_gb() -> float:
+    """Resident memory of this process now (Linux /proc), GB."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1e6
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def part_bf16(args):
+    model, tokenizer = load_default_model_and_tokenizer()
+    model = model.to(torch.bfloat16)
+    attach_heads(model)
+    sets = prompt_sets(tokenizer, per_category=max(1, args.prompts // 2))
+    prompts = [render_prompt(tokenizer, m) for cat in ("chat", "code") for m in sets[cat][: max(1, args.prompts // 2)]]
+    greedy = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
+    warm = torch.tensor([prompts[0]])
+    model.generate(warm, **greedy)
+    model.generate(warm, assistant="self", **greedy)
+    engine = model._selfspec.engine
+    hf_t = self_t = 0.0
+    tokens = same_hf = same_ar = 0
+    for p in prompts:
+        ids = torch.tensor([p])
+        hf, t_hf = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **greedy))
+        spec, t_self = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), assistant="self", **greedy))
+        ar = engine.generate_ar(p, args.max_new_tokens, [tokenizer.eos_token_id])
+        new = spec[0, len(p):].tolist()
+        hf_t, self_t, tokens = hf_t + t_hf, self_t + t_self, tokens + len(new)
+        same_hf += torch.equal(hf, spec)
+        same_ar += new == ar
+        print(f"  bf16 prompt {len(p)} tok: HF {len(new) / t_hf:.1f} tok/s, self {len(new) / t_self:.1f} tok/s "
+              f"(tau {model.selfspec_stats.tau:.2f}), == HF bf16 greedy: {torch.equal(hf, spec)}, "
+              f"== engine AR: {new == ar}", flush=True)
+    print(f"bf16 default model, {len(prompts)} prompts, layout {engine.layout.name}: self {hf_t / self_t:.2f}x HF "
+          f"bf16 greedy; identical to HF bf16 greedy {same_hf}/{len(prompts)}, to the engine's bf16 AR "
+          f"{same_ar}/{len(prompts)}")
+
+
+def part_big(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (1, 200), generator=gen)  # a small alphabet: prompt lookup copies
+    greedy = dict(do_sample=False, max_new_tokens=args.max_new_tokens, attention_mask=torch.ones_like(ids))
+    model.generate(ids[:, :8], do_sample=False, max_new_tokens=2)  # HF warm-up
+    gc.collect()
+    base = rss_gb()
+    hf, t_hf = timed(lambda: model.generate(ids, **greedy))
+    after_hf = rss_gb()
+    attach_heads(model, heads=False)
+    first, t_first = timed(lambda: model.generate(ids, assistant="self", **greedy))
+    build = model.selfspec_stats.build_time
+    after_self = rss_gb()
+    second, t_second = timed(lambda: model.generate(ids, assistant="self", **greedy))
+    _, t_hf2 = timed(lambda: model.generate(ids, **greedy))
+    n = hf.shape[1] - ids.shape[1]
+    t_hf_med = statistics.median([t_hf, t_hf2])
+    print(f"big: random Llama {params:.2f}B fp32, prompt 200, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
+          f"first call {t_first:.1f} s (engine build {build:.1f} s), warm {n / t_second:.2f} tok/s = "
+          f"{t_hf_med / t_second:.2f}x HF; resident memory: HF greedy +{after_hf - base:.2f} GB, the engine "
+          f"+{after_self - after_hf:.2f} GB more; identical {torch.equal(hf, first) and torch.equal(hf, second)}")
+
+
+def part_process(args):
+    code = (
+        "import sys, time, torch; sys.path.insert(0, '.');"
+        "from hf_selfspec import load_default;"
+        "model, tok = load_default();"
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'Name three colours.'}], "
+        "add_generation_prompt=True, return_tensors='pt', return_dict=True)['input_ids'];"
+        "t = [];"
+        "[t.append((time.perf_counter(), model.generate(ids, max_new_tokens=32, do_sample=False, assistant='self'), "
+        "time.perf_counter())) for _ in range(2)];"
+        "print('TIMES', t[0][2] - t[0][0], t[1][2] - t[1][0], model.selfspec_stats.build_time)"
+    )
+    for run in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent.parent)
+        line = [x for x in out.stdout.splitlines() if x.startswith("TIMES")]
+        if not line:
+            print("process: failed:", out.stderr[-500:])
+            return
+        first, second, _ = map(float, line[0].split()[1:])
+        print(f"process run {run + 1}: first assistant='self' call {first:.2f} s, second {second:.2f} s "
+              f"(first - second = {first - second:.2f} s)")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="bf16,big,process")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    for part in args.parts.split(","):
+        {"bf16": part_bf16, "big": part_big, "process": part_process}[part](args)
+
+
+if __name__ == "__main__":
+    main()
