@@ -15,6 +15,7 @@ result.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import threading
@@ -49,6 +50,72 @@ def _above_one(v) -> bool:
     return v is not None and v > 1
 
 
+def _hf_default(name: str):
+    from transformers import GenerationConfig
+
+    return getattr(GenerationConfig(), name, None)
+
+
+# HF's names for the drafting knobs, honoured per call (as generate() keywords, or in the
+# GenerationConfig when they differ from HF's defaults), mapped onto DecodeConfig:
+#   num_assistant_tokens           drafts per cycle (max_draft; at most the engine width - 1)
+#   assistant_confidence_threshold a draft model's confidence stop (draft_confidence), or the
+#                                  heads' confidence threshold (thresholds, every head)
+#   prompt_lookup_num_tokens       prompt lookup on (mode "first" with heads, "only" without)
+#                                  with at most this many drafts per cycle
+#   max_matching_ngram_size        the longest n-gram prompt lookup matches (lookup_max_ngram)
+#   num_assistant_tokens_schedule  "constant" only (the draft budget adapts by itself)
+HF_DRAFT_OPTIONS = ("num_assistant_tokens", "assistant_confidence_threshold", "prompt_lookup_num_tokens",
+                    "max_matching_ngram_size", "num_assistant_tokens_schedule")
+
+
+def _draft_options(explicit: dict, generation_config) -> dict:
+    """The HF drafting options of one call: explicit keywords, else GenerationConfig values
+    that differ from HF's defaults."""
+    options = {}
+    for name in HF_DRAFT_OPTIONS:
+        if name in explicit:
+            options[name] = explicit[name]
+        elif generation_config is not None:
+            value = getattr(generation_config, name, None)
+            if value is not None and value != _hf_default(name):
+                options[name] = value
+    return options
+
+
+def _per_call_config(config: DecodeConfig, options: dict, width: int, draft_model: bool) -> DecodeConfig:
+    """`config` with this call's HF-named drafting options applied (validated here)."""
+    def integer(name, low):
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        return value
+
+    changes = {}
+    schedule = options.get("num_assistant_tokens_schedule")
+    if schedule is not None and schedule != "constant":
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} does not apply to assistant='self' "
+                         "(its draft budget adapts to live acceptance and measured step costs): drop it "
+                         "or use 'constant'")
+    if "num_assistant_tokens" in options:
+        changes["max_draft"] = min(integer("num_assistant_tokens", 0), width - 1)
+    if "prompt_lookup_num_tokens" in options:
+        n = integer("prompt_lookup_num_tokens", 1)
+        if config.lookup == "off":
+            changes["lookup"] = "first" if not draft_model else "fallback"
+        changes.setdefault("max_draft", min(n, width - 1))
+    if "max_matching_ngram_size" in options:
+        n = integer("max_matching_ngram_size", 1)
+        changes["lookup_max_ngram"] = n
+        changes["lookup_min_ngram"] = min(config.lookup_min_ngram, n)
+    if "assistant_confidence_threshold" in options:
+        value = options["assistant_confidence_threshold"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"assistant_confidence_threshold must be a number in [0, 1], got {value!r}")
+        changes["draft_confidence" if draft_model else "thresholds"] = float(value)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 # generate() options the loop does not implement, and what to do instead. Each would
 # otherwise be dropped silently by the custom decoding loop HF hands the request to (HF
 # itself does not check them for a custom loop), so every one is refused before any work.
@@ -67,8 +134,6 @@ _UNSUPPORTED = {
     "num_return_sequences": (_above_one, "num_return_sequences > 1 is not supported with assistant='self'"),
     "output_attentions": (bool, "output_attentions is not supported with assistant='self'"),
     "output_hidden_states": (bool, "output_hidden_states is not supported with assistant='self'"),
-    "prompt_lookup_num_tokens": (_is_set, ("prompt lookup is built into assistant='self' (DecodeConfig.lookup); "
-                                          "drop prompt_lookup_num_tokens")),
     "assistant_early_exit": (_is_set, ("assistant_early_exit and assistant='self' are two different drafters; "
                                       "pick one")),
     "use_mtp": (_is_set, ("use_mtp (multi-token prediction drafting) and assistant='self' are two different "
@@ -396,10 +461,18 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
     if draft_model is not None:
         check_draft_model(self, draft_model)
     streamer = kwargs.pop("streamer", None)
+    options = _draft_options({name: kwargs.pop(name) for name in HF_DRAFT_OPTIONS if name in kwargs},
+                             generation_config if generation_config is not None else self.generation_config)
+    if generation_config is not None and any(getattr(generation_config, n, None) is not None for n in options):
+        # our loop reads them from `options`; HF must not see a prompt-lookup request
+        generation_config = copy.deepcopy(generation_config)
+        for name in options:
+            setattr(generation_config, name, _hf_default(name))
     generation_config, kwargs = _stop_strings_as_criteria(self, generation_config, kwargs)
     with state.serving():  # one engine (one KV cache) per model: serialise concurrent calls
         return base_generate(inputs, generation_config, custom_generate=_decode_loop,
-                             selfspec_streamer=streamer, selfspec_draft_model=draft_model, **kwargs)
+                             selfspec_streamer=streamer, selfspec_draft_model=draft_model,
+                             selfspec_options=options, **kwargs)
 
 
 def _configured_assistant(model, generation_config):
@@ -442,7 +515,6 @@ def _install_attach_first_check() -> None:
 def _stop_strings_as_criteria(model, generation_config, kwargs):
     """HF drops `tokenizer` for custom decoding loops, so stop strings become an explicit
     StopStringCriteria here (same class HF would build, same stopping token)."""
-    import copy
 
     from transformers import StoppingCriteriaList
     from transformers.generation.stopping_criteria import StopStringCriteria
@@ -548,7 +620,7 @@ def _row_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None,
                  generation_config=None, selfspec_streamer=None, selfspec_draft_model=None,
-                 **model_kwargs):
+                 selfspec_options=None, **model_kwargs):
     """The custom_generate callable HF's generate() calls with the prepared request."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -557,6 +629,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # every check first, then the engine: a bad request costs no work
     row_processing = _check_request(gc, logits_processor)
     state: SelfSpecState = model._selfspec
+    _per_call_config(state.decode_config, selfspec_options or {}, state.engine_config.width,
+                     selfspec_draft_model is not None)  # bad option values: refused before any work
     prompt_len = input_ids.shape[1]
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - prompt_len
     min_new = gc.min_new_tokens or max(0, (gc.min_length or 0) - prompt_len)
@@ -587,7 +661,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         getattr(draft_engine, "step_costs", None)
     built = engine is not engine_before or (draft_engine is not None and draft_engine is not draft_before)
     build_time = time.perf_counter() - started if built else 0.0
-    decoder = SelfSpecDecoder(engine, state.heads, _draft_budget(state.decode_config, engine, need), draft_engine)
+    config = _per_call_config(state.decode_config, selfspec_options or {}, engine.width, draft_engine is not None)
+    decoder = SelfSpecDecoder(engine, state.heads, config, draft_engine)
 
     results: list[DecodeResult] = []
     if streamer is not None:
@@ -634,21 +709,6 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         scores=scores if gc.output_scores else None,
         logits=logits if gc.output_logits else None,
     )
-
-
-def _draft_budget(config: DecodeConfig, engine: Engine, need: int) -> DecodeConfig:
-    """The decode config of one request: near the end of the model's positions (the KV
-    cache cannot hold `need` + a full block of drafts) draft fewer tokens per cycle, down
-    to none (plain AR steps), so that a request plain greedy serves is served.
-
-    A cycle's rows sit at the positions after the last committed token, at most `max_draft`
-    past it, and the loop never drafts past max_new_tokens: `need + max_draft` slots hold
-    every row a cycle can write."""
-    width_drafts = engine.width - 1 if config.max_draft is None else config.max_draft
-    fits = max(engine.capacity - need, 0)
-    if width_drafts <= fits:
-        return config
-    return dataclasses.replace(config, max_draft=fits)
 
 
 def _merge_stats(results: list[DecodeResult]) -> DecodeStats:

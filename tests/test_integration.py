@@ -375,3 +375,39 @@ def test_first_call_reports_the_engine_build_apart(monkeypatch):
     assert "engine build" in first.summary() and first.as_dict()["build_time"] >= 1.0
     model.generate(ids, max_new_tokens=8, assistant="self", **GREEDY)
     assert model.selfspec_stats.build_time == 0.0 and "engine build" not in model.selfspec_stats.summary()
+
+
+def test_hf_named_drafting_options_per_call():
+    """HF's names for the drafting knobs work per call, as keywords or in a GenerationConfig
+    (num_assistant_tokens caps the drafts of a cycle, prompt_lookup_num_tokens turns prompt
+    lookup on with that cap, max_matching_ngram_size, assistant_confidence_threshold); the
+    output stays HF's greedy output; bad values are refused before any work."""
+    from transformers import GenerationConfig
+
+    stock = tiny_model("llama", seed=3, layers=4)
+    model = tiny_model("llama", seed=3, layers=4)
+    attach_heads(model, heads=False, decode=DecodeConfig(lookup="off"))  # no drafter at all
+    ids = prompt(5, length=40, alphabet=6)  # repetitive: prompt lookup copies
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=30, **GREEDY)
+    expected = stock.generate(ids, **kw)
+
+    def run(**options):
+        out = model.generate(ids, assistant="self", **kw, **options)
+        assert torch.equal(out, expected), options
+        return model.selfspec_stats
+
+    assert run().drafted == 0  # lookup off as attached
+    capped = run(prompt_lookup_num_tokens=2, max_matching_ngram_size=2)
+    assert capped.drafted > 0 and capped.drafted <= 2 * capped.cycles
+    assert run(prompt_lookup_num_tokens=5, num_assistant_tokens=0).drafted == 0
+    assert run(prompt_lookup_num_tokens=5, assistant_confidence_threshold=0.9).drafted > 0
+    config = GenerationConfig(prompt_lookup_num_tokens=3, max_new_tokens=30, **GREEDY)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, assistant="self")
+    assert torch.equal(out, expected) and 0 < model.selfspec_stats.drafted <= 3 * model.selfspec_stats.cycles
+    assert model._selfspec.decode_config.lookup == "off"  # per call: the attached config is untouched
+    for bad, words in [(dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens must be an int >= 1"),
+                       (dict(num_assistant_tokens=-1), "num_assistant_tokens must be an int >= 0"),
+                       (dict(assistant_confidence_threshold=2.0), "assistant_confidence_threshold"),
+                       (dict(num_assistant_tokens_schedule="heuristic"), "num_assistant_tokens_schedule")]:
+        with pytest.raises(ValueError, match=words):
+            model.generate(ids, assistant="self", **kw, **bad)
