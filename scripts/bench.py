@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_cpp_peer
 
-from hf_selfspec import DecodeConfig, attach_heads  # noqa: E402
+from hf_selfspec import attach_heads  # noqa: E402
 from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
 from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
@@ -96,23 +96,24 @@ def run_method(method, model, ids, max_new, state):
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0, stats
 
 
+def verify_ms(engine, prompt, rows, reps):
+    """Median ms of a verify step of `rows` rows over all layers, after the prefilled `prompt`."""
+    times = []
+    for _ in range(reps):
+        meta = engine.make_meta(range(len(prompt), len(prompt) + rows))
+        h = engine.embed(prompt[:rows])
+        t0 = time.perf_counter()
+        engine.verify(h, 0, meta)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def width_curve(model, widths, reps=9):
     """ms of a verify step over all layers vs its number of rows."""
     engine = model._selfspec.engine_for(model, 1024)
     prompt = list(range(100, 300))
     engine.prefill(prompt)
-    rows = []
-    for n in widths:
-        if n > engine.width:
-            continue
-        times = []
-        for r in range(reps):
-            meta = engine.make_meta(range(200, 200 + n))
-            h = engine.embed(prompt[:n])
-            t0 = time.perf_counter()
-            engine.verify(h, 0, meta)
-            times.append(time.perf_counter() - t0)
-        rows.append((n, statistics.median(times) * 1000))
+    rows = [(n, verify_ms(engine, prompt, n, reps)) for n in widths if n <= engine.width]
     base = rows[0][1]
     print("\nStep cost vs rows (verify over all layers, median of %d):" % reps)
     print(f"{'rows':>5} {'ms':>8} {'x 1 row':>8}")
@@ -151,17 +152,9 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     engine.prefill(prompt)
     rows = []
     for n in widths:
-        if n > engine.width:
-            continue
-        times = []
-        for _ in range(reps):
-            meta = engine.make_meta(range(context, context + n))
-            h = engine.embed(prompt[:n])
-            t0 = time.perf_counter()
-            engine.verify(h, 0, meta)
-            times.append(time.perf_counter() - t0)
-        ms = statistics.median(times) * 1e3
-        rows.append({"rows": n, "ms": ms, "bound_ms": bound_ms, "of_bound": bound_ms / ms})
+        if n <= engine.width:
+            ms = verify_ms(engine, prompt, n, reps)
+            rows.append({"rows": n, "ms": ms, "bound_ms": bound_ms, "of_bound": bound_ms / ms})
     print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
           f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
           f"({1e3 / bound_ms:.0f} AR steps/s)")

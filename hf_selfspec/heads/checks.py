@@ -90,3 +90,17 @@ def need_fields(data: dict, required) -> None:
     missing = sorted(set(required) - data.keys())
     if missing:
         raise ValueError(f"heads config misses {', '.join(missing)}")
+
+
+# the fields every heads config.json carries about its base model
+IDENTITY_FIELDS = ("base_model", "base_fingerprint", "num_layers", "hidden_size", "vocab_size")
+
+
+def need_model_identity(config, min_layers: int) -> None:
+    """The fields every heads config.json carries about its base model: its name,
+    fingerprint and the dimensions the heads were trained for."""
+    need_str("base_model", config.base_model)
+    need_str("base_fingerprint", config.base_fingerprint, 128)
+    need_int("num_layers", config.num_layers, min_layers, MAX_LAYERS)
+    need_int("hidden_size", config.hidden_size, 1, MAX_HIDDEN)
+    need_int("vocab_size", config.vocab_size, 1, MAX_VOCAB)

@@ -216,11 +216,7 @@ class HeadsConfig:
             raise ValueError(
                 f"heads kind {self.kind!r} is not supported here (this config class reads {HEAD_KIND!r})"
             )
-        checks.need_str("base_model", self.base_model)
-        checks.need_str("base_fingerprint", self.base_fingerprint, 128)
-        checks.need_int("num_layers", self.num_layers, 2, checks.MAX_LAYERS)
-        checks.need_int("hidden_size", self.hidden_size, 1, checks.MAX_HIDDEN)
-        checks.need_int("vocab_size", self.vocab_size, 1, checks.MAX_VOCAB)
+        checks.need_model_identity(self, min_layers=2)
         for name in ("layers", "vocab_sizes", "adapter_dims"):
             checks.need_list(name, getattr(self, name), self.num_layers)
         n = len(self.layers)
@@ -262,16 +258,7 @@ class HeadsConfig:
         return config
 
 
-REQUIRED_FIELDS = (
-    "base_model",
-    "base_fingerprint",
-    "num_layers",
-    "hidden_size",
-    "vocab_size",
-    "layers",
-    "vocab_sizes",
-    "adapter_dims",
-)
+REQUIRED_FIELDS = checks.IDENTITY_FIELDS + ("layers", "vocab_sizes", "adapter_dims")
 
 
 class ExitHeads(nn.Module):

@@ -76,11 +76,7 @@ class TopHeadsConfig:
                 f"heads format_version {self.format_version!r} is not supported (this "
                 f"hf_selfspec reads version {FORMAT_VERSION}); upgrade hf_selfspec"
             )
-        checks.need_str("base_model", self.base_model)
-        checks.need_str("base_fingerprint", self.base_fingerprint, 128)
-        checks.need_int("num_layers", self.num_layers, 1, checks.MAX_LAYERS)
-        checks.need_int("hidden_size", self.hidden_size, 1, checks.MAX_HIDDEN)
-        checks.need_int("vocab_size", self.vocab_size, 1, checks.MAX_VOCAB)
+        checks.need_model_identity(self, min_layers=1)
         checks.need_int("depth", self.depth, 1, checks.MAX_DEPTH)
         checks.need_int(
             "adapter_dim", self.adapter_dim, 1, checks.MAX_ADAPTER_FACTOR * self.hidden_size
@@ -114,16 +110,7 @@ class TopHeadsConfig:
         return cfg
 
 
-REQUIRED_FIELDS = (
-    "base_model",
-    "base_fingerprint",
-    "num_layers",
-    "hidden_size",
-    "vocab_size",
-    "depth",
-    "adapter_dim",
-    "reduced_vocab",
-)
+REQUIRED_FIELDS = checks.IDENTITY_FIELDS + ("depth", "adapter_dim", "reduced_vocab")
 
 
 def _fast_linear(weight: torch.Tensor):
