@@ -359,3 +359,41 @@ def test_config_replace_keeps_validation():
         dataclasses.replace(EngineConfig(), executor="graphs")
     with pytest.raises(ValueError, match="measurement_cache"):
         EngineConfig(measurement_cache="no")
+
+
+def test_a_measurement_taken_on_a_busy_machine_is_taken_again(monkeypatch, cache_dir):
+    """A cached 1-row step far slower than a step now (measured while other processes
+    held the cores) would plan drafts on a wrong cost curve for good: it is measured again
+    and the cache rewritten; a cached time like today's is kept (no measuring)."""
+    model = tiny_model("llama", seed=4)
+    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    path = cache_dir / measurement_cache.FILE_NAME
+
+    def set_one_row(seconds):
+        data = json.loads(path.read_text())
+
+        def walk(node):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if key == "one_row_seconds":
+                        node[key] = seconds
+                    else:
+                        walk(value)
+        walk(data)
+        path.write_text(json.dumps(data))
+
+    calls = []
+    real = costs.measure_step_costs
+    monkeypatch.setattr(costs, "measure_step_costs", lambda engine: calls.append(1) or real(engine))
+    def one_row_values(node):
+        if isinstance(node, dict):
+            return [v for k, v in node.items() if k == "one_row_seconds"] + [
+                x for k, v in node.items() if k != "one_row_seconds" for x in one_row_values(v)]
+        return []
+
+    set_one_row(5.0)  # seconds: no step of this tiny model takes a fraction of that now
+    engine = Engine(model, EngineConfig(width=8, capacity=256))
+    assert engine.one_row_seconds < 5.0 / costs.STALE_FACTOR and len(calls) == 1
+    assert min(one_row_values(json.loads(path.read_text()))) < 5.0 / costs.STALE_FACTOR  # rewritten
+    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    assert len(calls) == 1  # the fresh entry is trusted

@@ -87,3 +87,28 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     for i in range(1, len(costs)):
         costs[i] = max(costs[i], costs[i - 1])
     return tuple([1.0] + costs), seconds[0]
+
+
+# A cached 1-row step time this many times what a step takes now means the cache was
+# measured while the machine was busy (other processes contending for the cores can make
+# a step many times slower): its cost curve would plan drafts wrongly for good.
+STALE_FACTOR = 3.0
+# Below this a step is too short to time reliably against the cache: trusted as cached.
+CHECK_ABOVE_SECONDS = 0.005
+
+
+def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) -> bool:
+    """Whether a cached measurement should be taken again: a 1-row step now (median of
+    `reps`, after one warm-up) is over STALE_FACTOR times faster than the cached one."""
+    if cached_one_row < CHECK_ABOVE_SECONDS:
+        return False
+    base = engine.capacity - engine.width
+    meta = engine.make_meta([base], [cost_context(engine)])
+    h = engine.embed([0])
+    times = []
+    for rep in range(1 + reps):
+        t0 = time.perf_counter()
+        engine.verify(h, 0, meta)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * STALE_FACTOR < cached_one_row
