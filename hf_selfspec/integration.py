@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import threading
 import time
@@ -50,10 +51,16 @@ def _above_one(v) -> bool:
     return v is not None and v > 1
 
 
-def _hf_default(name: str):
+@functools.lru_cache(maxsize=1)
+def _hf_defaults():
     from transformers import GenerationConfig
 
-    return getattr(GenerationConfig(), name, None)
+    return GenerationConfig()
+
+
+def _hf_default(name: str):
+    """HF's default value of a GenerationConfig field."""
+    return getattr(_hf_defaults(), name, None)
 
 
 # HF's names for the drafting knobs, honoured per call (as generate() keywords, or in the
@@ -629,8 +636,9 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # every check first, then the engine: a bad request costs no work
     row_processing = _check_request(gc, logits_processor)
     state: SelfSpecState = model._selfspec
-    _per_call_config(state.decode_config, selfspec_options or {}, state.engine_config.width,
-                     selfspec_draft_model is not None)  # bad option values: refused before any work
+    # this call's drafting options (bad values refused here, before any work)
+    config = _per_call_config(state.decode_config, selfspec_options or {}, state.engine_config.width,
+                              selfspec_draft_model is not None)
     prompt_len = input_ids.shape[1]
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - prompt_len
     min_new = gc.min_new_tokens or max(0, (gc.min_length or 0) - prompt_len)
@@ -661,7 +669,6 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         getattr(draft_engine, "step_costs", None)
     built = engine is not engine_before or (draft_engine is not None and draft_engine is not draft_before)
     build_time = time.perf_counter() - started if built else 0.0
-    config = _per_call_config(state.decode_config, selfspec_options or {}, engine.width, draft_engine is not None)
     decoder = SelfSpecDecoder(engine, state.heads, config, draft_engine)
 
     results: list[DecodeResult] = []

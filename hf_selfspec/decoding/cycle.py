@@ -33,9 +33,16 @@ import torch
 from ..engine.programs import Engine
 from ..stats import DecodeStats
 from .candidates import Candidate, DraftContext, Proposal, Source
-from .config import LOOKUP_MODES, TREE_MODES, DecodeConfig, LookupMode, TreeMode  # noqa: F401 (re-exported)
+from .config import DecodeConfig
 from .draft_model import DraftModelDrafter
-from .drafters import COPY_KEY, HEADS_KEY, ExitHeadsDrafter, LookupDrafter, PartialRows, TopHeadsDrafter
+from .drafters import (
+    COPY_KEY,
+    HEADS_KEY,
+    ExitHeadsDrafter,
+    LookupDrafter,
+    PartialRows,
+    TopHeadsDrafter,
+)
 from .policy import DraftBudget, select_tree_rows
 from .sampling import RowScorer, sample, speculative_tokens
 from .tree import DraftTree
