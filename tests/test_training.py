@@ -69,6 +69,10 @@ def test_train_attach_and_decode_exactly(model_folder, tmp_path):
     assert training["steps"] <= 6 and "train-heads" in training["reproduce"]
     card = (out / "README.md").read_text()
     assert "library_name: hf_selfspec" in card and "train-heads" in card
+    # trained on the user's prompts: the card says so, and names no ShareGPT data
+    assert "ShareGPT" not in card and "datasets" not in card.split("---")[1]
+    assert "the user's own prompts (`p.jsonl`, --prompts)" in card
+    assert "held-out prompts of the user's `p.jsonl`" in card
 
     model = AutoModelForCausalLM.from_pretrained(model_folder).eval()
     reference = AutoModelForCausalLM.from_pretrained(model_folder).eval()
@@ -144,3 +148,27 @@ def test_unsupported_model_is_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="final norm"):  # no Llama-family model.model.norm
         check_model(gpt2)
+
+
+def test_card_names_the_prompts_the_heads_were_trained_on():
+    """The card's training text and dataset follow config.training's `prompts`: ShareGPT
+    (the default, or heads that record none, like the shipped ones) or the user's file."""
+    from conftest import tiny_model
+    from test_decoding import random_top_heads
+
+    from hf_selfspec.heads.card import render_card
+
+    heads = random_top_heads(tiny_model("llama", seed=0, layers=2))
+    figures = {"data": "own", "train_positions": 100, "epochs": 1, "train_seconds": 1.0,
+               "own_eval_step0_top1_given_reached": 0.5, "own_eval_tau_thr0.0": 1.4}
+    cards = {}
+    for prompts, datasets in (("sharegpt", ["anon8231489123/ShareGPT_Vicuna_unfiltered"]),
+                              ("/home/me/private/chat.jsonl", [])):
+        heads.config.training = {**figures, "prompts": prompts, "datasets": datasets}
+        cards[prompts] = render_card(heads)
+    shared = cards["sharegpt"]
+    assert "replies to ShareGPT train prompts" in shared and "held-out ShareGPT prompts" in shared
+    assert "- anon8231489123/ShareGPT_Vicuna_unfiltered" in shared
+    own = cards["/home/me/private/chat.jsonl"]
+    assert "ShareGPT" not in own and "datasets" not in own.split("---")[1]
+    assert "replies to the user's own prompts (`chat.jsonl`, --prompts)" in own

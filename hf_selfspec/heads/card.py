@@ -37,7 +37,7 @@ def render_card(heads) -> str:
         library_name=LIBRARY_NAME,
         license=training.get("license", "apache-2.0"),
         tags=COMMON_TAGS + KIND_TAGS[kind],
-        datasets=list(datasets),
+        datasets=list(datasets) or None,  # user prompts: no Hub dataset to name
         hf_selfspec={"kind": kind, "format_version": config.format_version, **summary},
     )
     template = jinja2.Template(
@@ -82,11 +82,12 @@ def _top_context(heads) -> tuple[dict, dict]:
         "expected_tau_full_chain": t.get(prefix + "tau_thr0.0"),  # all `depth` drafts
         "training_positions": t.get("train_positions"),
     }
+    _, held_out = _prompt_words(t)
     evals = [("", ("held-out ShareGPT conversations, teacher-forced, positions where the text "
                    "is the model's own greedy continuation"))]
     if prefix:
-        evals.insert(0, (prefix, ("the model's own greedy replies to held-out ShareGPT prompts "
-                                  "(the text the decoder sees)")))
+        evals.insert(0, (prefix, (f"the model's own greedy replies to {held_out} (the text "
+                                  "the decoder sees)")))
     tables = [
         {"what": what, "tau": t.get(pre + "tau_thr0.0"), "tau_02": t.get(pre + "tau_thr0.2"),
          "rows": [{"step": i, "top1": t.get(f"{pre}step{i}_top1_given_reached"),
@@ -105,10 +106,10 @@ def _top_context(heads) -> tuple[dict, dict]:
 def _training_text(t: dict) -> str:
     """Where the heads' training data came from, in words, from config.training (a chain of
     fine-tunings is described newest first, down to the heads trained from scratch)."""
-    own = "positions of the model's own batched greedy replies to ShareGPT train prompts"
     tf = "teacher-forced positions of the ShareGPT train split"
     parts = []
     while t:
+        own = f"positions of the model's own batched greedy replies to {_prompt_words(t)[0]}"
         data = {"own": own, "both": f"{tf} and {own}"}.get(t.get("data"), tf)
         what = (f"{t.get('train_positions')} {data}, {t.get('epochs')} epochs, "
                 f"{t.get('train_seconds')} s")
@@ -119,6 +120,18 @@ def _training_text(t: dict) -> str:
     if not parts:
         return "not recorded in config.json"
     return parts[0] + "".join(f"; fine-tuned from heads trained on {p}" for p in parts[1:])
+
+
+def _prompt_words(t: dict) -> tuple[str, str]:
+    """(training prompts, held-out prompts) in words, from config.training's `prompts`:
+    "sharegpt" (or absent: the shipped heads) or the file `hf-selfspec train-heads --prompts`
+    was given (named by its file name; the Reproduce command has the full path)."""
+    source = t.get("prompts")
+    if source in (None, "sharegpt"):
+        return "ShareGPT train prompts", "held-out ShareGPT prompts"
+    name = Path(str(source)).name
+    return (f"the user's own prompts (`{name}`, --prompts)",
+            f"held-out prompts of the user's `{name}` (not trained on)")
 
 
 def _fmt(value, digits: int = 3) -> str:
