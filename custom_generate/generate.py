@@ -1,14 +1,23 @@
-"""hf_selfspec as a Hub `custom_generate` folder, for stock models:
+"""hf_selfspec as a Hub `custom_generate` repo (transformers' "custom generation methods").
 
-    model.generate(**inputs, custom_generate="<this repo or folder>", trust_remote_code=True,
-                   max_new_tokens=128)
+Two ways to use it, as the transformers docs describe:
 
-transformers loads this file and calls `generate(model, **kwargs)`. It attaches hf_selfspec
-once (`selfspec_heads=`: a heads folder or Hub id; default: the heads shipped for the
-embedded default model, or for any other model exact prompt lookup with a one-time warning
-on how to get heads; False: prompt lookup, no warning), then runs exact self-speculative
-decoding: greedy gives the same tokens as greedy `generate()`, sampling follows the model's
-own sampling distribution.
+    # 1. any Llama / Mistral / Qwen2 / Qwen3 model, with this repo (or a local folder that
+    #    holds custom_generate/generate.py) as the generation method
+    out = model.generate(**inputs, custom_generate="<repo id or folder>", trust_remote_code=True)
+
+    # 2. a model repo that carries this custom_generate/ folder: loading it with
+    #    trust_remote_code=True makes its generate() this one (pass the inputs by keyword:
+    #    transformers binds `model` by keyword, so a positional input_ids would collide)
+    model = AutoModelForCausalLM.from_pretrained("<model repo or folder>", trust_remote_code=True)
+    out = model.generate(**inputs)
+
+transformers calls `generate(model, **kwargs)`. It attaches hf_selfspec once
+(`selfspec_heads=`: a heads folder or Hub id; default: the heads shipped for the embedded
+default model, or for any other model exact prompt lookup with a one-time warning on how to
+get heads; False: prompt lookup, no warning), then runs exact self-speculative decoding
+(`assistant="self"`): greedy gives the same tokens as greedy `generate()`, sampling follows
+the model's own sampling distribution. Every other argument is `generate()`'s own.
 """
 
 from __future__ import annotations
@@ -18,13 +27,14 @@ def generate(model, *args, selfspec_heads=None, **kwargs):
     import hf_selfspec
 
     if "_selfspec" not in model.__dict__:
-        # HF set this module's generate on the instance; attach_heads refuses such a model
-        # (its generate would not be ours), so it is taken off for the attach
+        # path 2 sets this module's generate on the instance; attach_heads refuses such a
+        # model (its generate would not be ours), so it is taken off for the attach
         own = model.__dict__.pop("generate", None)
         try:
             hf_selfspec.attach_heads(model, selfspec_heads)
         finally:
             if own is not None:
                 model.__dict__["generate"] = own
-    # the class's own generate (ours): HF set this module's generate on the instance
-    return type(model).generate(model, *args, assistant="self", **kwargs)
+    kwargs.setdefault("assistant", "self")
+    # the class's own generate (hf_selfspec's), not the instance's (this function, path 2)
+    return type(model).generate(model, *args, **kwargs)
