@@ -524,13 +524,17 @@ torch::Tensor index_vector(const torch::Tensor& t, int64_t n, const char* fn, co
 // The checked row metadata of one attention call: key limits, tree paths and, per row, the
 // number c_r of its path slots (its last c_r keys).
 struct AttentionMeta {
-  torch::Tensor limit, path;
+  torch::Tensor limit, path, base;
   std::vector<int64_t> tree_keys;
   int64_t keys = 0;  // max over rows of limit + 1
+  // per row, the slot of its logical key 0 (a sequence's KV region in a batched step);
+  // empty: 0 for every row
+  const int64_t* base_of = nullptr;
+  int64_t first_slot(int64_t r) const { return base_of == nullptr ? 0 : base_of[r]; }
 };
 
-AttentionMeta check_attention_meta(const torch::Tensor& limit, const torch::Tensor& path, int64_t R, int64_t S,
-                                   const char* fn) {
+AttentionMeta check_attention_meta(const torch::Tensor& limit, const torch::Tensor& path, const torch::Tensor& base,
+                                   int64_t R, int64_t S, const char* fn) {
   AttentionMeta m;
   m.limit = index_vector(limit, R, fn, "limit");
   const int64_t* lp = m.limit.data_ptr<int64_t>();
@@ -556,6 +560,20 @@ AttentionMeta check_attention_meta(const torch::Tensor& limit, const torch::Tens
     }
     TORCH_CHECK(c <= lp[r] + 1, fn, ": a row's path is longer than its keys: row ", r, " has ", c,
                 " path slots but limit ", lp[r]);
+  }
+  TORCH_CHECK(base.defined() && base.device().is_cpu() && base.scalar_type() == at::kLong && base.dim() == 1 &&
+              (base.size(0) == 0 || base.size(0) == R),
+              fn, ": base int64 [R] (or [0]: every row's keys start at slot 0) with R = ", R, ", got ",
+              base.scalar_type(), " ", base.sizes());
+  if (base.size(0) == R) {
+    m.base = base.contiguous();
+    m.base_of = m.base.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t prefix = lp[r] + 1 - m.tree_keys[r];  // keys at base[r] .. base[r] + prefix - 1
+      TORCH_CHECK(m.base_of[r] >= 0 && m.base_of[r] + prefix <= S, fn,
+                  ": a row's keys are outside the cache: base[", r, "] = ", m.base_of[r], " with ", prefix,
+                  " prefix keys, the cache has ", S, " slots");
+    }
   }
   return m;
 }
@@ -593,13 +611,15 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       const int64_t r = item / Hq, h = item % Hq, L = lp[r] + 1, L8 = (L + 7) / 8 * 8;
       const int64_t Lp = L - meta.tree_keys[r];  // keys [0, Lp) contiguous, [Lp, L) on the path
       const int64_t* row_path = pp + r * P;
-      const TC* kh = kp + (h / G) * S * d;
+      const TC* kh = kp + (h / G) * S * d;  // path slots are absolute
       const TC* vh = vp + (h / G) * S * d;
+      const TC* kb = kh + meta.first_slot(r) * d;  // the prefix from the row's first slot
+      const TC* vb = vh + meta.first_slot(r) * d;
       float* s = sp + item * stride;
       for (int64_t i = 0; i < d; ++i) qs[i] = qp[item * d + i] * sc;
       int64_t j = 0;
-      for (; j + 4 <= Lp; j += 4) dot4<TC>(qs, kh + j * d, d, s + j);
-      for (; j < Lp; ++j) s[j] = dot<TC>(qs, kh + j * d, d);
+      for (; j + 4 <= Lp; j += 4) dot4<TC>(qs, kb + j * d, d, s + j);
+      for (; j < Lp; ++j) s[j] = dot<TC>(qs, kb + j * d, d);
       for (; j < L; ++j) s[j] = dot<TC>(qs, kh + row_path[j - Lp] * d, d);
       float m = s[0];
       for (j = 1; j < L; ++j) m = std::max(m, s[j]);
@@ -619,7 +639,7 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       const float l = hsum(lv);
       for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
       // keys in order of j: the contiguous prefix, then each path key (the same FMA per lane)
-      weighted_sum_d<TC>(s, vh, d, 0, Lp, acc);
+      weighted_sum_d<TC>(s, vb, d, 0, Lp, acc);
       for (j = Lp; j < L; ++j) weighted_sum_d<TC>(s + j, vh + row_path[j - Lp] * d, d, 0, 1, acc);
       float* o = op + item * d;  // out[r, h*d : (h+1)*d]
       const __m256 lvec = _mm256_set1_ps(l);
@@ -643,10 +663,15 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
 // (the committed prefix), the last c_r keys at path[r][...] in order. A row's keys are then the
 // exact keys a chain row at the same position would see, visited in the same order with the
 // same arithmetic, so a tree row is bit-identical to that chain row.
+//
+// Batches: `base` int64 [R] (or [0]: all zeros) puts row r's contiguous prefix at slots
+// base[r] .. (its sequence's KV region); path slots stay absolute. The arithmetic runs over
+// logical keys j whatever the base, so a sequence's rows are bit-identical wherever its
+// region lies in the cache and whatever the other sequences of the step.
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path);
+                             double scale, torch::Tensor path, torch::Tensor base);
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path) {
+                             double scale, torch::Tensor path, torch::Tensor base) {
   const char* fn = "rows_attention";
   TORCH_CHECK(q.defined() && q.device().is_cpu(), "rows_attention: q must be a CPU tensor");
   TORCH_CHECK(float_kind(q), "rows_attention: q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
@@ -659,7 +684,7 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   TORCH_CHECK(R > 0 && Hq > 0, "rows_attention: empty q (rows and query heads must be >= 1), got ", q.sizes());
   TORCH_CHECK(Hq % Hkv == 0, "rows_attention: query heads must be a multiple of KV heads, got ", Hq, " and ", Hkv);
   TORCH_CHECK(std::isfinite(scale), "rows_attention: scale must be finite, got ", scale);
-  const AttentionMeta meta = check_attention_meta(limit, path, R, S, fn);
+  const AttentionMeta meta = check_attention_meta(limit, path, base, R, S, fn);
   if (q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
   auto out = torch::empty({R, Hq * d}, q.options());
   by_dtype(k.scalar_type(), [&](auto tag) {
@@ -757,14 +782,15 @@ inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d
 // projections share one dtype (float32, bfloat16 or float16, read as such), the norms any of
 // the three (widened to float32). cos / sin [R, d] float32 at the rows' positions; slots
 // int64 [R]; limit int64 [R] the last (logical) key each row sees, path [R, P] its tree slots
-// (see rows_attention; P = 0 for chains). All CPU and contiguous, no biases (the caller uses
+// (see rows_attention; P = 0 for chains), base int64 [R] or [0] the slot of each row's
+// logical key 0 (see rows_attention). All CPU and contiguous, no biases (the caller uses
 // the PyTorch path for biased layers). Everything is checked before the cache is written.
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor limit, double eps, double scale, torch::Tensor path);
+                         torch::Tensor limit, double eps, double scale, torch::Tensor path, torch::Tensor base);
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor limit, double eps, double scale, torch::Tensor path) {
+                         torch::Tensor limit, double eps, double scale, torch::Tensor path, torch::Tensor base) {
   const char* fn = "rows_layer";
   TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "rows_layer: 9 weights, or 11 with q/k norms, got ",
               weights.size());
@@ -814,7 +840,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "rows_layer: a slot is outside the cache: slots[", r, "] = ", sp[r],
                 ", the cache has ", S, " slots");
-  check_attention_meta(limit, path, R, S, fn);  // before the cache is written
+  check_attention_meta(limit, path, base, R, S, fn);  // before the cache is written
   // norm weights as float32 (a no-op for float32 models)
   std::vector<torch::Tensor> norm(weights.size());
   for (int i : {0, 5, 9, 10})
@@ -844,7 +870,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
         store_row<TC>(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d);
       }
   });
-  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path);
+  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base);
   auto h1 = h + rows_linear(o, weights[4]);
   rms_norm_rows(h1.data_ptr<float>(), norm[5].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
   auto gate = rows_linear(x, weights[6]);

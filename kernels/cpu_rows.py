@@ -1,5 +1,5 @@
 """Row-invariant kernels for the CPU engine (see cpu_rows.cpp): `rows_linear(x, w)` =
-x @ w^T, `rows_attention(q, k, v, limit, scale)` and a whole decoder layer built from them,
+x @ w^T, `rows_attention(q, k, v, limit, scale, path, base)` and a whole decoder layer built from them,
 `rows_layer`, each computed so that a row's result is bit-identical whatever the other rows.
 
 The C++ source is compiled once per machine with torch's own extension builder (ninja +
@@ -180,10 +180,12 @@ def load_rows_linear():
 
 def load_rows_attention():
     """The compiled `rows_attention(q [R, Hq, d], k [Hkv, S, d], v [Hkv, S, d], limit int64
-    [R], scale, path int64 [R, P]) -> o [R, Hq * d] float32` (q float32; k and v float32,
-    bfloat16 or float16, the same; contiguous CPU tensors): row r sees
-    logical keys [0, limit[r]]; with P = 0 (`NO_PATH`) key j is slot j, otherwise the row's
-    last c_r keys are its c_r path slots (draft trees; -1 pads: see cpu_rows.cpp).
+    [R], scale, path int64 [R, P], base int64 [R]) -> o [R, Hq * d] float32` (q float32; k
+    and v float32, bfloat16 or float16, the same; contiguous CPU tensors): row r sees
+    logical keys [0, limit[r]]; key j is slot base[r] + j (`NO_BASE`: base 0), except that
+    with P > 0 the row's last c_r keys are its c_r path slots (draft trees; -1 pads: see
+    cpu_rows.cpp). With a base per row, the rows of several sequences (each in its own KV
+    region) share one call, each computing exactly what it computes alone.
     None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_attention
@@ -191,7 +193,7 @@ def load_rows_attention():
 
 def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
-    eps, scale, path) -> h after one Llama/Qwen3 decoder layer` (h, cos, sin float32; the
+    eps, scale, path, base) -> h after one Llama/Qwen3 decoder layer` (h, cos, sin float32; the
     projections one of float32 / bfloat16 / float16, the norms any of them; the cache float32,
     bfloat16 or float16, written rounded to nearest even; see cpu_rows.cpp), or None when
     this machine cannot build or run it (`build_error()` says why)."""
@@ -201,6 +203,8 @@ def load_rows_layer():
 
 # `path` argument of rows_attention / rows_layer for steps without a tree
 NO_PATH = torch.zeros(0, 0, dtype=torch.long)
+# `base` argument for steps of one sequence whose keys start at slot 0
+NO_BASE = torch.zeros(0, dtype=torch.long)
 
 
 def build_error() -> str | None:
@@ -215,7 +219,8 @@ def rows_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              limit: torch.Tensor, scale: float,
-                             path: torch.Tensor | None = None) -> torch.Tensor:
+                             path: torch.Tensor | None = None,
+                             base: torch.Tensor | None = None) -> torch.Tensor:
     """What `rows_attention` computes, in float64 (for tests)."""
     R, Hq, d = q.shape
     group = Hq // k.shape[0]
@@ -226,7 +231,8 @@ def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     visible = torch.zeros(R, k.shape[1], dtype=torch.bool)
     for r in range(R):
         tree = [] if path is None or path.shape[1] == 0 else [int(s) for s in path[r] if s >= 0]
-        visible[r] = slots <= int(limit[r]) - len(tree)
+        first = 0 if base is None or base.numel() == 0 else int(base[r])
+        visible[r] = (slots >= first) & (slots <= first + int(limit[r]) - len(tree))
         visible[r, tree] = True
     hidden = ~visible  # [R, S]
     scores = scores.masked_fill(hidden[:, None, :], float("-inf"))

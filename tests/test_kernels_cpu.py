@@ -23,6 +23,7 @@ from hf_selfspec.kernels.cpu_rows import (
     load_rows_attention,
     load_rows_layer,
     load_rows_linear,
+    NO_BASE,
     NO_PATH,
     remove_stale_lock,
     rows_attention_reference,
@@ -81,7 +82,7 @@ def test_bad_input_is_refused(kernel):
 def attention():
     fn = load_rows_attention()
     assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
-    return lambda q, k, v, limit, scale, path=NO_PATH: fn(q, k, v, limit, scale, path)
+    return lambda q, k, v, limit, scale, path=NO_PATH, base=NO_BASE: fn(q, k, v, limit, scale, path, base)
 
 
 def _cache(gen, hkv, slots, d):
@@ -184,6 +185,58 @@ def test_attention_tree_matches_float64_reference(attention):
     lim = torch.tensor([100, 101, 101, 102])
     o = attention(q, k, v, lim, 0.25, path)
     torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, 0.25, path), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_rows_with_a_base_equal_the_sequence_alone(attention, dtype):
+    """Batches: rows of three sequences, each in its own KV region (base), chains and a
+    tree path mixed in one call, each row bit-identical to its sequence decoded alone at
+    slot 0 (the keys copied there), and the region's neighbours (NaN) never read."""
+    gen = torch.Generator().manual_seed(11)
+    hq, hkv, d = 9, 3, 64
+    bases, lengths = [0, 300, 700], [257, 5, 300]
+    k = torch.full((hkv, 1100, d), float("nan"))
+    v = torch.full((hkv, 1100, d), float("nan"))
+    alone = []
+    for b, n in zip(bases, lengths):
+        ka, va = (t.to(dtype) for t in _cache(gen, hkv, n + 8, d))
+        k[:, b:b + n + 8], v[:, b:b + n + 8] = ka.float(), va.float()
+        alone.append((ka, va))
+    k, v = k.to(dtype), v.to(dtype)
+    # per sequence: a chain row at its last position and a tree row (path after the prefix)
+    q = torch.randn(6, hq, d, generator=gen)
+    rows_seq = [0, 0, 1, 1, 2, 2]
+    limit = torch.tensor([lengths[s] - 1 + i % 2 * 2 for i, s in enumerate(rows_seq)])
+    path = torch.full((6, 3), -1, dtype=torch.long)
+    for i, s in enumerate(rows_seq):
+        if i % 2:  # two path slots after the prefix [0, lengths - 1]: slots n + 1 and n + 3
+            path[i, :2] = torch.tensor([lengths[s] + 1, lengths[s] + 3])
+    base = torch.tensor([bases[s] for s in rows_seq])
+    batched = attention(q, k, v, limit, 0.125, path + torch.where(path >= 0, base[:, None], 0), base)
+    assert not batched.isnan().any()
+    for i, s in enumerate(rows_seq):
+        ka, va = alone[s]
+        one = attention(q[i:i + 1], ka, va, limit[i:i + 1], 0.125, path[i:i + 1])
+        assert torch.equal(batched[i], one[0]), i
+    torch.testing.assert_close(
+        batched, rows_attention_reference(q, k.float().nan_to_num(), v.float().nan_to_num(), limit, 0.125,
+                                          path + torch.where(path >= 0, base[:, None], 0), base),
+        rtol=1e-5, atol=1e-5)
+
+
+def test_attention_bad_base_is_refused(attention):
+    gen = torch.Generator().manual_seed(0)
+    k, v = _cache(gen, 2, 16, 8)
+    q = torch.randn(2, 4, 8, generator=gen)
+    lim = torch.tensor([3, 4])
+    with pytest.raises(RuntimeError, match="keys are outside the cache"):
+        attention(q, k, v, lim, 1.0, NO_PATH, torch.tensor([0, 12]))
+    with pytest.raises(RuntimeError, match="keys are outside the cache"):
+        attention(q, k, v, lim, 1.0, NO_PATH, torch.tensor([-1, 0]))
+    with pytest.raises(RuntimeError, match="base int64"):
+        attention(q, k, v, lim, 1.0, NO_PATH, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="base int64"):
+        attention(q, k, v, lim, 1.0, NO_PATH, torch.tensor([0.0, 1.0]))
 
 
 def test_attention_bad_tree_path_is_refused(attention):
@@ -290,13 +343,13 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, d
     ang = pos[:, None].float() * inv[None]
     ang = torch.cat([ang, ang], -1)
     return dict(h=h, weights=w, k_cache=k_cache, v_cache=v_cache, cos=ang.cos(), sin=ang.sin(),
-                slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, path=NO_PATH)
+                slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, path=NO_PATH, base=NO_BASE)
 
 
 def _call(layer, case, **changes):
     c = {**case, **changes}
     return layer(c["h"], c["weights"], c["k_cache"], c["v_cache"], c["cos"], c["sin"], c["slots"],
-                 c["limit"], c["eps"], c["scale"], c["path"])
+                 c["limit"], c["eps"], c["scale"], c["path"], c["base"])
 
 
 def _layer_reference(case):
@@ -325,7 +378,7 @@ def _layer_reference(case):
     for r in range(R):  # the kernel stores its float32 K/V rounded to the cache dtype
         kc[:, c["slots"][r]] = k[r].float().to(c["k_cache"].dtype).double()
         vc[:, c["slots"][r]] = v[r].float().to(c["v_cache"].dtype).double()
-    o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"])
+    o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"], c["base"])
     h1 = h + o @ W[4].T
     x = rms(h1, W[5])
     return h1 + (F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T

@@ -61,6 +61,7 @@ class OracleTrees(SelfSpecDecoder):
         super().__init__(engine, None, DecodeConfig(lookup="off", tree="on", adaptive=False, **config))
         self.reference = reference
         self.shape = shape
+        self.num_sources = 3  # rows labelled as head steps 0..2 (stats.exits_per_head)
 
     def draft(self, ctx, budget, policy, stats):
         out = ctx.committed
@@ -85,7 +86,6 @@ class OracleTrees(SelfSpecDecoder):
             for k in range(1, 5):
                 tree.add(0, (truth[0] + k) % self.engine.view.vocab_size, Source.COPY)
             tree.add_branch(truth, Source.HEAD)  # cut where the tree is full
-        stats.drafted += len(tree) - 1
         return DraftPlan(tree, {})
 
 

@@ -25,11 +25,12 @@ distribution. A `RowScorer` applies HF logits processors to every row.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from ..engine.meta import StepRows
 from ..engine.programs import Engine
 from ..stats import DecodeStats
 from .candidates import Candidate, DraftContext, Proposal, Source
@@ -83,6 +84,38 @@ class Verified:
 
 StopFn = Callable[[list[int]], bool]  # new tokens so far -> stop after the last one?
 CommitFn = Callable[[list[int]], None]  # receives each chunk of committed tokens
+
+
+@dataclass
+class SequenceRun:
+    """One sequence's request and decoding state between cycles."""
+
+    max_new_tokens: int
+    eos: frozenset[int]
+    stop: StopFn | None
+    on_commit: CommitFn | None
+    min_new_tokens: int
+    scorer: RowScorer | None
+    do_sample: bool
+    stats: DecodeStats
+    t_start: float
+    out: list[int] = field(default_factory=list)  # new tokens so far
+    position: int = 0  # the last committed token's position (its KV is not in the cache yet)
+    final_before: torch.Tensor | None = None  # final hidden state of the row that produced it
+    policy: DraftBudget | None = None
+    tree: bool = False  # this request's cycles draft trees
+    done: bool = False
+    kept_logits: list[torch.Tensor] | None = None  # collect_logits: one per new token
+    kept_scores: list[torch.Tensor] | None = None
+
+
+@dataclass
+class Cycle:
+    """One cycle's drafting: its context, the rows to verify and the seconds it took."""
+
+    ctx: DraftContext
+    plan: DraftPlan
+    draft_seconds: float
 
 
 class SelfSpecDecoder:
@@ -185,6 +218,25 @@ class SelfSpecDecoder:
         scorer: HF logits processors applied to every row (then `min_new_tokens` is theirs
         to enforce, e.g. HF's MinNewTokensLengthLogitsProcessor, and is ignored here).
         do_sample: exact speculative sampling from the softmax of the scores."""
+        run = self.begin(prompt_ids, max_new_tokens, eos_token_ids, stop, on_commit, min_new_tokens,
+                         collect_logits, stats, scorer, do_sample)
+        engine = self.engine
+        while not run.done:
+            cycle = self.draft_cycle(run)
+            hidden, depth, rows = self.step_input(cycle)
+            t0 = time.perf_counter()
+            logits, argmax, finals = engine.verify(hidden, depth, engine.rows_meta(rows))
+            self.finish_cycle(run, cycle, logits, argmax, finals, time.perf_counter() - t0)
+        return self.result(run)
+
+    # The phases of `generate`, one sequence's each: a batch (batch.py) runs every sequence's
+    # draft_cycle, one engine step over all their rows, then every finish_cycle.
+
+    def begin(self, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_ids: Sequence[int] = (),
+              stop: StopFn | None = None, on_commit: CommitFn | None = None, min_new_tokens: int = 0,
+              collect_logits: bool = False, stats: DecodeStats | None = None,
+              scorer: RowScorer | None = None, do_sample: bool = False) -> SequenceRun:
+        """Check the request, prefill the prompt and commit the first token (`generate`)."""
         engine = self.engine
         prompt_ids = list(prompt_ids)
         engine.check_capacity(len(prompt_ids), max_new_tokens, draft_rows=0)
@@ -192,11 +244,11 @@ class SelfSpecDecoder:
         stats.prompt_tokens = len(prompt_ids)
         stats.lossy = self.config.lossy_top_k > 1
         stats.exits_per_head = [0] * self.num_sources
-        out: list[int] = []
-        t_start = time.perf_counter()
+        run = SequenceRun(max_new_tokens, frozenset(int(e) for e in eos_token_ids), stop, on_commit,
+                          min_new_tokens, scorer, do_sample, stats, time.perf_counter())
         if max_new_tokens <= 0:
-            return DecodeResult(out, stats)
-        eos = frozenset(int(e) for e in eos_token_ids)
+            run.done = True
+            return run
         if do_sample and self.config.lossy_top_k > 1:
             raise ValueError("lossy_top_k > 1 is a greedy option; sampling is exact only (set lossy_top_k=1)")
         # logits processors score a row from its history, which in a tree is its path, not
@@ -207,52 +259,84 @@ class SelfSpecDecoder:
         if do_sample and scorer is None:
             from transformers import LogitsProcessorList
 
-            scorer = RowScorer(LogitsProcessorList(), prompt_ids, engine.view.vocab_size, engine.view.device)
-        if scorer is not None:
-            min_new_tokens = 0
+            run.scorer = RowScorer(LogitsProcessorList(), prompt_ids, engine.view.vocab_size, engine.view.device)
+        if run.scorer is not None:
+            run.min_new_tokens = 0
         if self.draft_engine is not None:
             self.draft_engine.check_capacity(len(prompt_ids), max_new_tokens, draft_rows=0)
 
         # prefill: the prompt's KV, the first token from its last row
-        logits, final_before = engine.prefill(prompt_ids)
-        scores = self._first_scores(logits, scorer, min_new_tokens, eos)
+        logits, run.final_before = engine.prefill(prompt_ids)
+        scores = self._first_scores(logits, run.scorer, run.min_new_tokens, run.eos)
         first = sample(torch.softmax(scores, -1)) if do_sample else int(scores.argmax())
-        kept_logits = [logits] if collect_logits else None
-        kept_scores = [scores] if collect_logits else None
-        stats.prefill_time = time.perf_counter() - t_start
+        if collect_logits:
+            run.kept_logits, run.kept_scores = [logits], [scores]
+        stats.prefill_time = time.perf_counter() - run.t_start
         for drafter in self._drafters():
             drafter.start(prompt_ids)
-        done = self._commit(out, stats, [first], [MODEL_LABEL], max_new_tokens, eos, stop, on_commit)
-        position = len(prompt_ids)
-        policy = self._new_policy()
-        tree = self.use_tree and not do_sample and scorer is None
-        while not done:
-            # near the end of the KV cache (the model's position range) a cycle drafts less
-            room = engine.capacity - position
-            budget = min(self.max_draft, max_new_tokens - len(out) - 1, room - 1)
-            ctx = DraftContext(out, final_before, position, eos, tree, scorer if do_sample else None, room)
-            t0 = time.perf_counter()
-            plan = self.draft(ctx, budget, policy, stats)
-            t1 = time.perf_counter()
-            verified = self.verify(plan, ctx, max(0, min_new_tokens - len(out)), scorer)
-            tokens, labels, rows = self.accept(plan, verified, position, do_sample)
-            stats.draft_time += t1 - t0
-            stats.verify_time += time.perf_counter() - t1
-            stats.cycles += 1
-            stats.accepted += len(tokens) - 1
-            stats.off_chain_cycles += any(plan.tree.depth[r] != r for r in rows)
-            self._feedback(policy, plan, rows)
-            final_before = verified.finals[rows[-1]]
-            position += len(tokens)
-            before = len(out)
-            done = self._commit(out, stats, tokens, labels, max_new_tokens, eos, stop, on_commit)
-            if collect_logits:
-                kept = rows[: len(out) - before]
-                kept_logits.extend(verified.logits[kept])
-                kept_scores.extend(verified.scores[kept])
-        stats.new_tokens = len(out)
-        stats.total_time = time.perf_counter() - t_start
-        return DecodeResult(out, stats, kept_logits, kept_scores)
+        run.done = self._commit(run, [first], [MODEL_LABEL])
+        run.position = len(prompt_ids)
+        run.policy = self._new_policy()
+        run.tree = self.use_tree and not do_sample and run.scorer is None
+        return run
+
+    def draft_cycle(self, run: SequenceRun) -> Cycle:
+        """This cycle's context and drafted rows (at most what the cache and the request
+        leave room for; near the end of the cache, the model's position range, fewer)."""
+        room = self.engine.position_limit - run.position
+        budget = min(self.max_draft, run.max_new_tokens - len(run.out) - 1, room - 1)
+        ctx = DraftContext(run.out, run.final_before, run.position, run.eos, run.tree,
+                           run.scorer if run.do_sample else None, room)
+        t0 = time.perf_counter()
+        plan = self.draft(ctx, budget, run.policy, run.stats)
+        return Cycle(ctx, plan, time.perf_counter() - t0)
+
+    def step_input(self, cycle: Cycle) -> tuple[torch.Tensor, int, StepRows]:
+        """The cycle's rows for one engine step: hidden states [n, H] after `depth` layers
+        (exit heads' rows continue from their climb) and their host metadata."""
+        engine, tree, position = self.engine, cycle.plan.tree, cycle.ctx.position
+        if cycle.plan.rows is not None:
+            hidden, depth = cycle.plan.rows.finish()
+        else:
+            hidden, depth = engine.embed(tree.tokens), 0
+        if tree.is_chain:
+            return hidden, depth, engine.step_rows(range(position, position + len(tree)))
+        positions, slots, paths = tree.layout(position)
+        return hidden, depth, engine.step_rows(positions, slots, paths)
+
+    def finish_cycle(self, run: SequenceRun, cycle: Cycle, logits: torch.Tensor, argmax: torch.Tensor,
+                     finals: torch.Tensor, verify_seconds: float) -> None:
+        """The model's view of the cycle's rows (logits, argmax, final hidden states [n, ...]
+        from the engine step): accept, feed back, commit."""
+        plan, stats = cycle.plan, run.stats
+        tree = plan.tree
+        stats.drafted += len(tree) - 1
+        for row in range(1, len(tree)):
+            if tree.kinds[row] is Source.HEAD:
+                stats.exits_per_head[tree.steps[row]] += 1
+        t0 = time.perf_counter()
+        verified = self.scored(plan, cycle.ctx, max(0, run.min_new_tokens - len(run.out)), run.scorer,
+                               logits, argmax, finals)
+        tokens, labels, rows = self.accept(plan, verified, run.position, run.do_sample)
+        stats.draft_time += cycle.draft_seconds
+        stats.verify_time += verify_seconds + time.perf_counter() - t0
+        stats.cycles += 1
+        stats.accepted += len(tokens) - 1
+        stats.off_chain_cycles += any(tree.depth[r] != r for r in rows)
+        self._feedback(run.policy, plan, rows)
+        run.final_before = verified.finals[rows[-1]]
+        run.position += len(tokens)
+        before = len(run.out)
+        run.done = self._commit(run, tokens, labels)
+        if run.kept_logits is not None:
+            kept = rows[: len(run.out) - before]
+            run.kept_logits.extend(verified.logits[kept])
+            run.kept_scores.extend(verified.scores[kept])
+
+    def result(self, run: SequenceRun) -> DecodeResult:
+        run.stats.new_tokens = len(run.out)
+        run.stats.total_time = time.perf_counter() - run.t_start
+        return DecodeResult(run.out, run.stats, run.kept_logits, run.kept_scores)
 
     def _drafters(self):
         return [d for d in (self.drafter, self.lookup) if d is not None]
@@ -280,13 +364,9 @@ class SelfSpecDecoder:
 
     def draft(self, ctx: DraftContext, budget: int, policy: DraftBudget, stats: DecodeStats) -> DraftPlan:
         """This cycle's rows: at most `budget` drafts, as many as the policy expects to pay."""
-        plan = self._plan_tree(ctx, budget, policy, stats) if ctx.tree else self._plan_chain(ctx, budget, policy, stats)
-        tree = plan.tree
-        stats.drafted += len(tree) - 1
-        for row in range(1, len(tree)):
-            if tree.kinds[row] is Source.HEAD:
-                stats.exits_per_head[tree.steps[row]] += 1
-        return plan
+        if ctx.tree:
+            return self._plan_tree(ctx, budget, policy, stats)
+        return self._plan_chain(ctx, budget, policy, stats)
 
     def _propose(self, drafter, ctx: DraftContext, budget: int, stats: DecodeStats) -> Proposal:
         proposal = drafter.propose(ctx, budget)
@@ -317,8 +397,10 @@ class SelfSpecDecoder:
         tree = DraftTree(ctx.committed[-1], min(self.engine.width, ctx.room))
         rows = proposal.rows if proposal is not None else None
         chosen = copies or (proposal.candidates if proposal is not None else [])
+        rate = policy.rate(COPY_KEY if copies else drafter.key) if chosen else 0.0
         for candidate in chosen:
-            tree.add(len(tree) - 1, candidate.token, candidate.source, candidate.step, candidate.q)
+            tree.add(len(tree) - 1, candidate.token, candidate.source, candidate.step, candidate.q,
+                     value=rate ** len(tree))
             if rows is not None and len(rows) < len(tree):  # a copy after the heads' rows
                 rows.add(candidate.token)
             if candidate.token in ctx.eos:
@@ -356,23 +438,14 @@ class SelfSpecDecoder:
 
     # ---- verify --------------------------------------------------------------------------
 
-    def verify(self, plan: DraftPlan, ctx: DraftContext, masked_rows: int,
-               scorer: RowScorer | None = None) -> Verified:
-        """One engine step over the plan's rows. Without a scorer, rows at depth <
-        `masked_rows` may not end the text (min_new_tokens): their EOS logits are -inf
-        before the argmax, as HF's MinNewTokensLengthLogitsProcessor does; with one, the
-        scores are the request's processors applied row by row (chains only)."""
-        engine, tree = self.engine, plan.tree
-        if plan.rows is not None:
-            hidden, depth = plan.rows.finish()
-        else:
-            hidden, depth = engine.embed(tree.tokens), 0
-        if tree.is_chain:
-            meta = engine.make_meta(range(ctx.position, ctx.position + len(tree)))
-        else:
-            positions, slots, paths = tree.layout(ctx.position)
-            meta = engine.make_meta(positions, slots=slots, paths=paths)
-        logits, argmax, finals = engine.verify(hidden, depth, meta)
+    def scored(self, plan: DraftPlan, ctx: DraftContext, masked_rows: int, scorer: RowScorer | None,
+               logits: torch.Tensor, argmax: torch.Tensor, finals: torch.Tensor) -> Verified:
+        """The model's tokens after the plan's rows, from the engine step's outputs. Without a
+        scorer, rows at depth < `masked_rows` may not end the text (min_new_tokens): their
+        EOS logits are -inf before the argmax, as HF's MinNewTokensLengthLogitsProcessor
+        does; with one, the scores are the request's processors applied row by row (chains
+        only)."""
+        tree = plan.tree
         if scorer is not None:
             scores = scorer.scores(ctx.committed, tree.drafts, logits)
             return Verified(scores.argmax(-1).tolist(), logits, scores, finals)
@@ -423,19 +496,20 @@ class SelfSpecDecoder:
         if predicted:
             policy.calibration(HEADS_KEY).update(sum(predicted.values()), sum(r in accepted for r in predicted))
 
-    def _commit(self, out, stats, tokens, labels, max_new_tokens, eos, stop, on_commit) -> bool:
+    def _commit(self, run: SequenceRun, tokens: list[int], labels: list[str]) -> bool:
         """Append tokens one by one, stopping exactly where AR would. True when done."""
         done = False
         kept = 0
+        out, stop = run.out, run.stop
         for token in tokens:
             out.append(token)
-            stats.sources.append(labels[kept])
+            run.stats.sources.append(labels[kept])
             kept += 1
-            if token in eos or len(out) >= max_new_tokens or (stop is not None and stop(out)):
+            if token in run.eos or len(out) >= run.max_new_tokens or (stop is not None and stop(out)):
                 done = True
                 break
         for drafter in self._drafters():
             drafter.accepted(tokens[:kept])
-        if on_commit is not None:
-            on_commit(tokens[:kept])
+        if run.on_commit is not None:
+            run.on_commit(tokens[:kept])
         return done

@@ -171,7 +171,8 @@ def select_tree_rows(root: int, width: int, copy: Sequence[Candidate], heads: Se
     copy_rows: list[int] = []
     if not heads_first:  # the copy's chain (its policy budget already weighed its cost)
         for j, c in enumerate(copy):
-            row = tree.add(copy_rows[-1] if copy_rows else 0, c.token, Source.COPY, j)
+            row = tree.add(copy_rows[-1] if copy_rows else 0, c.token, Source.COPY, j,
+                           value=copy_rate ** (j + 1))
             if row is None:
                 break
             copy_rows.append(row)
@@ -214,7 +215,7 @@ def select_tree_rows(root: int, width: int, copy: Sequence[Candidate], heads: Se
                 continue
             parent = node_rows[candidate.parent] if candidate.parent >= 0 else 0
         before = len(tree)
-        row = tree.add(parent, candidate.token, candidate.source, candidate.step)
+        row = tree.add(parent, candidate.token, candidate.source, candidate.step, value=weight)
         if row is None:
             break
         if is_copy:

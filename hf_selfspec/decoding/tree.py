@@ -36,6 +36,9 @@ class DraftTree:
         self.parent = [-1]
         self.depth = [0]
         self.children: list[dict[int, int]] = [{}]
+        # each row's expected acceptance as its drafter weighed it (the root: 1), what a
+        # batch's budget compares across sequences (batch.py)
+        self.value = [1.0]
         # rows a drafter added with its own probability that the row's path is the model's
         # (the heads' path probability): compared with what is accepted (calibration)
         self.predicted: dict[int, float] = {}
@@ -51,9 +54,10 @@ class DraftTree:
         """The stats label of a row's token (source_label)."""
         return source_label(self.kinds[row], self.steps[row])
 
-    def add(self, parent: int, token: int, source: Source, step: int = 0, q=None) -> int | None:
+    def add(self, parent: int, token: int, source: Source, step: int = 0, q=None,
+            value: float = 0.0) -> int | None:
         """The row holding `token` under `parent`: an existing child, else a new row (None
-        when the tree is full)."""
+        when the tree is full); `value`: its expected acceptance."""
         existing = self.children[parent].get(token)
         if existing is not None:
             return existing
@@ -68,6 +72,7 @@ class DraftTree:
         self.depth.append(self.depth[parent] + 1)
         self.children.append({})
         self.children[parent][token] = row
+        self.value.append(value)
         return row
 
     def add_branch(self, tokens: Sequence[int], source: Source, parent: int = 0,
@@ -90,7 +95,7 @@ class DraftTree:
         kept is a tree)."""
         if rows >= len(self.tokens):
             return
-        for name in ("tokens", "kinds", "steps", "q", "parent", "depth", "children"):
+        for name in ("tokens", "kinds", "steps", "q", "parent", "depth", "children", "value"):
             del getattr(self, name)[rows:]
         self.predicted = {r: p for r, p in self.predicted.items() if r < rows}
         for kids in self.children:

@@ -101,6 +101,7 @@ class BlockAttention:
     name = "block"
     needs_masks = True  # make_meta builds one visible_bias per chunk
     supports_trees = False  # a scattered path would change the masked blocks' summation order
+    supports_batches = False  # blocks sit at absolute slots: a region's base would shift them
 
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         v = engine.view
@@ -131,6 +132,7 @@ class CppRowAttention:
     name = "cpp_rows"
     needs_masks = False
     supports_trees = True
+    supports_batches = True  # a base slot per row: several sequences' KV regions in one step
 
     def __init__(self, kernel):
         self.kernel = kernel  # load_rows_attention()
@@ -138,10 +140,11 @@ class CppRowAttention:
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         fn, limits = self.kernel, meta.key_limit[:meta.rows]
         k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
+        base = meta.base
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             # float32 out (bf16/fp16 q and caches widened exactly): back to q's dtype
-            o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path)
+            o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path, base)
             return o.to(q.dtype)
 
         return attend
@@ -157,6 +160,7 @@ class TritonAttention:
     name = "triton"
     needs_masks = False  # the kernel reads key_limit itself
     supports_trees = False  # the engine passes no ancestor slots (chains only)
+    supports_batches = False  # prefixes start at slot 0
 
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         from hf_selfspec.kernels import row_attention

@@ -71,7 +71,7 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     layout = engine.layout
     key = {n: (layout.rows(n), layout.attention_chunks(n)) for n in range(1, engine.width + 1)}
     widest = {k: max(n for n in key if key[n] == k) for k in set(key.values())}
-    base = engine.capacity - engine.width
+    base = engine.position_limit - engine.width
     limit = cost_context(engine)
     samples: dict[tuple, list[float]] = {k: [] for k in widest}
     h = engine.embed([0] * engine.width)
@@ -102,7 +102,7 @@ def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) ->
     `reps`, after one warm-up) is over STALE_FACTOR times faster than the cached one."""
     if cached_one_row < CHECK_ABOVE_SECONDS:
         return False
-    base = engine.capacity - engine.width
+    base = engine.position_limit - engine.width
     meta = engine.make_meta([base], [cost_context(engine)])
     h = engine.embed([0])
     times = []

@@ -6,11 +6,12 @@ and the CUDA-graph executor (runner.py) can all name it without importing each o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from hf_selfspec.kernels.cpu_rows import NO_PATH
+from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
 
 @dataclass
@@ -30,3 +31,38 @@ class StepMeta:
     # committed prefix (ancestors then itself, -1 pads; see cpu_rows.cpp rows_attention);
     # [0, 0]: a chain
     path: torch.Tensor = NO_PATH
+    # batched steps (C++ row attention only): [n] int64, the slot of each row's logical key 0
+    # (its sequence's KV region); [0]: every row's keys start at slot 0
+    base: torch.Tensor = NO_BASE
+
+
+@dataclass
+class StepRows:
+    """The rows of one step on the host, before `Engine.rows_meta` makes their `StepMeta`:
+    RoPE positions and key limits are logical (the sequence's own), KV slots and path slots
+    absolute; `bases` (None: all 0) gives each row's first slot, its sequence's KV region.
+    `concat` lays the rows of several sequences side by side in one step (a batch)."""
+
+    positions: list[int]
+    slots: list[int]
+    limits: list[int]
+    paths: list[list[int]] | None = None
+    bases: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @staticmethod
+    def concat(parts: Sequence[StepRows]) -> StepRows:
+        trees = any(p.paths is not None for p in parts)
+        regions = any(p.bases is not None for p in parts)
+        rows = StepRows([], [], [], [] if trees else None, [] if regions else None)
+        for p in parts:
+            rows.positions += p.positions
+            rows.slots += p.slots
+            rows.limits += p.limits
+            if trees:  # a chain's row r sees its prefix only: an empty path
+                rows.paths += p.paths if p.paths is not None else [[] for _ in p.positions]
+            if regions:
+                rows.bases += p.bases if p.bases is not None else [0] * len(p)
+        return rows

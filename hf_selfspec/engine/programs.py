@@ -34,17 +34,17 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from hf_selfspec.kernels.cpu_rows import NO_PATH
+from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
 from . import costs
 from .attention import KEY_BLOCK, select_attention, visible_bias
 from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, rms_norm, rotate_half
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
-from .meta import StepMeta
+from .meta import StepMeta, StepRows
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
-           "row_chunks", "weight_signature"]
+           "StepRows", "row_chunks", "weight_signature"]
 
 # Most rows one step takes (row 0 + drafts): enough room for long copies where they pay
 # (docs/benchmarks.md, scripts/bench.py --widths).
@@ -54,6 +54,9 @@ DEFAULT_CAPACITY = 2048
 # shrinks a cache that is more than SHRINK_RATIO times what a request needs back to
 # max(EngineConfig.capacity, that need): a one-off long prompt does not keep its memory.
 SHRINK_RATIO = 2
+# A batched step (several sequences' rows, engine.supports_batches) takes up to this many
+# times the width.
+BATCH_ROWS_PER_WIDTH = 8
 
 RowLayoutName = Literal["auto", "kernel", "micro", "fixed"]
 ROW_LAYOUTS = ("auto", *LAYOUTS)
@@ -204,10 +207,19 @@ class Engine:
         self.capacity = capacity
         self.num_slots = num_slots
         self.trash_slot = capacity
-        if v.max_positions != capacity:
-            v.set_max_positions(capacity)
+        # RoPE tables for the positions one sequence can reach: a batch's cache holds several
+        # sequences' regions, more slots than any sequence has positions
+        positions = min(capacity, getattr(v.config, "max_position_embeddings", None) or capacity)
+        if v.max_positions != positions:
+            v.set_max_positions(positions)
         if getattr(self, "graphs", None) is not None:
             self.graphs.reset()  # captured programs read the old cache's addresses
+
+    @property
+    def position_limit(self) -> int:
+        """Positions a sequence may reach in this cache: its slots, at most the RoPE table's
+        (a batch's cache has more slots than any one sequence has positions)."""
+        return min(self.capacity, self.view.max_positions)
 
     def capacity_for(self, need: int) -> int:
         """The capacity a cache for `need` slots gets: whole key blocks (the trash slot
@@ -267,17 +279,53 @@ class Engine:
         order a scattered path would change."""
         return self.attention.supports_trees
 
+    @property
+    def supports_batches(self) -> bool:
+        """Whether one step may hold the rows of several sequences, each in its own KV
+        region (`make_meta(..., bases=...)`, up to `max_step_rows` rows): the C++ row
+        attention reads each row's keys from its region's first slot with the arithmetic of
+        a sequence at slot 0; the block attention's key blocks sit at absolute slots."""
+        return getattr(self.attention, "supports_batches", False) and self.graphs is None
+
+    @property
+    def max_step_rows(self) -> int:
+        """Most rows one step takes: the width, or for a batched step BATCH_ROWS_PER_WIDTH
+        times it."""
+        return self.width * (BATCH_ROWS_PER_WIDTH if self.supports_batches else 1)
+
+    def step_rows(self, positions: Sequence[int], slots: Sequence[int] | None = None,
+                  paths: Sequence[Sequence[int]] | None = None) -> StepRows:
+        """The host rows of one sequence's step at slots [0, capacity): chain rows at
+        `positions` (slot = position), or a tree's `slots` and `paths` (see make_meta)."""
+        positions = list(positions)
+        return StepRows(positions, positions if slots is None else list(slots), positions,
+                        None if paths is None else [list(p) for p in paths])
+
+    def rows_meta(self, rows: StepRows) -> StepMeta:
+        """`make_meta` for host rows (one sequence's, or several concatenated)."""
+        return self.make_meta(rows.positions, rows.limits, rows.slots, rows.paths, rows.bases)
+
     def make_meta(
         self, positions: Sequence[int], key_limits: Sequence[int] | None = None,
         slots: Sequence[int] | None = None, paths: Sequence[Sequence[int]] | None = None,
+        bases: Sequence[int] | None = None,
     ) -> StepMeta:
         """Metadata for a step whose real rows sit at `positions` (chain: slot = position).
         A draft tree gives each row's KV `slots` and its `paths` (the slots of its path
-        after the committed prefix, root first, itself last); key limits are the positions."""
+        after the committed prefix, root first, itself last); key limits are the positions.
+        A batched step gives each row's `bases` (the first slot of its sequence's KV region:
+        its keys j <= limit sit at base + j; slots and path slots stay absolute)."""
         n = len(positions)
-        if not 1 <= n <= self.width:
-            raise ValueError(f"a step takes 1..{self.width} rows, got {n}")
+        most = self.width if bases is None else self.max_step_rows
+        if not 1 <= n <= most:
+            raise ValueError(f"a step takes 1..{most} rows, got {n}")
+        if bases is not None and not self.supports_batches:
+            raise ValueError(f"batched steps need the kernel row layout on the CPU (this engine uses "
+                             f"{self.layout.name!r} on {self.view.device.type})")
         limits = positions if key_limits is None else key_limits
+        if n > self._meta_host.shape[1]:  # a batched step wider than any before (CPU only)
+            self._meta_host = torch.zeros(3, n, dtype=torch.long)
+            self._meta = torch.zeros(3, n, dtype=torch.long, device=self.view.device)
         host = self._meta_host
         host[0, :n] = torch.as_tensor(positions)
         host[0, n:] = positions[0]
@@ -306,9 +354,12 @@ class Engine:
             path = torch.full((n, max(len(p) for p in paths)), -1, dtype=torch.long)
             for r, row_path in enumerate(paths):
                 path[r, : len(row_path)] = torch.as_tensor(row_path)
+        base = NO_BASE if bases is None else torch.as_tensor(list(bases), dtype=torch.long)
+        if len(base) not in (0, n):
+            raise ValueError(f"{len(base)} bases given for {n} rows")
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases,
-            v.cos[positions_t[:rows]], v.sin[positions_t[:rows]], path,
+            v.cos[positions_t[:rows]], v.sin[positions_t[:rows]], path, base,
         )
 
     def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
@@ -343,7 +394,7 @@ class Engine:
             h = h.float().contiguous()
             for li in range(start, end):
                 h = layer(h, self._fused_layers[li], self.k_cache[li], self.v_cache[li], cos, sin,
-                          slots, limits, v.eps, v.scaling, meta.path)
+                          slots, limits, v.eps, v.scaling, meta.path, meta.base)
                 if dtype != torch.float32:
                     # the residual stream rounds to the model's dtype at EVERY layer boundary,
                     # so a row's bits never depend on where a seg ends (AR: one run of all
@@ -429,14 +480,15 @@ class Engine:
         return self._one_row_seconds
 
     @torch.no_grad()
-    def prefill(self, prompt_ids: Sequence[int]):
-        """Fill the KV cache with the prompt (see EngineConfig.prefill).
-        Returns (logits [V], final hidden after the final norm [H]) of the last prompt row."""
+    def prefill(self, prompt_ids: Sequence[int], base: int = 0):
+        """Fill the KV cache with the prompt (see EngineConfig.prefill), at slots from `base`
+        (a sequence's KV region in a batch). Returns (logits [V], final hidden after the
+        final norm [H]) of the last prompt row."""
         if self.config.prefill == "hf":
-            return self._prefill_hf(prompt_ids)
-        return self._prefill_engine(prompt_ids)
+            return self._prefill_hf(prompt_ids, base)
+        return self._prefill_engine(prompt_ids, base)
 
-    def _prefill_hf(self, prompt_ids: Sequence[int]):
+    def _prefill_hf(self, prompt_ids: Sequence[int], base: int = 0):
         from transformers import DynamicCache
 
         n = len(prompt_ids)
@@ -444,16 +496,18 @@ class Engine:
         cache = DynamicCache(config=self.view.config)
         out = self.view.model.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
-            self.k_cache[li, :, :n] = layer.keys[0]
-            self.v_cache[li, :, :n] = layer.values[0]
+            self.k_cache[li, :, base:base + n] = layer.keys[0]
+            self.v_cache[li, :, base:base + n] = layer.values[0]
         last = out.last_hidden_state[0, -1]  # after the final norm
         return self.view.lm_head(last[None])[0], last
 
-    def _prefill_engine(self, prompt_ids: Sequence[int]):
+    def _prefill_engine(self, prompt_ids: Sequence[int], base: int = 0):
         n = len(prompt_ids)
         for lo in range(0, n, self.width):
             chunk = list(prompt_ids[lo : lo + self.width])
-            meta = self.make_meta(range(lo, lo + len(chunk)))
+            positions = list(range(lo, lo + len(chunk)))
+            meta = (self.make_meta(positions) if base == 0 else
+                    self.make_meta(positions, slots=[base + p for p in positions], bases=[base] * len(chunk)))
             h = self.run_layers(self.embed(chunk), 0, self.view.num_layers, meta)
         logits, final = self.logits(h[-1:])
         return logits[0], final[0]
