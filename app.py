@@ -11,7 +11,9 @@ prompt-lookup copy, or a draft head's draft that the model accepted.
 Environment: HF_SELFSPEC_DEMO_MAX_NEW_TOKENS (default 96) sets the slider's start value,
 HF_SELFSPEC_DEMO_THREADS the torch thread count (default: torch's own choice),
 HF_SELFSPEC_DEMO_MAX_PROMPT_TOKENS (default 1024) the longest prompt accepted,
-HF_SELFSPEC_DEMO_QUEUE (default 16) how many turns may wait.
+HF_SELFSPEC_DEMO_QUEUE (default 16) how many turns may wait,
+HF_SELFSPEC_DEMO_CHECK=1 builds everything (model, heads, engine warm-up, the UI) and exits
+instead of serving: the headless start-up check of a Space's environment (docs/space.md).
 
 A few visitors must not be able to hold the Space: one turn runs at a time (Gradio's queue,
 concurrency 1) and at most HF_SELFSPEC_DEMO_QUEUE wait, prompts and new tokens are capped on
@@ -409,8 +411,14 @@ def main() -> None:
     model, tokenizer = load_model()
     demo = Demo(model, tokenizer)
     demo.warm_up()
+    ui = build_ui(demo)
+    if os.environ.get("HF_SELFSPEC_DEMO_CHECK") == "1":
+        heads = getattr(getattr(model, "_selfspec", None), "heads", None)
+        print(f"app.py check: UI built (gradio {gr.__version__}, torch {torch.__version__}, "
+              f"heads {type(heads).__name__}); not serving", flush=True)
+        return
     # launch() reads GRADIO_SERVER_NAME / GRADIO_SERVER_PORT itself: pass neither here
-    build_ui(demo).launch()
+    ui.launch()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ $SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver
 [ -d .venv ] || { echo "no .venv: run scripts/setup.sh first" >&2; exit 1; }
 . .venv/bin/activate
 # gradio and selenium leave torch alone (checked with pip install --dry-run)
-pip install -q "gradio>=6,<7" "selenium>=4.20"
+# the gradio the Space runs (requirements.txt pins it to README's sdk_version)
+pip install -q "$(grep -E '^gradio==' requirements.txt)" "selenium>=4.20"
 chromium --version
 chromedriver --version
