@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .decoding.batch import BatchDecoder, SequenceRequest, batch_obstacle
 from .decoding.cycle import DecodeConfig, DecodeResult, SelfSpecDecoder
 from .decoding.draft_model import check_draft_model
 from .decoding.sampling import (
@@ -648,8 +649,6 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("streamers support batch size 1 only (as in HF generate)")
     want_logits = bool(gc.output_logits or gc.output_scores) and gc.return_dict_in_generate
-    if want_logits and input_ids.shape[0] > 1:
-        raise ValueError("output_scores/output_logits with assistant='self' support batch size 1 only")
     prompts = _row_prompts(input_ids, model_kwargs.get("attention_mask"))
     for p in prompts:
         if not p:
@@ -667,13 +666,20 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     if selfspec_draft_model is not None:
         draft_engine = state.draft_engine_for(selfspec_draft_model, engine.capacity)
         getattr(draft_engine, "step_costs", None)
-    built = engine is not engine_before or (draft_engine is not None and draft_engine is not draft_before)
-    build_time = time.perf_counter() - started if built else 0.0
     decoder = SelfSpecDecoder(engine, state.heads, config, draft_engine)
+    # a batch shares engine steps (decoding/batch.py) where the engine and drafter allow it,
+    # else its sequences are decoded one after the other: the same tokens either way
+    batched = len(prompts) > 1 and draft_engine is None and batch_obstacle(engine, decoder) is None
+    measured_batch = batched and engine._batch_costs is None
+    if batched:
+        getattr(engine, "batch_costs", None)  # measured once per machine and model (cached on disk)
+    built = (engine is not engine_before or measured_batch
+             or (draft_engine is not None and draft_engine is not draft_before))
+    build_time = time.perf_counter() - started if built else 0.0
 
-    results: list[DecodeResult] = []
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    requests, stats = [], []
     for b, p in enumerate(prompts):
         padded = input_ids[b].tolist()
 
@@ -689,14 +695,27 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
                 if chunk:
                     streamer.put(torch.tensor(chunk))
         live = DecodeStats(build_time=build_time if b == 0 else 0.0)
-        model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
+        if b == 0:
+            model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
         # HF scores a row with the whole padded row as input_ids: so does the scorer
         scorer = (RowScorer(logits_processor, padded, engine.view.vocab_size, engine.view.device)
                   if row_processing else None)
-        results.append(decoder.generate(p, max_new, eos, stop=stop, on_commit=on_commit,
-                                        min_new_tokens=min_new, collect_logits=want_logits,
-                                        stats=live, scorer=scorer, do_sample=bool(gc.do_sample)))
-        results[-1].stats.build_time = live.build_time
+        requests.append(SequenceRequest(p, stop, on_commit, scorer, live))
+        stats.append(live)
+    wall = time.perf_counter()
+    if batched:
+        results = BatchDecoder(engine, state.heads, config).generate(
+            requests, max_new, eos, min_new_tokens=min_new, collect_logits=want_logits,
+            do_sample=bool(gc.do_sample))
+    else:
+        results: list[DecodeResult] = [
+            decoder.generate(r.prompt, max_new, eos, stop=r.stop, on_commit=r.on_commit, min_new_tokens=min_new,
+                             collect_logits=want_logits, stats=r.stats, scorer=r.scorer,
+                             do_sample=bool(gc.do_sample))
+            for r in requests]
+    wall = time.perf_counter() - wall
+    for r, live in zip(results, stats):
+        r.stats.build_time = live.build_time
     if streamer is not None:
         streamer.end()
 
@@ -706,11 +725,11 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     for b, r in enumerate(results):
         new[b, : len(r.tokens)] = torch.tensor(r.tokens, dtype=input_ids.dtype)
     sequences = torch.cat([input_ids, new], dim=1)
-    model.selfspec_stats = results[0].stats if len(results) == 1 else _merge_stats(results)
+    model.selfspec_stats = results[0].stats if len(results) == 1 else _merge_stats(results, wall)
     if not gc.return_dict_in_generate:
         return sequences
-    logits = tuple(row[None] for row in results[0].logits) if want_logits else None
-    scores = tuple(row[None] for row in results[0].scores) if want_logits else None
+    logits = _per_step([r.logits for r in results], longest) if want_logits else None
+    scores = _per_step([r.scores for r in results], longest) if want_logits else None
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=scores if gc.output_scores else None,
@@ -718,8 +737,23 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     )
 
 
-def _merge_stats(results: list[DecodeResult]) -> DecodeStats:
-    """One DecodeStats for a batch (rows are decoded one after the other): sums."""
+def _per_step(rows: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...]:
+    """HF's layout of output_scores / output_logits: one [batch, V] tensor per new token.
+    A row that ended earlier (EOS, its stopping criteria) has zeros after its last token,
+    where HF has the scores of the pad tokens it keeps feeding: its sequence there is pad."""
+    out = []
+    for t in range(steps):
+        step = torch.zeros(len(rows), rows[0][0].shape[-1], dtype=rows[0][0].dtype, device=rows[0][0].device)
+        for b, row in enumerate(rows):
+            if t < len(row):
+                step[b] = row[t]
+        out.append(step)
+    return tuple(out)
+
+
+def _merge_stats(results: list[DecodeResult], wall: float) -> DecodeStats:
+    """One DecodeStats for a batch: sums over its sequences, but total_time is the whole
+    call's (`wall`): in a batch the sequences' decodes overlap."""
     merged = DecodeStats(exits_per_head=[0] * len(results[0].stats.exits_per_head))
     for r in results:
         s = r.stats
@@ -730,4 +764,5 @@ def _merge_stats(results: list[DecodeResult]) -> DecodeStats:
         merged.exits_per_head = [a + b for a, b in zip(merged.exits_per_head, s.exits_per_head)]
         merged.sources += s.sources
         merged.lossy = merged.lossy or s.lossy
+    merged.total_time = wall
     return merged

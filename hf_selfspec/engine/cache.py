@@ -152,7 +152,33 @@ class MeasurementCache:
                 valid["step_costs"][name] = value
             else:
                 self._warn(f"has invalid step costs for {name!r}")
+        batch = entry.get("batch_costs", {})
+        if not isinstance(batch, dict):
+            self._warn("has batch step costs that are not an object")
+            batch = {}
+        valid["batch_costs"] = {}
+        for name, value in batch.items():
+            if self._valid_batch_costs(value):
+                valid["batch_costs"][name] = value
+            else:
+                self._warn(f"has invalid batch step costs for {name!r}")
         return valid
+
+    @staticmethod
+    def _valid_batch_costs(value: Any) -> bool:
+        """{"rows": [n increasing from 1], "costs": [cost of n rows in 1-row steps, from 1.0]}"""
+        if not isinstance(value, dict):
+            return False
+        rows, costs = value.get("rows"), value.get("costs")
+        if not isinstance(rows, list) or not isinstance(costs, list) or not rows or len(rows) != len(costs):
+            return False
+        if not all(type(n) is int and 1 <= n <= 4096 for n in rows) or rows[0] != 1:
+            return False
+        if any(b <= a for a, b in itertools.pairwise(rows)):
+            return False
+        if not all(type(c) in (int, float) and math.isfinite(c) and 1.0 <= c <= MAX_STEP_COST for c in costs):
+            return False
+        return costs[0] == 1.0 and all(b >= a for a, b in itertools.pairwise(costs))
 
     def _valid_costs(self, value: Any) -> bool:
         if not isinstance(value, dict):
@@ -181,6 +207,15 @@ class MeasurementCache:
         """(step costs, one-row seconds) measured before for `layout` at key limit `context`."""
         value = self.entry.get("step_costs", {}).get(f"{layout}@{context}")
         return None if value is None else (tuple(float(c) for c in value["costs"]), float(value["one_row_seconds"]))
+
+    def batch_costs(self, layout: str, context: int) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+        """(rows, cost of that many rows in 1-row steps) measured before for batched steps."""
+        value = self.entry.get("batch_costs", {}).get(f"{layout}@{context}")
+        return None if value is None else (tuple(value["rows"]), tuple(float(c) for c in value["costs"]))
+
+    def store_batch_costs(self, layout: str, context: int, rows: tuple[int, ...], costs: tuple[float, ...]) -> None:
+        self.entry.setdefault("batch_costs", {})[f"{layout}@{context}"] = {"rows": list(rows), "costs": list(costs)}
+        self._write()
 
     def store_layout(self, layout: str) -> None:
         self.entry["layout"] = layout

@@ -112,3 +112,52 @@ def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) ->
         if rep:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * STALE_FACTOR < cached_one_row
+
+
+# Batched steps: rows measured (multiples of the width; interpolated in between) and rounds.
+BATCH_COST_MULTIPLES = (1, 2, 3, 4, 6, 8)
+BATCH_COST_ROUNDS = 5
+
+
+@torch.no_grad()
+def measure_batch_costs(engine: Engine) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """(rows, verify cost of that many rows in 1-row steps) for batched steps of 1 row and
+    of the width times BATCH_COST_MULTIPLES rows, up to `engine.max_step_rows`: every row
+    at the key limit `cost_context` (one sequence's rows or several, the same work), its KV
+    written to the trash slot. Interleaved rounds, medians, never decreasing."""
+    limit = cost_context(engine)
+    sizes = sorted({1, *(engine.width * m for m in BATCH_COST_MULTIPLES if engine.width * m <= engine.max_step_rows)})
+    h = engine.embed([0] * sizes[-1])
+    position = min(limit, engine.position_limit - 1)
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for rounds in range(1 + BATCH_COST_ROUNDS):  # round 0: warm-up
+        for n in sizes:
+            meta = engine.make_meta([position] * n, [limit] * n, [engine.trash_slot] * n, bases=[0] * n)
+            t0 = time.perf_counter()
+            engine.verify(h[:n], 0, meta)
+            if rounds > 0:
+                samples[n].append(time.perf_counter() - t0)
+    seconds = [statistics.median(samples[n]) for n in sizes]
+    costs = [s / seconds[0] for s in seconds]
+    for i in range(1, len(costs)):
+        costs[i] = max(costs[i], costs[i - 1])
+    costs[0] = 1.0
+    return tuple(sizes), tuple(costs)
+
+
+def batch_cost_curve(step_costs: Sequence[float], width: int, rows: Sequence[int], costs: Sequence[float],
+                     most: int) -> tuple[float, ...]:
+    """Cost of n = 0..most rows in 1-row steps (index 0 = 1 row): the step-cost curve up to
+    the width, then the batched measurements scaled to meet it at the width, linear in
+    between measured sizes (and past the last one)."""
+    curve = list(step_costs[: width + 1])
+    at_width = step_costs[width]
+    scale = at_width / costs[rows.index(width)] if width in rows else 1.0
+    points = [(n, c * scale) for n, c in zip(rows, costs) if n >= width]
+    for n in range(width + 1, most + 1):
+        hi = next((i for i, (m, _) in enumerate(points) if m >= n), len(points) - 1)
+        lo = max(hi - 1, 0)
+        (n0, c0), (n1, c1) = points[lo], points[hi]
+        value = c1 if n1 == n0 else c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+        curve.append(max(value, curve[-1]))
+    return tuple(curve)

@@ -143,6 +143,7 @@ class Engine:
         params = inspect.signature(model.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._step_costs: tuple[float, ...] | None = None
+        self._batch_costs: tuple[float, ...] | None = None
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
         self._allocate(self.config.capacity)
@@ -472,6 +473,22 @@ class Engine:
                 self._measured.store_step_costs(self.layout.name, context, *found)
             self._step_costs, self._one_row_seconds = found
         return self._step_costs
+
+    @property
+    def batch_costs(self) -> tuple[float, ...]:
+        """Verify cost of n = 0..max_step_rows rows of a batched step (index 0 = 1 row), in
+        1-row steps: `step_costs` up to the width, then batched steps measured at multiples
+        of it (costs.measure_batch_costs; cached on disk like step_costs)."""
+        if not self.supports_batches:
+            return self.step_costs
+        if self._batch_costs is None:
+            context = costs.cost_context(self)
+            found = self._measured.batch_costs(self.layout.name, context)
+            if found is None or found[0][-1] != self.max_step_rows:
+                found = costs.measure_batch_costs(self)
+                self._measured.store_batch_costs(self.layout.name, context, *found)
+            self._batch_costs = costs.batch_cost_curve(self.step_costs, self.width, *found, self.max_step_rows)
+        return self._batch_costs
 
     @property
     def one_row_seconds(self) -> float:
