@@ -191,3 +191,18 @@ def test_generate_batch_rows_equal_batch_one(dtype):
         if dtype == torch.float32:
             hf = model.generate(torch.tensor([p]), **kw)
             assert torch.equal(hf[0, len(p):], new), b
+
+
+def test_heads_draft_trees_together_as_alone(kernel_engine):
+    """TopDraftHeads.draft_trees (a batch's head steps run together) gives each sequence
+    the tree draft_tree gives it alone: depths 0..3, stop tokens, beams and thresholds."""
+    model, _ = kernel_engine
+    heads = random_top_heads(model, depth=3)
+    gen = torch.Generator().manual_seed(5)
+    finals = torch.randn(5, model.config.hidden_size, generator=gen)
+    roots, depths = [6, 9, 200, 6, 31], [3, 0, 2, 3, 1]
+    alone = [heads.draft_tree(finals[b], roots[b], depths[b], [0.0, 0.0, 0.0], 3, 2, 0.0) for b in range(5)]
+    stops = [frozenset(), frozenset(), frozenset({alone[2][0].token}), frozenset(), frozenset()]
+    alone[2] = heads.draft_tree(finals[2], roots[2], depths[2], [0.0, 0.0, 0.0], 3, 2, 0.0, stops[2])
+    together = heads.draft_trees(finals, roots, depths, [0.0, 0.0, 0.0], 3, 2, 0.0, stops)
+    assert together == alone and alone[1] == [] and len(alone[0]) > len(alone[4]) > 0

@@ -30,9 +30,9 @@ from ..engine.programs import Engine
 from ..engine.regions import plan_regions
 from ..stats import DecodeStats
 from .config import DecodeConfig
-from .cycle import CommitFn, Cycle, DecodeResult, SelfSpecDecoder, SequenceRun, StopFn
+from .cycle import CommitFn, Cycle, DecodeResult, SelfSpecDecoder, SequenceRun, StopFn, TreeRequest
 from .draft_model import DraftModelDrafter
-from .drafters import ExitHeadsDrafter
+from .drafters import ExitHeadsDrafter, TopHeadsDrafter
 from .sampling import RowScorer
 from .tree import DraftTree
 
@@ -135,12 +135,44 @@ class BatchDecoder:
                 self._step(live[lo:lo + group], decoders, runs, costs)
         return [d.result(run) for d, run in zip(decoders, runs)]
 
+    @staticmethod
+    def _draft(live: list[int], decoders: list[SelfSpecDecoder], runs: list[SequenceRun]) -> list[Cycle]:
+        """Every live sequence's cycle, as `draft_cycle` drafts it alone; top-layer heads
+        drafting trees for several sequences run their head steps together (one read of
+        the heads' weights per step: drafters.TopHeadsDrafter.propose_trees)."""
+        t0 = time.perf_counter()
+        cycles: dict[int, Cycle] = {}
+        requests: dict[int, TreeRequest] = {}
+        for b in live:
+            decoder, run = decoders[b], runs[b]
+            if run.tree and isinstance(decoder.drafter, TopHeadsDrafter):
+                ctx, budget = decoder.cycle_context(run)
+                requests[b] = decoder.tree_request(ctx, budget, run.policy, run.stats)
+            else:
+                cycles[b] = decoder.draft_cycle(run)
+        asking = [b for b, r in requests.items() if r.heads_depth > 0]
+        proposals = {}
+        if asking:
+            found = decoders[asking[0]].drafter.propose_trees(
+                [(requests[b].ctx, requests[b].heads_depth) for b in asking])
+            proposals = dict(zip(asking, found))
+        for b, request in requests.items():
+            run, proposal = runs[b], proposals.get(b)
+            if proposal is not None:
+                run.stats.head_evaluations += proposal.evaluations
+            plan = decoders[b].tree_plan(request, proposal.candidates if proposal else [], run.policy, run.stats)
+            cycles[b] = Cycle(request.ctx, plan, 0.0)
+        seconds = (time.perf_counter() - t0) / len(live)  # drafting shared: each its part
+        for cycle in cycles.values():
+            cycle.draft_seconds = seconds
+        return [cycles[b] for b in live]
+
     def _step(self, live: list[int], decoders: list[SelfSpecDecoder], runs: list[SequenceRun],
               costs: Sequence[float]) -> None:
         """One cycle of the `live` sequences: draft each, share the step, one engine step,
         finish each."""
         engine = self.engine
-        cycles: list[Cycle] = [decoders[b].draft_cycle(runs[b]) for b in live]
+        cycles = self._draft(live, decoders, runs)
         kept = share_rows([c.plan.tree for c in cycles], costs, engine.max_step_rows, self.config.adaptive)
         for cycle, n in zip(cycles, kept):
             _truncate(cycle, n)

@@ -110,6 +110,18 @@ class SequenceRun:
 
 
 @dataclass
+class TreeRequest:
+    """A tree cycle between its two halves (`tree_request`, `tree_plan`): what the heads
+    are asked for goes between them (alone, or batched with other sequences')."""
+
+    ctx: DraftContext
+    width: int
+    copies: list[Candidate]
+    copy_budget: int
+    heads_depth: int  # 0: the heads are not evaluated this cycle
+
+
+@dataclass
 class Cycle:
     """One cycle's drafting: its context, the rows to verify and the seconds it took."""
 
@@ -283,13 +295,18 @@ class SelfSpecDecoder:
     def draft_cycle(self, run: SequenceRun) -> Cycle:
         """This cycle's context and drafted rows (at most what the cache and the request
         leave room for; near the end of the cache, the model's position range, fewer)."""
+        t0 = time.perf_counter()
+        ctx, budget = self.cycle_context(run)
+        plan = self.draft(ctx, budget, run.policy, run.stats)
+        return Cycle(ctx, plan, time.perf_counter() - t0)
+
+    def cycle_context(self, run: SequenceRun) -> tuple[DraftContext, int]:
+        """The next cycle's drafting context and its most drafts."""
         room = self.engine.position_limit - run.position
         budget = min(self.max_draft, run.max_new_tokens - len(run.out) - 1, room - 1)
         ctx = DraftContext(run.out, run.final_before, run.position, run.eos, run.tree,
                            run.scorer if run.do_sample else None, room)
-        t0 = time.perf_counter()
-        plan = self.draft(ctx, budget, run.policy, run.stats)
-        return Cycle(ctx, plan, time.perf_counter() - t0)
+        return ctx, budget
 
     def step_input(self, cycle: Cycle) -> tuple[torch.Tensor, int, StepRows]:
         """The cycle's rows for one engine step: hidden states [n, H] after `depth` layers
@@ -415,9 +432,18 @@ class SelfSpecDecoder:
         they pay (policy.select_tree_rows). A copy that goes first (its live rate is at
         least the heads') and fills the tree leaves no row for the heads: they are not
         evaluated."""
+        request = self.tree_request(ctx, budget, policy, stats)
+        heads: list[Candidate] = []
+        if request.heads_depth > 0:
+            heads = self._propose(self.drafter, ctx, request.heads_depth, stats).candidates
+        return self.tree_plan(request, heads, policy, stats)
+
+    def tree_request(self, ctx: DraftContext, budget: int, policy: DraftBudget, stats: DecodeStats) -> TreeRequest:
+        """A tree cycle's first half: the lookup copy and how deep the heads draft (0: not
+        evaluated this cycle)."""
         width = min(self.engine.width, self.max_draft + 1, ctx.room)
         if budget <= 0:
-            return DraftPlan(DraftTree(ctx.committed[-1], width), {})
+            return TreeRequest(ctx, width, [], 0, 0)
         mode = self.config.lookup
         copy_budget = min(budget, policy.budget(COPY_KEY))
         copies: list[Candidate] = []
@@ -425,13 +451,19 @@ class SelfSpecDecoder:
             copies = self._propose(self.lookup, ctx, copy_budget, stats).candidates
         head_budget = min(budget, policy.budget(HEADS_KEY))
         copy_fills = len(copies) >= width - 1 and policy.rate(COPY_KEY) >= policy.rate(HEADS_KEY)
-        heads: list[Candidate] = []
-        if self.drafter is not None and head_budget > 0 and not copy_fills:
-            heads = self._propose(self.drafter, ctx, min(budget, width - 1), stats).candidates
-        if self.lookup is not None and copy_budget > 0 and mode == "fallback" and not heads:
-            copies = self._propose(self.lookup, ctx, copy_budget, stats).candidates
+        depth = min(budget, width - 1) if self.drafter is not None and head_budget > 0 and not copy_fills else 0
+        return TreeRequest(ctx, width, copies, copy_budget, depth)
+
+    def tree_plan(self, request: TreeRequest, heads: list[Candidate], policy: DraftBudget,
+                  stats: DecodeStats) -> DraftPlan:
+        """A tree cycle's second half, given the heads' candidates: the fallback copy, then
+        the rows that pay."""
+        ctx, copies = request.ctx, request.copies
+        if (self.lookup is not None and request.copy_budget > 0 and self.config.lookup == "fallback"
+                and not heads):
+            copies = self._propose(self.lookup, ctx, request.copy_budget, stats).candidates
         selected = select_tree_rows(
-            ctx.committed[-1], width, copies, heads, copy_rate=policy.rate(COPY_KEY),
+            ctx.committed[-1], request.width, copies, heads, copy_rate=policy.rate(COPY_KEY),
             heads_rate=policy.rate(HEADS_KEY), heads_scale=policy.calibration(HEADS_KEY).scale,
             heads_key=HEADS_KEY, costs=policy.costs, adaptive=policy.adaptive, eos=ctx.eos)
         return DraftPlan(selected.tree, selected.branches)

@@ -75,6 +75,16 @@ class TopHeadsDrafter:
                           for j, (token, conf, step) in enumerate(chain)]
         return Proposal(self.key, candidates, evaluations=1)
 
+    def propose_trees(self, requests: Sequence[tuple[DraftContext, int]]) -> list[Proposal]:
+        """`propose` for several sequences' tree cycles at once (a batch): their head steps
+        run together (heads.draft_trees); each proposal is the one `propose` gives alone."""
+        finals = torch.stack([ctx.final_before for ctx, _ in requests])
+        trees = self.heads.draft_trees(finals, [ctx.committed[-1] for ctx, _ in requests],
+                                       [budget for _, budget in requests], self.thresholds, self.children,
+                                       self.beam, self.min_prob, [ctx.eos for ctx, _ in requests])
+        return [Proposal(self.key, [Candidate(n.parent, n.token, Source.HEAD, n.step, n.prob, n.on_chain)
+                                    for n in nodes], evaluations=1) for nodes in trees]
+
     def _sampled_chain(self, ctx: DraftContext, budget: int) -> list[Candidate]:
         heads, scorer = self.heads, ctx.scorer
         h = ctx.final_before.reshape(1, -1)

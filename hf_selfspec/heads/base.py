@@ -264,6 +264,9 @@ class TopHeadsProtocol(Protocol):
     def draft_tree(self, final_hidden, token: int, depth: int, thresholds, children: int,
                    beam: int, min_prob: float, stop_tokens=frozenset()): ...
 
+    def draft_trees(self, final_hidden, tokens: list[int], depths: list[int], thresholds, children: int,
+                    beam: int, min_prob: float, stop_tokens: list): ...
+
 
 class ExitHeadsProtocol(Protocol):
     """What decoding uses of exit heads (`kind == "exit_head"`): `heads[i]` reads the

@@ -256,37 +256,67 @@ class TopDraftHeads(nn.Module):
         other than the top-1 chain's is kept only with path probability >= min_prob.
         Returns the nodes most likely first (a parent before its children): taking any
         prefix of the list gives a tree."""
-        h = final_hidden.reshape(1, -1)
-        tokens = torch.tensor([token], device=h.device)
-        frontier = [(-1, 1.0, True)]  # (node index, path probability, on the top-1 chain)
-        nodes: list[DraftNode] = []
+        return self.draft_trees(final_hidden.reshape(1, -1), [token], [depth], thresholds, children, beam,
+                                min_prob, [stop_tokens])[0]
+
+    @torch.no_grad()
+    def draft_trees(self, final_hidden: torch.Tensor, tokens: list[int], depths: list[int],
+                    thresholds: list[float], children: int, beam: int, min_prob: float,
+                    stop_tokens: list[frozenset[int] | set[int]]) -> list[list[DraftNode]]:
+        """`draft_tree` for several sequences at once (a batch): final_hidden [B, H], one
+        root token, depth and stop set each. Each head step runs on the frontier rows of
+        every sequence together (the heads' weights and LM-head rows read once per step);
+        each sequence's tree is the one `draft_tree` gives it alone."""
+        depths = [min(d, len(self.steps)) for d in depths]
+        owner = [b for b, d in enumerate(depths) if d > 0]  # the sequence of each row of h
+        h = final_hidden[owner]
+        step_tokens = torch.tensor([tokens[b] for b in owner], dtype=torch.long, device=h.device)
+        # (node index, path probability, on the top-1 chain)
+        frontiers = [[(-1, 1.0, True)] if d > 0 else [] for d in depths]
+        nodes: list[list[DraftNode]] = [[] for _ in tokens]
         k = min(children, self.lm_rows.shape[0])
-        depth = min(depth, len(self.steps))
-        for step in range(depth):
-            h, logits = self.step_logits(step, h, tokens)
+        for step in range(max(depths, default=0)):
+            if not owner:
+                break
+            h, logits = self.step_logits(step, h, step_tokens)
             top_p, top_i = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
             top_tokens = self.vocab_ids[top_i].tolist()
             top_p = top_p.tolist()
-            expanded = []  # (path probability, node index, frontier row)
-            for row, (parent, prob, on_chain) in enumerate(frontier):
-                if top_p[row][0] < thresholds[step]:
+            keep_rows, keep_tokens, keep_owner = [], [], []
+            lo = 0
+            while lo < len(owner):  # each sequence's rows are consecutive
+                b = owner[lo]
+                hi = lo + len(frontiers[b])
+                expanded = []  # (path probability, node index, row of h)
+                for row, (parent, prob, on_chain) in zip(range(lo, hi), frontiers[b]):
+                    if top_p[row][0] < thresholds[step]:
+                        continue
+                    for c in range(k):
+                        path = prob * top_p[row][c]
+                        chain = on_chain and c == 0
+                        if not chain and path < min_prob:
+                            break  # children are sorted: the rest are less likely still
+                        nodes[b].append(DraftNode(parent, top_tokens[row][c], path, step, chain))
+                        if top_tokens[row][c] not in stop_tokens[b]:
+                            expanded.append((path, len(nodes[b]) - 1, row))
+                lo = hi
+                if not expanded or step + 1 >= depths[b]:
+                    frontiers[b] = []
                     continue
-                for c in range(k):
-                    path = prob * top_p[row][c]
-                    chain = on_chain and c == 0
-                    if not chain and path < min_prob:
-                        break  # children are sorted: the rest are less likely still
-                    nodes.append(DraftNode(parent, top_tokens[row][c], path, step, chain))
-                    if top_tokens[row][c] not in stop_tokens:
-                        expanded.append((path, len(nodes) - 1, row))
-            if not expanded or step + 1 >= depth:
+                expanded.sort(key=lambda e: -e[0])
+                expanded = expanded[:beam]
+                keep_rows += [row for _p, _n, row in expanded]
+                keep_tokens += [nodes[b][n].token for _p, n, _r in expanded]
+                keep_owner += [b] * len(expanded)
+                frontiers[b] = [(n, p, nodes[b][n].on_chain) for p, n, _r in expanded]
+            if not keep_rows:
                 break
-            expanded.sort(key=lambda e: -e[0])
-            expanded = expanded[:beam]
-            rows = torch.tensor([row for _p, _n, row in expanded], device=h.device)
-            h = h[rows]
-            tokens = torch.tensor([nodes[n].token for _p, n, _r in expanded], device=h.device)
-            frontier = [(n, p, nodes[n].on_chain) for p, n, _r in expanded]
-        order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].prob, nodes[i].step))
-        position = {old: new for new, old in enumerate(order)}
-        return [nodes[i]._replace(parent=position.get(nodes[i].parent, -1)) for i in order]
+            h = h[torch.tensor(keep_rows, device=h.device)]
+            step_tokens = torch.tensor(keep_tokens, device=h.device)
+            owner = keep_owner
+        trees = []
+        for found in nodes:
+            order = sorted(range(len(found)), key=lambda i: (-found[i].prob, found[i].step))
+            position = {old: new for new, old in enumerate(order)}
+            trees.append([found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order])
+        return trees
