@@ -100,6 +100,29 @@ def test_shipped_default_heads_exact_and_drafting(model_and_prompts):
         detach_heads(model)
 
 
+def test_shipped_heads_batch_rows_equal_hf_batch_one(model_and_prompts):
+    """A left-padded batch of the three prompts with the shipped heads shares engine steps
+    (decoding/batch.py): every row is HF batch-1 greedy's tokens, then pad."""
+    model, tokenizer, prompts, refs = model_and_prompts
+    attach_heads(model)
+    try:
+        cats = list(prompts)
+        width = max(len(prompts[c]) for c in cats)
+        pad = tokenizer.eos_token_id
+        ids = torch.full((len(cats), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, c in enumerate(cats):
+            ids[b, width - len(prompts[c]):], mask[b, width - len(prompts[c]):] = torch.tensor(prompts[c]), 1
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             assistant="self", pad_token_id=pad)
+        assert model._selfspec.engine.supports_batches
+        for b, c in enumerate(cats):
+            assert out[b, width:width + len(refs[c])].tolist() == refs[c], c
+        assert model.selfspec_stats.new_tokens == sum(len(r) for r in refs.values())
+    finally:
+        detach_heads(model)
+
+
 def test_shipped_exit_heads_exact(model_and_prompts):
     from hf_selfspec.heads import exit_heads_path
 
