@@ -23,19 +23,26 @@ if TYPE_CHECKING:  # annotations only: programs.py imports this module
 # Interleaved timing rounds per distinct step in `measure_step_costs` (median taken): on a
 # 2-core machine a best-of-2 per width gave 4-row costs from 1.0x to 1.4x between runs.
 STEP_COST_ROUNDS = 7
-# Best-of rounds for a layout's products in `gemm_seconds`.
+# ... but a bigger model's rounds stop after this many seconds (at least MIN_ROUNDS): its
+# steps are long enough that noise matters less, and the first call waits for them.
+MEASURE_SECONDS = 2.0
+MIN_ROUNDS = 2
+# A round of steps this long needs no warm-up round before it (the weights were just read).
+LONG_ROUND_SECONDS = 0.5
+# Best-of rounds for a layout's products in `gemm_seconds`; one pass over the weights that
+# takes longer than LONG_GEMM_SECONDS is not repeated.
 GEMM_REPS = 3
+LONG_GEMM_SECONDS = 0.25
 
 
 @torch.no_grad()
 def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: int,
                  reps: int = GEMM_REPS) -> float:
-    """Best-of-`reps` seconds of every weight's product for an AR step, a 4-row step and a
-    `width`-row step (what a decoder takes: AR where drafts do not pay, a few drafts, long
-    copies)."""
+    """Best-of-`reps` seconds of every weight's product for an AR step and a `width`-row
+    step (what a decoder takes: AR where drafts do not pay, and the widest verification)."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's RNG (sampling seeds)
     total = 0.0
-    for n in sorted({1, min(4, width), width}):
+    for n in sorted({1, width}):
         rows = layout.rows(n)
         xs: dict[tuple, torch.Tensor] = {}
         best = float("inf")
@@ -48,6 +55,8 @@ def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: i
                     xs[key] = torch.randn(rows, w.shape[1], generator=gen).to(w.device, w.dtype)
                 layout.linear(xs[key], lin)
             best = min(best, time.perf_counter() - t0)
+            if best > LONG_GEMM_SECONDS:  # a big model: one pass is a steady measurement
+                break
         total += best
     return total
 
@@ -75,13 +84,19 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     limit = cost_context(engine)
     samples: dict[tuple, list[float]] = {k: [] for k in widest}
     h = engine.embed([0] * engine.width)
-    for rounds in range(1 + STEP_COST_ROUNDS):  # round 0: warm-up
+    started = time.perf_counter()
+    for rounds in range(1 + STEP_COST_ROUNDS):  # round 0: warm-up, unless its steps are long
+        timed = {}
         for k, n in widest.items():
             meta = engine.make_meta(range(base, base + n), [limit] * n)  # one shared buffer
             t0 = time.perf_counter()
             engine.verify(h[:n], 0, meta)
-            if rounds > 0:
-                samples[k].append(time.perf_counter() - t0)
+            timed[k] = time.perf_counter() - t0
+        if rounds > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
+            for k, seconds in timed.items():
+                samples[k].append(seconds)
+        if len(samples[next(iter(samples))]) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
+            break
     seconds = [statistics.median(samples[key[n]]) for n in range(1, engine.width + 1)]
     costs = [s / seconds[0] for s in seconds]
     for i in range(1, len(costs)):
@@ -130,13 +145,19 @@ def measure_batch_costs(engine: Engine) -> tuple[tuple[int, ...], tuple[float, .
     h = engine.embed([0] * sizes[-1])
     position = min(limit, engine.position_limit - 1)
     samples: dict[int, list[float]] = {n: [] for n in sizes}
-    for rounds in range(1 + BATCH_COST_ROUNDS):  # round 0: warm-up
+    started = time.perf_counter()
+    for rounds in range(1 + BATCH_COST_ROUNDS):  # round 0: warm-up, unless its steps are long
+        timed = {}
         for n in sizes:
             meta = engine.make_meta([position] * n, [limit] * n, [engine.trash_slot] * n, bases=[0] * n)
             t0 = time.perf_counter()
             engine.verify(h[:n], 0, meta)
-            if rounds > 0:
-                samples[n].append(time.perf_counter() - t0)
+            timed[n] = time.perf_counter() - t0
+        if rounds > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
+            for n, seconds in timed.items():
+                samples[n].append(seconds)
+        if len(samples[1]) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
+            break
     seconds = [statistics.median(samples[n]) for n in sizes]
     costs = [s / seconds[0] for s in seconds]
     for i in range(1, len(costs)):
