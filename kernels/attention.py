@@ -9,10 +9,16 @@ about the launch depends on ``n``: a row's arithmetic is the same sequence of op
 whatever else is in the batch. No autotuning either, for the same reason (an autotuner
 keyed on shapes would pick different configs for different ``n``).
 
-Each row sees (a) the contiguous committed prefix ``[0, prefix_len[i])`` and (b) the slots
-listed in ``anc[i]`` (its tree path in the current block, including its own slot; ``-1``
-pads). The online softmax follows Triton tutorial 06 (fused attention) and
-FlashAttention: a running max ``m``, normaliser ``l`` and accumulator ``acc`` in fp32.
+Each row sees ``prefix_len[i] + A`` logical keys: key ``j < prefix_len[i]`` is its committed
+prefix at slot ``base[i] + j`` (its sequence's KV region; ``base`` 0 when not given), key
+``prefix_len[i] + c`` is the slot ``anc[i, c]`` (its tree path in the current block, root
+first, its own slot last; absolute; ``-1`` pads and is masked). The key loop runs over
+logical keys in fixed blocks of ``BLOCK_KEYS``, and only the address of a key depends on
+where it lies, so a tree row computes exactly the chain row at its position (same keys at
+the same logical indices, same blocks, same arithmetic) and a row in a region at ``base``
+exactly the row of that sequence alone at slot 0. The online softmax follows Triton
+tutorial 06 (fused attention) and FlashAttention: a running max ``m``, normaliser ``l``
+and accumulator ``acc`` in fp32.
 
 Triton is imported only when the launcher first runs, so the package imports on machines
 without Triton, and on CPU ``TRITON_INTERPRET=1`` can still be set before that import.
@@ -26,12 +32,10 @@ import os
 
 import torch
 
-# Keys per loop iteration over the prefix. A module constant, never derived from n: this
-# (with one program per row and head) is what makes a row's result independent of the
-# batch. 64 keys x 128 dims fp32 is 32 KiB of K per iteration, fine for 4 warps.
+# Logical keys per loop iteration. A module constant, never derived from n: this (with one
+# program per row and head) is what makes a row's result independent of the batch. 64 keys
+# x 128 dims fp32 is 32 KiB of K per iteration, fine for 4 warps.
 BLOCK_KEYS = 64
-# Ancestor slots gathered per iteration (tree paths are short: a draft block's depth).
-BLOCK_ANC = 16
 # Fixed launch configuration, for the same reason as BLOCK_KEYS.
 NUM_WARPS = 4
 
@@ -45,6 +49,7 @@ def validate_row_attention_inputs(
     prefix_len: torch.Tensor,
     anc: torch.Tensor,
     scale: float,
+    base: torch.Tensor | None = None,
 ) -> float:
     """Check shapes, dtypes and devices of ``row_attention`` inputs; return ``scale`` as float.
 
@@ -52,6 +57,8 @@ def validate_row_attention_inputs(
     sync), so it is safe inside CUDA-graph capture; slot values are masked in the kernel.
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "prefix_len": prefix_len, "anc": anc}
+    if base is not None:
+        tensors["base"] = base
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -85,13 +92,15 @@ def validate_row_attention_inputs(
         raise ValueError(f"prefix_len must be [n] = [{n}], got shape {tuple(prefix_len.shape)}")
     if anc.dim() != 2 or anc.shape[0] != n or anc.shape[1] < 1:
         raise ValueError(f"anc must be [n, A] = [{n}, A>=1], got shape {tuple(anc.shape)}")
+    if base is not None and base.shape != (n,):
+        raise ValueError(f"base must be [n] = [{n}], got shape {tuple(base.shape)}")
     if q.dtype not in _DTYPES:
         raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
     for name in ("k_cache", "v_cache"):
         if tensors[name].dtype != q.dtype:
             raise ValueError(f"{name} dtype {tensors[name].dtype} != q dtype {q.dtype}")
-    for name in ("prefix_len", "anc"):
-        if tensors[name].dtype != torch.int32:
+    for name in ("prefix_len", "anc", "base"):
+        if name in tensors and tensors[name].dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {tensors[name].dtype}")
     for name, t in tensors.items():
         if t.device != q.device:
@@ -119,6 +128,7 @@ def _kernel():
         v_ptr,
         prefix_ptr,
         anc_ptr,
+        base_ptr,
         out_ptr,
         scale,
         num_slots,
@@ -131,11 +141,12 @@ def _kernel():
         stride_vh,
         stride_vs,
         stride_an,
+        stride_base,
         stride_on,
         stride_oh,
         HEAD_DIM: tl.constexpr,
         BLOCK_KEYS: tl.constexpr,
-        BLOCK_ANC: tl.constexpr,
+        HAS_BASE: tl.constexpr,
     ):
         row = tl.program_id(0)
         q_head = tl.program_id(1)
@@ -147,51 +158,40 @@ def _kernel():
         v_base = v_ptr + kv_head * stride_vh
 
         # Finite start for the running max: a fully masked block then leaves m, l, acc
-        # unchanged (alpha = exp(0) = 1, p = exp(-inf) = 0) instead of producing NaN.
+        # unchanged (alpha = exp(0) = 1, p = exp(-inf) = 0) instead of producing NaN. This
+        # is also why the loop may run past the row's last key (up to prefix + num_anc,
+        # the widest row's path): the extra blocks add exactly nothing.
         m = tl.full((), -1.0e30, tl.float32)
         l = tl.zeros((), tl.float32)
         acc = tl.zeros((HEAD_DIM,), tl.float32)
 
-        # (a) committed prefix [0, prefix_len[row]), in fixed blocks of BLOCK_KEYS.
         prefix = tl.minimum(tl.load(prefix_ptr + row), num_slots)
-        for start in range(0, prefix, BLOCK_KEYS):
-            slots = start + tl.arange(0, BLOCK_KEYS)
-            valid = slots < prefix
+        first = 0  # slot of logical key 0: the row's KV region
+        if HAS_BASE:
+            first = tl.load(base_ptr + row * stride_base)
+        # Logical keys [0, prefix + num_anc) in fixed blocks: key j < prefix is the committed
+        # prefix at slot first + j, key prefix + c the path slot anc[row, c]. Where a key's
+        # value comes from changes its address only, never its place in the blocks.
+        for start in range(0, prefix + num_anc, BLOCK_KEYS):
+            keys = start + tl.arange(0, BLOCK_KEYS)  # (BLOCK_KEYS,) logical indices
+            in_prefix = keys < prefix
+            col = keys - prefix
+            on_path = (col >= 0) & (col < num_anc)
+            path_slots = tl.load(anc_ptr + row * stride_an + col, mask=on_path, other=-1)
+            slots = tl.where(in_prefix, first + keys, path_slots)
+            valid = (in_prefix | on_path) & (slots >= 0) & (slots < num_slots)
             k = tl.load(
                 k_base + slots[:, None] * stride_ks + dims[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
             v = tl.load(
                 v_base + slots[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0
             ).to(tl.float32)
-            # Online softmax step (tutorial 06). Written out twice, not a @triton.jit
-            # helper: the interpreter resolves callees from module globals only, and this
-            # kernel is defined inside _kernel() so that Triton is imported lazily.
+            # Online softmax step (tutorial 06).
             scores = tl.sum(q[None, :] * k, axis=1) * scale  # (BLOCK_KEYS,)
             scores = tl.where(valid, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=0))
             alpha = tl.exp(m - m_new)  # rescales what was accumulated under the old max
             p = tl.exp(scores - m_new)  # 0 where masked
-            l = l * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-            m = m_new
-
-        # (b) the row's own tree path: gathered slots, -1 (or out of range) = padding.
-        for start in range(0, num_anc, BLOCK_ANC):
-            cols = start + tl.arange(0, BLOCK_ANC)
-            slots = tl.load(anc_ptr + row * stride_an + cols, mask=cols < num_anc, other=-1)
-            valid = (slots >= 0) & (slots < num_slots)
-            k = tl.load(
-                k_base + slots[:, None] * stride_ks + dims[None, :], mask=valid[:, None], other=0.0
-            ).to(tl.float32)
-            v = tl.load(
-                v_base + slots[:, None] * stride_vs + dims[None, :], mask=valid[:, None], other=0.0
-            ).to(tl.float32)
-            # Same online softmax step as above.
-            scores = tl.sum(q[None, :] * k, axis=1) * scale  # (BLOCK_ANC,)
-            scores = tl.where(valid, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=0))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new)
             l = l * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m = m_new
@@ -212,11 +212,15 @@ def row_attention(
     prefix_len: torch.Tensor,
     anc: torch.Tensor,
     scale: float,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-invariant attention of ``n`` query rows over one layer's static KV cache.
 
-    Row ``i`` attends to slots ``[0, prefix_len[i])`` plus the slots ``anc[i, j] >= 0``.
-    Its output is bit-identical whether it runs alone or among other rows.
+    Row ``i`` attends to slots ``base[i] + [0, prefix_len[i])`` plus the slots
+    ``anc[i, j] >= 0``, in that logical order. Its output is bit-identical whether it runs
+    alone or among other rows, whatever its ``base``, and a tree row (prefix ``P``, path of
+    ``c`` slots) is bit-identical to the chain row with prefix ``P + c`` holding the same
+    keys and values at slots ``P .. P + c - 1``.
 
     Args:
         q: ``[n, Hq, d]`` fp32 or bf16 queries; ``d`` a power of two (64, 128, ...).
@@ -224,17 +228,20 @@ def row_attention(
             and query head ``h`` reads KV head ``h // (Hq // Hkv)``.
         prefix_len: int32 ``[n]``: length of the committed prefix row ``i`` sees
             (values above ``S`` are clamped to ``S``).
-        anc: int32 ``[n, A]``, ``A >= 1``: extra slots row ``i`` sees (its tree path,
-            including its own slot); ``-1`` pads. Slots must be distinct and not inside the
-            row's prefix (each listed slot is counted once more); out-of-range slots are
-            ignored. For a chain, pass everything in ``prefix_len`` and ``anc`` all ``-1``.
+        anc: int32 ``[n, A]``, ``A >= 1``: the slots row ``i`` sees after its prefix (its tree
+            path, root first, its own slot last; absolute slots); ``-1`` pads, at the end
+            (a ``-1`` inside a path is skipped but keeps its logical place). Slots must be
+            distinct and not inside the row's prefix; out-of-range slots are ignored. For a
+            chain, pass everything in ``prefix_len`` and ``anc`` all ``-1``.
         scale: multiplies ``q·k`` (usually ``d ** -0.5``).
+        base: int32 ``[n]`` or None (all 0): the slot of each row's logical key 0, i.e. of
+            its sequence's KV region in a batch. Prefix slots outside the cache are ignored.
 
     Returns:
         ``[n, Hq, d]`` in ``q.dtype``; softmax and accumulation in fp32. A row that sees no
         key gets zeros.
     """
-    scale = validate_row_attention_inputs(q, k_cache, v_cache, prefix_len, anc, scale)
+    scale = validate_row_attention_inputs(q, k_cache, v_cache, prefix_len, anc, scale, base)
     if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "row_attention on CPU tensors needs the Triton interpreter: set "
@@ -258,6 +265,7 @@ def row_attention(
         v_cache,
         prefix_len,
         anc,
+        prefix_len if base is None else base,  # not read without HAS_BASE
         out,
         scale,
         num_slots,
@@ -270,11 +278,12 @@ def row_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         anc.stride(0),
+        0 if base is None else base.stride(0),
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_KEYS=BLOCK_KEYS,
-        BLOCK_ANC=BLOCK_ANC,
+        HAS_BASE=base is not None,
         num_warps=NUM_WARPS,
     )
     return out

@@ -4,11 +4,12 @@ own query and the keys it may see, never on how many rows share the step.
   BlockAttention   plain PyTorch (any CPU layout without the C++ kernel): fixed chunks of
                    query rows against fixed key blocks with an online softmax (below).
   CppRowAttention  the C++ `rows_attention` (kernel layout, kernels/cpu_rows.cpp): each row
-                   and head on its own, up to its key limit, in one fixed order; the only
-                   backend that follows a draft tree's path slots.
+                   and head on its own, up to its key limit, in one fixed order; follows
+                   a draft tree's path slots and a batch's KV regions.
   TritonAttention  the Triton `row_attention` (CUDA, kernels/attention.py): each (row, head)
                    reads its prefix length from the device metadata buffer, so a captured
-                   CUDA graph replays at any position.
+                   CUDA graph replays at any position; keys visited by logical index, so
+                   it follows tree paths and KV regions with the chain row's arithmetic.
 
 Every backend binds to one step: `backend.bind(engine, meta)` returns
 `attend(q [Hq, R, d] after RoPE, layer) -> o [R, Hq*d]` in q's dtype; the step's KV is
@@ -151,40 +152,81 @@ class CppRowAttention:
 
 
 class TritonAttention:
-    """`hf_selfspec.kernels.row_attention` on CUDA. Row r sees slots [0, key_limit[r]]: its
-    prefix length comes from the device metadata (no host value), so the launch is the same
-    at every position and inside a CUDA graph. Pad rows (those writing the trash slot) see
-    no key and get zeros: their attention would be dropped anyway, and an AR step has W-1
-    of them. The per-step kernel arguments are built once per step, not once per layer."""
+    """`hf_selfspec.kernels.row_attention` on CUDA. Row r sees logical keys 0..key_limit[r]:
+    the first ones its committed prefix at slots base[r] + j, the last c_r its tree path's
+    slots (meta.path, absolute), visited in that logical order in fixed key blocks, so a
+    tree row is bit-identical to the chain row at its position and a row in a batch to its
+    sequence alone at slot 0 (kernels/attention.py). The prefix length comes from the
+    device metadata (no host value), so the launch is the same at every position and
+    inside a CUDA graph. Pad rows (those writing the trash slot) see no key and get zeros:
+    their attention would be dropped anyway, and an AR step has W-1 of them. The per-step
+    kernel arguments (paths and bases on the device, prefix lengths) are built once per
+    step, not once per layer."""
 
     name = "triton"
     needs_masks = False  # the kernel reads key_limit itself
-    supports_trees = False  # the engine passes no ancestor slots (chains only)
-    supports_batches = False  # prefixes start at slot 0
+    supports_trees = True  # meta.path: each row's path slots after its prefix
+    supports_batches = True  # meta.base: each row's keys from its sequence's region
+
+    def __init__(self, batches: bool = True):
+        # False where the engine's row layout cannot take a step wider than the width
+        # (select_attention): the kernel itself takes any rows at any bases
+        self.supports_batches = batches
 
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         from hf_selfspec.kernels import row_attention
 
         rows = meta.rows
+        anc, base = triton_row_keys(meta.path, meta.base, rows, engine.k_cache.device)
         pad = meta.slots[:rows] == engine.trash_slot
-        prefix_len = torch.where(pad, 0, meta.key_limit[:rows] + 1).to(torch.int32)  # [R]
-        # a chain: everything is in the prefix, no extra tree slots (-1 pads)
-        no_ancestors = torch.full((rows, 1), -1, dtype=torch.int32, device=prefix_len.device)
+        limit = meta.key_limit[:rows] + 1
+        if meta.path.numel():  # a tree: the last c_r of a row's keys are its path slots
+            limit = limit - (anc >= 0).sum(1)
+        prefix_len = torch.where(pad, 0, limit).to(torch.int32)  # [R]
         k_cache, v_cache, scale = engine.k_cache, engine.v_cache, engine.view.scaling
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             o = row_attention(q.transpose(0, 1), k_cache[layer], v_cache[layer], prefix_len,
-                              no_ancestors, scale)  # [R, Hq, d]
+                              anc, scale, base)  # [R, Hq, d]
             return o.reshape(rows, -1)
 
         return attend
 
 
+def triton_row_keys(path: torch.Tensor, base: torch.Tensor, rows: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`row_attention`'s (anc int32 [rows, A], base int32 [rows] or None) on `device` from a
+    step's meta.path ([n, P], -1 padded; [0, 0] for chains) and meta.base ([n] or empty).
+
+    A chain without bases needs no host data: anc is all -1, made on the device. Otherwise
+    paths and bases go over in ONE copy (column 0 the base, then the path; rows n..rows-1
+    are pad rows: base 0, no path). A path already on the device as int32 [rows, A] (the
+    CUDA-graph runner's static buffer) is used as it is."""
+    if not base.numel() and path.device == device and path.dtype == torch.int32 and path.shape[0] == rows:
+        return path, None
+    if not base.numel() and not path.numel():
+        return torch.full((rows, 1), -1, dtype=torch.int32, device=device), None
+    n, width = max(path.shape[0], base.shape[0]), max(path.shape[1], 1)
+    host = torch.full((rows, 1 + width), -1, dtype=torch.int32)
+    host[:, 0] = 0
+    if base.numel():
+        host[:n, 0] = base
+    if path.numel():
+        host[:n, 1:1 + path.shape[1]] = path
+    keys = host.to(device)
+    return keys[:, 1:], (keys[:, 0] if base.numel() else None)
+
+
 def select_attention(device: torch.device, layout) -> BlockAttention | CppRowAttention | TritonAttention:
-    """The backend for an engine on `device` with row layout `layout`: Triton on CUDA, the
-    C++ rows where the layout brought them (kernel), else the PyTorch block attention."""
+    """The backend for an engine on `device` with row layout `layout`: Triton on CUDA (with
+    batched steps where the layout takes steps wider than its width), the C++ rows where
+    the layout brought them (kernel), else the PyTorch block attention."""
     if device.type == "cuda":
-        return TritonAttention()
+        # a batched step holds up to BATCH_ROWS_PER_WIDTH times the width: only a layout
+        # that computes every one of those rows can take it (the fixed layout pads or cuts
+        # every product to exactly the width)
+        wide = 2 * layout.width
+        return TritonAttention(batches=layout.rows(wide) >= wide)
     if layout.kernel_attention is not None:
         return CppRowAttention(layout.kernel_attention)
     return BlockAttention()

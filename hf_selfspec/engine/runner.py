@@ -10,6 +10,11 @@ the whole step at once. What lets ONE captured graph serve every call with its k
   metadata   Positions, KV slots and key limits are read inside the graph from the
              engine's device buffer `engine._meta`, which `Engine.make_meta` fills with one
              copy before every step; RoPE cos/sin are gathered from it inside the graph.
+  trees      A draft tree's path slots (meta.path) go into a static device buffer
+             [W, W] (-1 pads; a path in a step of at most W rows has at most W slots),
+             copied in before each replay, so one program per key serves chains and trees.
+             The kernel visits a row's keys by logical index, so the wider buffer (more
+             -1 columns than the eager step's) adds only masked keys: the same bits.
   keys       The number of keys attention visits must not be baked in at capture. On CUDA
              the engine's attention is the Triton kernel `row_attention` (`TritonAttention`
              in attention.py): each (row, head) program reads its prefix length from the metadata
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from hf_selfspec.kernels.cpu_rows import NO_PATH
 
 from .attention import triton_attention, uses_row_attention, visible_bias  # noqa: F401 (re-exported)
 from .meta import StepMeta
@@ -93,6 +100,10 @@ class CudaGraphRunner:
         # static inputs, outside the graph pool; shared by all programs (copied in per call)
         self._hidden_in = torch.zeros(self.width, v.hidden_size, dtype=v.dtype, device=v.device)
         self._tokens_in = torch.zeros(self.width, dtype=torch.long, device=v.device)
+        # tree path slots of the step's rows (module docstring, "trees"); all -1 for chains
+        self._path_host = torch.full((self.width, self.width), -1, dtype=torch.int32)
+        self._path_in = torch.full((self.width, self.width), -1, dtype=torch.int32, device=v.device)
+        self._path_loaded = False  # whether _path_in holds a tree's paths (else all -1)
         self._programs: dict[ProgramKey, _Program] = {}
         self._pool = None  # torch.cuda.graph_pool_handle(), made at the first capture
         self.eager = False  # True once a capture failed: everything runs eagerly
@@ -139,23 +150,28 @@ class CudaGraphRunner:
         if self.eager:
             return self._engine_seg(h, start, end, meta)
         key = self._check_key(("seg", start, end))
+        eager = lambda: (self._engine_seg(h, start, end, meta),)
+        if not self._load_path(meta):
+            return eager()[0]
         n = self._load_hidden(h)
-        out = self._replay(key, lambda: (self._engine_seg(h, start, end, meta),), n)
-        return out[0]
+        return self._replay(key, eager, n)[0]
 
     def verify(self, h: torch.Tensor, start: int, meta: StepMeta):
         """verify[start]: h [n, H] -> (logits [n, V], argmax [n], final hidden [n, H])."""
         if self.eager:
             return self._engine_verify(h, start, meta)
         key = self._check_key(("verify", start))
+        eager = lambda: self._engine_verify(h, start, meta)
+        if not self._load_path(meta):
+            return eager()
         n = self._load_hidden(h)
-        return self._replay(key, lambda: self._engine_verify(h, start, meta), n)
+        return self._replay(key, eager, n)
 
     def ar_step(self, token: int, position: int):
         """ar: -> (logits [V], next token id, final hidden [H]), as `Engine.ar_step`."""
         if self.eager:
             return self._engine_ar_step(token, position)
-        self.engine.make_meta([position])
+        self._load_path(self.engine.make_meta([position]))
         # fill_ passes the id as a kernel argument: no host->device copy, no sync
         self._tokens_in[:1].fill_(int(token))
         logits, argmax, final = self._replay(
@@ -200,7 +216,7 @@ class CudaGraphRunner:
         harmless step: one row at position 0 whose KV goes to the trash slot."""
         keys = [self._check_key(k) for k in keys]
         engine = self.engine
-        engine.make_meta([0])
+        self._load_path(engine.make_meta([0]))
         engine._meta[1].fill_(engine.trash_slot)
         self._hidden_in.zero_()
         self._tokens_in.zero_()
@@ -209,6 +225,25 @@ class CudaGraphRunner:
                 return
             if key not in self._programs:
                 self._capture(key)
+
+    def _load_path(self, meta: StepMeta) -> bool:
+        """Put the step's tree paths in the static buffer (one copy; nothing for a chain
+        after a chain). False when the step is not one the graphs can replay: paths wider
+        than the buffer, or rows in KV regions (batched steps run eagerly)."""
+        path = meta.path
+        if meta.base.numel() or path.shape[0] > self.width or path.shape[1] > self.width:
+            return False
+        if not path.numel():
+            if self._path_loaded:
+                self._path_in.fill_(-1)
+                self._path_loaded = False
+            return True
+        host = self._path_host
+        host.fill_(-1)
+        host[: path.shape[0], : path.shape[1]] = path
+        self._path_in.copy_(host)
+        self._path_loaded = True
+        return True
 
     def _load_hidden(self, h: torch.Tensor) -> int:
         n = h.shape[0]
@@ -236,8 +271,12 @@ class CudaGraphRunner:
             biases = []  # the kernel reads key_limit itself
         else:  # block_attention at full capacity: same bits, more work (module docstring)
             biases = [visible_bias(key_limit, engine.num_slots, engine.group)]
+        # tree paths from the static buffer, for an attention that follows them (Triton);
+        # the block attention takes no trees (make_meta refuses them for it)
+        path = self._path_in if engine.attention.supports_trees else NO_PATH
         return StepMeta(positions=positions, slots=slots, key_limit=key_limit, num_real=width,
-                        rows=width, biases=biases, cos=v.cos[positions], sin=v.sin[positions])
+                        rows=width, biases=biases, cos=v.cos[positions], sin=v.sin[positions],
+                        path=path)
 
     def _body(self, key: ProgramKey) -> Callable[[], tuple]:
         """The program of `key` on the static inputs: the engine's own functions."""
