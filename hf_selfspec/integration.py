@@ -229,10 +229,17 @@ class SelfSpecState:
 
     def _new_engine(self, model, need: int) -> Engine:
         """An engine with `need` KV slots or more: the configured capacity, rounded up to
-        256 slots, at most the model's max_position_embeddings."""
+        256 slots, at most the model's max_position_embeddings. Its executor: the
+        configured one, where "auto" means CUDA graphs on a CUDA model (eager with one
+        warning where they cannot be set up or captured) and eager elsewhere."""
+        from .engine.runner import build_engine, resolve_executor
+
         limit = getattr(model.config, "max_position_embeddings", None) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
-        return Engine(model, replace(self.engine_config, capacity=capacity))
+        requested = self.engine_config.executor
+        executor = resolve_executor(requested, next(model.parameters()).device)
+        config = replace(self.engine_config, capacity=capacity, executor=executor)
+        return build_engine(model, config, fallback=requested == "auto")
 
 
 def _check_positions(model, need: int, whose: str) -> None:

@@ -181,6 +181,75 @@ def test_triton_attention_matches_softmax():
     assert not fewer[2:].any()
 
 
+# ---- the executor of generate(assistant="self") (CPU, stand-ins) ---------------------------
+
+
+def test_executor_choice_by_device():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects: nothing runs
+    assert runner_module.resolve_executor("auto", cuda) == "cuda_graphs"
+    assert runner_module.resolve_executor("auto", cpu) == "eager"
+    assert runner_module.resolve_executor("eager", cuda) == "eager"  # an explicit choice stays
+    assert runner_module.resolve_executor("cuda_graphs", cpu) == "cuda_graphs"
+
+
+def _generate_with(model, executor, prompt, new_tokens):
+    """generate(assistant="self") on an attached tiny model whose EngineConfig asks for
+    `executor`; returns (tokens, the state's engine, our RuntimeWarnings)."""
+    from hf_selfspec import attach_heads
+
+    attach_heads(model, heads=False, engine=EngineConfig(width=4, capacity=256, row_layout="fixed"))
+    # "auto" stands for the default a CUDA model gets (EngineConfig cannot hold it yet)
+    object.__setattr__(model._selfspec.engine_config, "executor", executor)
+    ids = torch.tensor([prompt])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               do_sample=False, assistant="self", pad_token_id=0) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+    ours = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+            and ("CUDA graph" in str(w.message) or "CUDA-graph" in str(w.message))]
+    return outs[0][0, len(prompt):].tolist(), model._selfspec.engine, ours
+
+
+def test_generate_runs_the_graph_executor_where_it_is_the_default(monkeypatch):
+    """Where graphs are the default, generate() builds the engine with the graph executor
+    (stand-in graphs on the CPU), decodes exactly, and keeps an explicit "eager"."""
+    monkeypatch.setattr(runner_module, "graphs_by_default", lambda device: True)
+    monkeypatch.setattr(runner_module, "_require_cuda", lambda engine: None)
+    monkeypatch.setattr(CudaGraphRunner, "_record",
+                        lambda self, body: ((g := _EagerGraph(body)), g.outputs))
+    model = tiny_model("llama", seed=0, layers=2, vocab=256, hidden=HIDDEN)
+    prompt = list(range(3, 40)) + list(range(3, 12))
+    reference = Engine(model, EngineConfig(width=4, capacity=256, row_layout="fixed")).generate_ar(prompt, 12)
+    tokens, engine, warned = _generate_with(model, "auto", prompt, 12)
+    assert tokens == reference and not warned
+    assert engine.config.executor == "cuda_graphs" and ("verify", 0) in engine.graphs.captured
+    tokens, engine, warned = _generate_with(model, "eager", prompt, 12)
+    assert tokens == reference and engine.graphs is None and not warned
+
+
+def test_generate_falls_back_to_eager_with_one_warning(monkeypatch):
+    """A capture that fails (stand-in runner whose capture raises): one RuntimeWarning over
+    two calls, the same tokens. A graph executor that cannot be set up at all (the real
+    runner refuses a CPU engine): one warning, an eager engine, the same tokens."""
+    monkeypatch.setattr(runner_module, "graphs_by_default", lambda device: True)
+    model = tiny_model("llama", seed=0, layers=2, vocab=256, hidden=HIDDEN)
+    prompt = list(range(3, 40)) + list(range(3, 12))
+    reference = Engine(model, EngineConfig(width=4, capacity=256, row_layout="fixed")).generate_ar(prompt, 12)
+    tokens, engine, warned = _generate_with(model, "auto", prompt, 12)
+    assert tokens == reference and engine.graphs is None and engine.config.executor == "eager"
+    assert len(warned) == 1 and "could not be set up" in warned[0], warned
+
+    def broken(self, body):
+        raise RuntimeError("no capture today")
+
+    monkeypatch.setattr(runner_module, "_require_cuda", lambda engine: None)
+    monkeypatch.setattr(CudaGraphRunner, "_record", broken)
+    tokens, engine, warned = _generate_with(model, "auto", prompt, 12)
+    assert tokens == reference and engine.graphs.eager and "no capture today" in engine.graphs.fallback_reason
+    assert len(warned) == 1 and warned[0].startswith("CUDA graph capture of"), warned
+
+
 # ---- CUDA ----------------------------------------------------------------------------------
 
 

@@ -57,6 +57,44 @@ if TYPE_CHECKING:  # annotations only: programs.py builds this executor, never a
 ProgramKey = tuple
 
 
+def graphs_by_default(device: torch.device) -> bool:
+    """Whether an engine on `device` runs the CUDA-graph executor unless told otherwise:
+    on CUDA, where graphs are worth several times the eager step (docs/gpu.md)."""
+    return device.type == "cuda"
+
+
+def resolve_executor(requested: str, device: torch.device) -> str:
+    """The executor an engine on `device` gets for `EngineConfig.executor == requested`:
+    "auto" is "cuda_graphs" where `graphs_by_default`, else "eager"; an explicit "eager"
+    or "cuda_graphs" is kept as it is."""
+    if requested == "auto":
+        return "cuda_graphs" if graphs_by_default(device) else "eager"
+    return requested
+
+
+def build_engine(model: torch.nn.Module, config, *, fallback: bool) -> Engine:
+    """`Engine(model, config)`. With `fallback` (the executor was chosen for the caller,
+    not asked for), an engine whose graph executor cannot be set up is built eagerly
+    instead, with one RuntimeWarning saying why; a capture that fails later falls back
+    inside the runner, also with one warning (`CudaGraphRunner._fall_back`)."""
+    from dataclasses import replace
+
+    from .programs import Engine  # programs.py imports this module lazily, never at import
+
+    if not fallback or config.executor != "cuda_graphs":
+        return Engine(model, config)
+    try:
+        return Engine(model, config)
+    except Exception as err:  # noqa: BLE001 -- any failure of the graph set-up: run eagerly
+        warnings.warn(
+            f"the CUDA-graph executor could not be set up ({type(err).__name__}: {err}); this "
+            "engine runs its step programs eagerly (same results, more host time per step).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return Engine(model, replace(config, executor="eager"))
+
+
 def _require_cuda(engine: Engine) -> None:
     device = engine.view.device
     if device.type != "cuda":
