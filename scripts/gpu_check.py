@@ -12,7 +12,16 @@ Builds a random-weight Llama-style model on the GPU (no network, no download), t
      rows real), against W = 1: what a wider verification costs here;
   4. token parity on a few random prompts: graphs == eager and speculative == AR (the
      engine's invariants: must be 100%), engine AR == HF greedy (a measured rate; random
-     weights give near-flat logits, so near-ties make early divergence likely in bf16).
+     weights give near-flat logits, so near-ties make early divergence likely in bf16);
+  5. draft trees on the Triton path: random top-layer heads with siblings (mostly wrong,
+     so rows off the chain get verified and sometimes accepted), tree decoding eager and
+     through CUDA graphs == the engine's AR tokens on every prompt, and how many cycles
+     accepted a row off the chain (0 would mean the check did not exercise trees);
+  6. generate(..., assistant="self") on the model (no heads: prompt lookup) with the graph
+     executor: tokens == engine AR and ms per token beside HF greedy.
+Batched steps (several sequences' KV regions) are checked at the kernel level by
+tests/test_triton_trees.py (scripts/gpu_check.sh runs it); the fixed layout the GPU uses
+does not take steps wider than its width yet.
 
 Exit status 1 when an invariant fails or a CUDA-graph capture fell back to eager.
 Per-token times are (t(N new) - t(1 new)) / (N - 1): the prefill cancels out. Run by
@@ -162,6 +171,55 @@ def print_width_sweep(model, args, prompt, torch) -> None:
         torch.cuda.empty_cache()
 
 
+def random_top_heads(model, depth, torch, seed=0):
+    """Top-layer draft heads with random steps after the first (the logit lens of the final
+    state, often right): confident and mostly wrong, so trees branch (as the tests' heads)."""
+    from hf_selfspec.heads.repo import fingerprint
+    from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
+
+    cfg = model.config
+    config = TopHeadsConfig(base_model="random", base_fingerprint=fingerprint(model),
+                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=16,
+                            reduced_vocab=cfg.vocab_size)
+    heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for step in heads.steps[1:]:
+            for p in (step.down.weight, step.up.weight):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return heads
+
+
+def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
+    """Section 5: tree decoding, eager and through graphs, == the engine's AR tokens."""
+    from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+
+    top = random_top_heads(model, 3, torch)
+    config = DecodeConfig(thresholds=0.0, lookup="first", tree="on", siblings=3,
+                          sibling_min_prob=0.0, adaptive=False)
+    print(f"\n## draft trees on the Triton path (random top heads, siblings 3; {N} new)")
+    print("| prompt | eager trees == AR | graph trees == AR | cycles | off-chain cycles | drafted / accepted |")
+    print("|---|---|---|---|---|---|")
+    off_chain = 0
+    for i, prompt in enumerate(prompts):
+        reference = engine.generate_ar(prompt, N)
+        eager = SelfSpecDecoder(engine, top, config).generate(prompt, N)
+        graphs = SelfSpecDecoder(graph_engine, top, config).generate(prompt, N)
+        off_chain += graphs.stats.off_chain_cycles
+        print(f"| {i} | {eager.tokens == reference} | {graphs.tokens == reference} | "
+              f"{graphs.stats.cycles} | {graphs.stats.off_chain_cycles} | "
+              f"{graphs.stats.drafted} / {graphs.stats.accepted} |")
+        if eager.tokens != reference:
+            failed.append(f"prompt {i}: eager tree tokens != AR tokens")
+        if graphs.tokens != reference:
+            failed.append(f"prompt {i}: graph tree tokens != AR tokens")
+    if graph_engine.graphs.eager:
+        failed.append(f"tree engine's capture fell back: {graph_engine.graphs.fallback_reason}")
+    if off_chain == 0:
+        print("(no cycle accepted a row off the chain: trees were verified, but no branch was taken)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -293,6 +351,34 @@ def main(argv=None) -> int:
             continue
         print(f"| {name} | {ms:.3f} | {1e3 / ms:.0f} | {bound_ms / ms:.0%} |")
 
+    # ---- trees, generate() with the graph executor -------------------------------------------
+    graph_engine = Engine(model, EngineConfig(width=args.width, capacity=args.capacity,
+                                              row_layout="fixed", executor="cuda_graphs"))
+    check_trees(model, engine, graph_engine, prompts, N, torch, failed)
+
+    from hf_selfspec import attach_heads
+
+    attach_heads(model, heads=False, engine=EngineConfig(width=args.width, capacity=args.capacity,
+                                                         row_layout="fixed", executor="cuda_graphs"))
+
+    def self_generate(prompt, new):
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, pad_token_id=0, assistant="self")
+        return out[0, len(prompt):].tolist()
+
+    print("\n## generate(assistant='self'), graph executor, prompt lookup only")
+    same = [self_generate(p, N) == engine.generate_ar(p, N) for p in prompts]
+    print(f"tokens == engine AR on {sum(same)}/{len(prompts)} prompts")
+    if not all(same):
+        failed.append("generate(assistant='self') with graphs != engine AR")
+    self_engine = model._selfspec.engine
+    if self_engine.graphs is None or self_engine.graphs.eager:
+        failed.append("generate(assistant='self') did not run the graph executor")
+    hf_ms, self_ms = rows[0][1], per_token(self_generate, prompt)
+    print(f"| generate() | ms/token | vs HF greedy |\n|---|---|---|\n| HF greedy | {hf_ms:.3f} | 1.00x |\n"
+          f"| assistant='self', graphs | {self_ms:.3f} | {hf_ms / self_ms:.2f}x |")
+
     # diagnostics: no invariant depends on them, so an error is printed and the run goes on
     for diagnostic in (lambda: print_kernel_table(runner, engine, prompt, args.profile_steps, torch),
                        lambda: print_width_sweep(model, args, prompt, torch)):
@@ -304,7 +390,7 @@ def main(argv=None) -> int:
     if failed:
         print("\nFAILED:\n  " + "\n  ".join(failed))
         return 1
-    print("\nOK: graphs == eager and speculative == AR on every prompt")
+    print("\nOK: graphs == eager and speculative == AR on every prompt (chains and trees)")
     return 0
 
 

@@ -14,11 +14,11 @@ status=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
 
-echo "== tests (CUDA graphs, Triton kernel) =="
-timeout 240 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:cacheprovider || status=1
+echo "== tests (CUDA graphs, Triton kernel, trees and batches on the Triton path) =="
+timeout 240 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_triton_trees.py -q -p no:cacheprovider || status=1
 
 echo "== gpu_check.py =="
-timeout 200 python scripts/gpu_check.py "$@" || status=1
+timeout 220 python scripts/gpu_check.py "$@" || status=1
 
 echo "== gpu_check.sh: $([ $status -eq 0 ] && echo OK || echo FAILED) =="
 exit $status

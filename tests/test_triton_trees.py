@@ -237,3 +237,25 @@ def test_batched_step_on_the_triton_path_equals_each_sequence_alone():
     meta = engine.rows_meta(StepRows.concat(parts))
     logits, _, _ = engine.verify(engine.embed([5, 6, 7] * 2), 0, meta)
     assert torch.equal(logits[:3], alone[0]) and torch.equal(logits[3:], alone[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tree_decoding_through_real_cuda_graphs_equals_engine_ar(dtype):
+    """On CUDA: an engine built with the graph executor decodes trees (top heads with
+    siblings) with the output of the eager engine's AR, logits bit for bit the eager tree
+    decoding's, and no capture fell back."""
+    model = tiny_model("llama", seed=0, layers=2).to("cuda", dtype)
+    top = random_top_heads(model, depth=3)
+    p = prompt(0, 17, 256)
+    eager = Engine(model, EngineConfig(width=8, capacity=400, row_layout="fixed"))
+    graphs = Engine(model, EngineConfig(width=8, capacity=400, row_layout="fixed", executor="cuda_graphs"))
+    assert graphs.supports_trees and graphs.graphs is not None
+    reference = eager.generate_ar(p, 24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = _tree_decoder(graphs, top).generate(p, 24, collect_logits=True)
+    theirs = _tree_decoder(eager, top).generate(p, 24, collect_logits=True)
+    assert ours.tokens == theirs.tokens == reference and ours.stats.off_chain_cycles > 0
+    assert all(torch.equal(a, b) for a, b in zip(ours.logits, theirs.logits))
+    assert not graphs.graphs.eager
