@@ -344,3 +344,22 @@ def test_examples_align_chain_inputs_and_targets():
         for i in range(D):
             assert ex.x[row, i] == ids[t + 1 + i] and ex.y[row, i] == arg[t + 1 + i]
             assert bool(ex.agree[row, i]) == bool(ids[t + 1 + i] == arg[t + i])
+
+
+def test_the_shipped_recipe_is_train_heads_commands(tmp_path):
+    """scripts/head_study.py's steps parse as `hf-selfspec train-heads` arguments, and only
+    the last one writes the final heads."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_selfspec.training.cli import build_parser
+
+    spec = importlib.util.spec_from_file_location(
+        "head_study", Path(__file__).parent.parent / "scripts" / "head_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    steps = study.recipe(tmp_path / "final", tmp_path / "work")
+    parsed = [build_parser().parse_args(["default", *step]) for step in steps]
+    assert [a.out for a in parsed].count(tmp_path / "final") == 1 and parsed[-1].out == tmp_path / "final"
+    assert parsed[-1].parts == (2, 3, 4, 5) and parsed[-1].init is not None
+    assert sum(a.only == "collect" for a in parsed) == 8 and sum(a.new_steps_only for a in parsed) == 1

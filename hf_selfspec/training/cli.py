@@ -106,9 +106,12 @@ def load_model(name: str, device: str):
     return model.to(device).eval(), tokenizer, base
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, command: str | None = None) -> int:
+    """Exit status 0, or 2 with one line on stderr for bad input. `command`: what the model
+    card names as the command that made the heads (default: this command line)."""
     args = build_parser().parse_args(argv)
-    command = "hf-selfspec train-heads " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if command is None:
+        command = "hf-selfspec train-heads " + shlex.join(sys.argv[1:] if argv is None else argv)
     config = RecipeConfig(
         out=args.out, minutes=args.minutes, base_model=args.model, prompts=args.prompts,
         collect=CollectSettings(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,

@@ -5,8 +5,7 @@ row that produced token x_{t+1}, and must predict the model's next argmaxes. The
 inputs are therefore the model's own greedy text, not a dataset's: each prompt is answered
 by HF `generate` (greedy, batched with left padding) and a forward hook on the final norm
 catches the last row's final state of every decoding step, so a reply position costs one
-batched decoding step and no second forward (the recipe of scripts/head_study.py
-`collect-own`). Stored per reply (R tokens):
+batched decoding step and no second forward. Stored per reply (R tokens):
 
     ids    [R] int32    [last prompt token] + reply[:-1]  (the token each row consumed)
     argmax [R] int32    reply                              (the model's token after each row)

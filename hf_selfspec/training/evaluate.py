@@ -7,7 +7,7 @@ top-1 agreement given reached, and the expected tokens per verification of a ful
 
     tau = 1 + sum_i P(drafts 0..i all right)
 
-(the scripts/head_study.py figures; thresholds thr: a step also stops the chain when its
+(the figures of docs/head_study.md; thresholds thr: a step also stops the chain when its
 confidence is below thr).
 """
 

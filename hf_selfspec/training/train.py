@@ -4,8 +4,8 @@ Step i predicts the model's argmax i+1 tokens after the committed token, from th
 step i-1 and the token the text holds there (teacher forcing during training; the decoder
 feeds its own drafts, which is what evaluate.py measures). The loss is the sum over steps of
 the cross-entropy to the model's argmax within the heads' reduced vocabulary (the most
-frequent target tokens); AdamW with a one-cycle learning-rate schedule: the recipe of
-scripts/head_study.py `train --data own` (hard targets).
+frequent target tokens); AdamW with a one-cycle learning-rate schedule (hard targets:
+soft ones measured no better, docs/head_study.md).
 
 Training is time-budgeted: a few timed batches give the seconds per optimiser step, and
 the schedule is planned for as many steps as fit the budget, at most `max_epochs` passes.
