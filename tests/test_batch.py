@@ -149,7 +149,7 @@ def test_batches_need_the_kernel_layout_and_these_drafters():
     assert not micro.supports_batches
     with pytest.raises(ValueError, match="cannot share engine steps"):
         BatchDecoder(micro)
-    with pytest.raises(ValueError, match="batched steps need the kernel row layout"):
+    with pytest.raises(ValueError, match="batched steps need a row attention"):
         micro.make_meta([3, 4], bases=[0, 0])
     kernel = Engine(model, EngineConfig(width=8, capacity=64, row_layout="kernel"))
     exit_heads = SelfSpecDecoder(kernel, random_heads(model, [1]), DecodeConfig(thresholds=0.0))

@@ -197,9 +197,8 @@ def _generate_with(model, executor, prompt, new_tokens):
     `executor`; returns (tokens, the state's engine, our RuntimeWarnings)."""
     from hf_selfspec import attach_heads
 
-    attach_heads(model, heads=False, engine=EngineConfig(width=4, capacity=256, row_layout="fixed"))
-    # "auto" stands for the default a CUDA model gets (EngineConfig cannot hold it yet)
-    object.__setattr__(model._selfspec.engine_config, "executor", executor)
+    attach_heads(model, heads=False, engine=EngineConfig(width=4, capacity=256, row_layout="fixed",
+                                                         executor=executor))
     ids = torch.tensor([prompt])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

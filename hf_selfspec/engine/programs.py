@@ -63,7 +63,7 @@ ROW_LAYOUTS = ("auto", *LAYOUTS)
 # the layouts that were removed (their history: docs/engine_layouts_history.md)
 REMOVED_LAYOUTS = ("gemv", "wx", "wx4")
 PrefillName = Literal["hf", "engine"]
-ExecutorName = Literal["eager", "cuda_graphs"]
+ExecutorName = Literal["auto", "eager", "cuda_graphs"]
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,10 @@ class EngineConfig:
     # process measures them again (HF_SELFSPEC_NO_CACHE=1 turns it off everywhere)
     measurement_cache: bool = True
     # "cuda_graphs": the programs are captured once per key and replayed (runner.py; CUDA
-    # and the fixed layout only); "eager": every op from Python
-    executor: ExecutorName = "eager"
+    # and the fixed layout only); "eager": every op from Python; "auto": generate() builds a
+    # CUDA model's engine with graphs (eager with one warning where they cannot be set up)
+    # and any other eagerly; an Engine built directly with "auto" runs eagerly
+    executor: ExecutorName = "auto"
 
     def __post_init__(self):
         if self.prefill not in ("hf", "engine"):
@@ -101,8 +103,8 @@ class EngineConfig:
             raise ValueError(f"capacity must be an int >= 2*width, got {self.capacity!r}")
         if self.measurement_cache not in (True, False):
             raise ValueError(f"measurement_cache must be True or False, got {self.measurement_cache!r}")
-        if self.executor not in ("eager", "cuda_graphs"):
-            raise ValueError(f"executor must be 'eager' or 'cuda_graphs', got {self.executor!r}")
+        if self.executor not in ("auto", "eager", "cuda_graphs"):
+            raise ValueError(f"executor must be 'auto', 'eager' or 'cuda_graphs', got {self.executor!r}")
 
 
 def weight_signature(model: torch.nn.Module) -> tuple:
@@ -275,9 +277,9 @@ class Engine:
     @property
     def supports_trees(self) -> bool:
         """Whether a step's rows may form a draft tree (`make_meta(..., paths=...)`): the C++
-        row attention (kernel layout) visits a row's path slots in depth order, exactly as a
-        chain row's keys; the PyTorch block attention sums over masked key blocks, whose
-        order a scattered path would change."""
+        row attention (kernel layout) and the Triton one (CUDA) visit a row's path slots in
+        depth order, exactly as a chain row's keys; the PyTorch block attention sums over
+        masked key blocks, whose order a scattered path would change."""
         return self.attention.supports_trees
 
     @property
@@ -321,8 +323,9 @@ class Engine:
         if not 1 <= n <= most:
             raise ValueError(f"a step takes 1..{most} rows, got {n}")
         if bases is not None and not self.supports_batches:
-            raise ValueError(f"batched steps need the kernel row layout on the CPU (this engine uses "
-                             f"{self.layout.name!r} on {self.view.device.type})")
+            raise ValueError(f"batched steps need a row attention that reads each sequence's KV region "
+                             f"and products of any row count (the kernel layout on the CPU; this engine "
+                             f"uses {self.layout.name!r} on {self.view.device.type})")
         limits = positions if key_limits is None else key_limits
         if n > self._meta_host.shape[1]:  # a batched step wider than any before (CPU only)
             self._meta_host = torch.zeros(3, n, dtype=torch.long)
@@ -348,8 +351,9 @@ class Engine:
         path = NO_PATH
         if paths is not None:
             if not self.supports_trees:
-                raise ValueError(f"draft trees need the kernel row layout (this engine uses "
-                                 f"{self.layout.name!r}); decode with chains (DecodeConfig(tree='off'))")
+                raise ValueError(f"draft trees need the C++ or Triton row attention (this engine uses "
+                                 f"{self.layout.name!r} on {self.view.device.type}); decode with chains "
+                                 "(DecodeConfig(tree='off'))")
             if len(paths) != n:
                 raise ValueError(f"{len(paths)} paths given for {n} rows")
             path = torch.full((n, max(len(p) for p in paths)), -1, dtype=torch.long)
