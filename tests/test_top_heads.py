@@ -133,38 +133,3 @@ def test_float16_storage_round_trip(tmp_path):
         TopHeadsConfig.from_dict({**heads.config.to_dict(), "storage_dtype": "int8"})
 
 
-def test_study_examples_align_chain_inputs_targets_and_future_states():
-    """scripts/head_study.py `examples`: per position t, the chain's inputs are the next tokens,
-    its targets the model's argmaxes there, and (future=True) the final states whose argmaxes
-    those targets are; positions too close to the reply's end or masked out are left out."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "head_study", Path(__file__).parent.parent / "scripts" / "head_study.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    g = torch.Generator().manual_seed(0)
-    data = {"ids": [], "argmax": [], "final": [], "mask": []}
-    for R in (9, 5):
-        final = torch.randn(R, 6, generator=g).half()
-        data["final"].append(final)
-        data["argmax"].append(final.float().argmax(-1).int())  # the "model's" greedy token
-        data["ids"].append(torch.randint(0, 6, (R,), generator=g, dtype=torch.int32))
-        mask = torch.ones(R, dtype=torch.bool)
-        mask[-1] = False
-        mask[1] = False
-        data["mask"].append(mask)
-    D = 3
-    f, x, y, agree, future = study.examples(data, D, future=True)
-    expected_t = [(0, t) for t in range(9 - D) if t != 1] + [(1, t) for t in range(5 - D) if t != 1]
-    assert len(f) == len(expected_t) == len(future)
-    for row, (r, t) in enumerate(expected_t):
-        ids, arg, fin = data["ids"][r], data["argmax"][r], data["final"][r]
-        assert torch.equal(f[row], fin[t].float())
-        for i in range(D):
-            assert x[row, i] == ids[t + 1 + i] and y[row, i] == arg[t + 1 + i]
-            assert bool(agree[row, i]) == bool(ids[t + 1 + i] == arg[t + i])
-            assert torch.equal(future[row, i], fin[t + 1 + i])
-            assert int(future[row, i].float().argmax()) == int(y[row, i])
-    assert len(study.examples(data, D)) == 4  # no future states unless asked
