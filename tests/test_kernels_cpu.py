@@ -49,7 +49,7 @@ def kernel():
 def test_matches_float64_reference(kernel, k, o):
     gen = torch.Generator().manual_seed(k * 1000 + o)
     w = torch.randn(o, k, generator=gen)
-    for r in (1, 2, 3, 4, 5, 6, 7, 8, 11):
+    for r in (1, 2, 3, 4, 5, 6, 7, 8, 11, 17, 22):  # > 16 rows: the 3 x 4 blocks
         x = torch.randn(r, k, generator=gen)
         y = kernel(x, w)
         assert y.shape == (r, o)
@@ -62,7 +62,7 @@ def test_a_row_is_bit_identical_whatever_the_other_rows(kernel, k, o):
     w = torch.randn(o, k, generator=gen)
     row = torch.randn(1, k, generator=gen)
     alone = kernel(row, w)[0]
-    for r in (2, 3, 4, 5, 6, 7, 8, 9, 16):
+    for r in (2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 19, 24, 33):
         for place in {0, r // 2, r - 1}:
             x = torch.randn(r, k, generator=gen)
             x[place] = row[0]
