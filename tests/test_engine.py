@@ -285,3 +285,31 @@ def test_engine_package_imports_form_no_cycle():
 
     for module in graph:
         visit(module, [])
+
+
+def test_contention_watch_switches_to_the_work_pool_after_slow_steps():
+    """Steps several times slower than measured, three in a row, turn on the kernels'
+    work-sharing pool once (other processes busy on the cores); a normal step in between
+    resets the count; the tokens are the same either way."""
+    from hf_selfspec.kernels.cpu_rows import use_work_pool
+
+    watch = costs.ContentionWatch()
+    slow = costs.CONTENDED_FACTOR * 1.5
+    assert not any(watch.observe(1.0, s) for s in (slow, slow, 1.0, slow, slow))
+    assert not watch.observe(None, slow)  # nothing measured: nothing to compare with
+    model = tiny_model("llama", seed=0, layers=2)
+    engine = engine_or_skip(model, EngineConfig(width=4, capacity=64, row_layout="kernel"))
+    prompt = [5, 9, 17, 33, 5, 9]
+    before = engine.generate_ar(prompt, 12)
+    engine.step_costs  # noqa: B018 (measured)
+    previous = use_work_pool(False)
+    try:
+        expected = engine.one_row_seconds * engine.step_costs[2]
+        for _ in range(costs.SLOW_STEPS_IN_A_ROW - 1):
+            engine.observe_step(2, expected * slow)
+        assert use_work_pool() is False
+        engine.observe_step(2, expected * slow)
+        assert use_work_pool() is True and engine.contention.switched
+        assert engine.generate_ar(prompt, 12) == before
+    finally:
+        use_work_pool(previous)

@@ -181,6 +181,7 @@ class BatchDecoder:
         rows = StepRows.concat([r for _, _, r in inputs])
         t0 = time.perf_counter()
         logits, argmax, finals = engine.verify(hidden, 0, engine.rows_meta(rows))
+        engine.observe_step(len(rows), time.perf_counter() - t0)
         seconds = (time.perf_counter() - t0) / len(live)
         lo = 0
         for b, cycle, n in zip(live, cycles, kept):

@@ -238,7 +238,10 @@ class SelfSpecDecoder:
             hidden, depth, rows = self.step_input(cycle)
             t0 = time.perf_counter()
             logits, argmax, finals = engine.verify(hidden, depth, engine.rows_meta(rows))
-            self.finish_cycle(run, cycle, logits, argmax, finals, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if depth == 0:
+                engine.observe_step(len(rows), seconds)
+            self.finish_cycle(run, cycle, logits, argmax, finals, seconds)
         return self.result(run)
 
     # The phases of `generate`, one sequence's each: a batch (batch.py) runs every sequence's

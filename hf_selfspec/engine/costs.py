@@ -182,3 +182,36 @@ def batch_cost_curve(step_costs: Sequence[float], width: int, rows: Sequence[int
         value = c1 if n1 == n0 else c0 + (c1 - c0) * (n - n0) / (n1 - n0)
         curve.append(max(value, curve[-1]))
     return tuple(curve)
+
+
+# Other processes busy on the cores: a step this many times slower than its measured cost,
+# SLOW_STEPS_IN_A_ROW times in a row, switches the C++ kernels from torch's OpenMP team to
+# their own work-sharing pool for the rest of the process. On such a machine an OpenMP
+# barrier waits for threads the OS has not scheduled (steps measured up to 30x slower on
+# the 2-core Xeon), while the pool lets the running threads take the waiting ones' work
+# (2.5-10x faster there); on idle cores the pool is 0-7% slower, so it is not the default.
+CONTENDED_FACTOR = 3.0
+SLOW_STEPS_IN_A_ROW = 3
+
+
+class ContentionWatch:
+    """Watches an engine's step times (`Engine.observe_step`) for a machine whose cores
+    other processes keep busy, and then turns on the kernels' work-sharing pool (once; the
+    results are bit for bit the same either way)."""
+
+    def __init__(self) -> None:
+        self.slow_in_a_row = 0
+        self.switched = False
+
+    def observe(self, expected_seconds: float | None, seconds: float) -> bool:
+        """Count a step of `seconds` against its measured `expected_seconds`; True when
+        this step switched the kernels to the pool."""
+        if self.switched or expected_seconds is None:
+            return False
+        self.slow_in_a_row = self.slow_in_a_row + 1 if seconds > CONTENDED_FACTOR * expected_seconds else 0
+        if self.slow_in_a_row < SLOW_STEPS_IN_A_ROW:
+            return False
+        self.switched = True
+        from hf_selfspec.kernels.cpu_rows import use_work_pool
+
+        return use_work_pool(True) is False  # it was off: now on

@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging
 
 from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
@@ -42,6 +43,8 @@ from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, rms_norm, rotate_half
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
            "StepRows", "row_chunks", "weight_signature"]
@@ -146,6 +149,7 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._step_costs: tuple[float, ...] | None = None
         self._batch_costs: tuple[float, ...] | None = None
+        self.contention = costs.ContentionWatch()
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
         self._allocate(self.config.capacity)
@@ -493,6 +497,20 @@ class Engine:
                 self._measured.store_batch_costs(self.layout.name, context, *found)
             self._batch_costs = costs.batch_cost_curve(self.step_costs, self.width, *found, self.max_step_rows)
         return self._batch_costs
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` rows took `seconds`: on the kernel layout, steps several
+        times slower than measured, several in a row, turn on the kernels' work-sharing pool
+        (costs.ContentionWatch: other processes are busy on the cores)."""
+        if self.layout.kernel_layer is None or self._step_costs is None:
+            return
+        curve = self._step_costs if rows <= self.width else self._batch_costs
+        expected = curve[rows] * self._one_row_seconds if curve is not None and rows < len(curve) else None
+        if self.contention.observe(expected, seconds):
+            logger.warning(
+                "hf_selfspec: decode steps ran over %.0fx slower than measured: other processes are busy on "
+                "the cores, so the row kernels now share their work in their own thread pool "
+                "(HF_SELFSPEC_ROWS_POOL=1 starts that way; the tokens are the same)", costs.CONTENDED_FACTOR)
 
     @property
     def one_row_seconds(self) -> float:

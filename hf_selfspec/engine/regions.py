@@ -73,6 +73,9 @@ class KVRegion:
     def rows_meta(self, rows: StepRows):
         return self.engine.rows_meta(rows)
 
+    def observe_step(self, rows: int, seconds: float) -> None:
+        self.engine.observe_step(rows, seconds)
+
     # in the region's own slot numbers
     @property
     def position_limit(self) -> int:
