@@ -37,6 +37,7 @@ from .decoding.sampling import (
     unsupported_processors,
 )
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
+from .logs import logger
 from .stats import DecodeStats
 
 ASSISTANT_SELF = "self"
@@ -232,14 +233,24 @@ class SelfSpecState:
         256 slots, at most the model's max_position_embeddings. Its executor: the
         configured one, where "auto" means CUDA graphs on a CUDA model (eager with one
         warning where they cannot be set up or captured) and eager elsewhere."""
-        from .engine.runner import build_engine, resolve_executor
+        from .engine.runner import resolve_executor
 
         limit = getattr(model.config, "max_position_embeddings", None) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
         requested = self.engine_config.executor
         executor = resolve_executor(requested, next(model.parameters()).device)
         config = replace(self.engine_config, capacity=capacity, executor=executor)
-        return build_engine(model, config, fallback=requested == "auto")
+        if requested != "auto" or executor != "cuda_graphs":
+            return Engine(model, config)
+        try:  # graphs chosen for the caller, not asked for: eager where they cannot be set up
+            return Engine(model, config)
+        except Exception as err:  # noqa: BLE001 -- any failure of the graph set-up: run eagerly
+            warnings.warn(
+                f"the CUDA-graph executor could not be set up ({type(err).__name__}: {err}); this "
+                "engine runs its step programs eagerly (same results, more host time per step). A "
+                "capture that fails later falls back the same way (CudaGraphRunner).",
+                RuntimeWarning, stacklevel=2)
+            return Engine(model, replace(config, executor="eager"))
 
 
 def _check_positions(model, need: int, whose: str) -> None:
@@ -683,6 +694,9 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     built = (engine is not engine_before or measured_batch
              or (draft_engine is not None and draft_engine is not draft_before))
     build_time = time.perf_counter() - started if built else 0.0
+    if built:
+        logger.info(f"hf_selfspec: engine built in {build_time:.1f} s ({engine.layout.name!r} row layout, "
+                    f"{engine.capacity} KV slots, width {engine.width})")
 
     if streamer is not None:
         streamer.put(input_ids.cpu())

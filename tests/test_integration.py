@@ -411,3 +411,31 @@ def test_hf_named_drafting_options_per_call():
                        (dict(num_assistant_tokens_schedule="heuristic"), "num_assistant_tokens_schedule")]:
         with pytest.raises(ValueError, match=words):
             model.generate(ids, assistant="self", **kw, **bad)
+
+
+def test_engine_build_and_layout_are_logged_through_transformers_logging():
+    """transformers.logging.set_verbosity_info() shows the engine's build and its row
+    layout (the package logs under transformers' library logger)."""
+    import logging as std_logging
+
+    from transformers.utils import logging
+
+    records = []
+    handler = std_logging.Handler()
+    handler.emit = records.append
+    ours = logging.get_logger("transformers.hf_selfspec")
+    ours.addHandler(handler)
+    before = logging.get_verbosity()
+    logging.set_verbosity_info()
+    try:
+        model = tiny_model("llama", seed=3, layers=2)
+        attach_heads(model, heads=False)
+        ids = torch.tensor([[5, 6, 7, 8]])
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                       assistant="self", pad_token_id=0)
+    finally:
+        logging.set_verbosity(before)
+        ours.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert any("engine built in" in m for m in messages), messages
+    assert any("row layout" in m for m in messages), messages

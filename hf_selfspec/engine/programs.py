@@ -33,7 +33,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from transformers.utils import logging
 
 from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
@@ -42,9 +41,8 @@ from .attention import KEY_BLOCK, select_attention, visible_bias
 from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, rms_norm, rotate_half
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
+from ..logs import logger
 from .meta import StepMeta, StepRows
-
-logger = logging.get_logger(__name__)
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
            "StepRows", "row_chunks", "weight_signature"]
@@ -192,6 +190,13 @@ class Engine:
             measure=lambda candidate: costs.gemm_seconds(candidate, linears, self.width))
         if wanted == "auto" and v.device.type == "cpu" and layout.name in AUTO_ORDER and layout.name != cached:
             self._measured.store_layout(layout.name)
+        if v.device.type == "cpu" and layout.name != "kernel":
+            from hf_selfspec.kernels.cpu_rows import build_error
+
+            reason = build_error() or "its bitwise self-test failed or another layout measured faster"
+            logger.warning_once(f"hf_selfspec: the C++ row kernel is not used ({reason}); the engine runs "
+                                f"the {layout.name!r} row layout instead (the same tokens, slower steps)")
+        logger.info(f"hf_selfspec: row layout {layout.name!r}" + (" (cached choice)" if layout.name == cached else ""))
         return layout
 
     # ---- capacity -----------------------------------------------------------------------

@@ -72,29 +72,6 @@ def resolve_executor(requested: str, device: torch.device) -> str:
     return requested
 
 
-def build_engine(model: torch.nn.Module, config, *, fallback: bool) -> Engine:
-    """`Engine(model, config)`. With `fallback` (the executor was chosen for the caller,
-    not asked for), an engine whose graph executor cannot be set up is built eagerly
-    instead, with one RuntimeWarning saying why; a capture that fails later falls back
-    inside the runner, also with one warning (`CudaGraphRunner._fall_back`)."""
-    from dataclasses import replace
-
-    from .programs import Engine  # programs.py imports this module lazily, never at import
-
-    if not fallback or config.executor != "cuda_graphs":
-        return Engine(model, config)
-    try:
-        return Engine(model, config)
-    except Exception as err:  # noqa: BLE001 -- any failure of the graph set-up: run eagerly
-        warnings.warn(
-            f"the CUDA-graph executor could not be set up ({type(err).__name__}: {err}); this "
-            "engine runs its step programs eagerly (same results, more host time per step).",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return Engine(model, replace(config, executor="eager"))
-
-
 def _require_cuda(engine: Engine) -> None:
     device = engine.view.device
     if device.type != "cuda":
