@@ -680,6 +680,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     limit = getattr(model.config, "max_position_embeddings", None) or need + state.engine_config.width
     engine = state.engine_for(model, min(need + state.engine_config.width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
+    getattr(engine, "attention_seconds", None)
     draft_engine = None
     if selfspec_draft_model is not None:
         draft_engine = state.draft_engine_for(selfspec_draft_model, engine.capacity)

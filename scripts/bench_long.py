@@ -3,8 +3,8 @@
     python scripts/bench_long.py                      # 512, 1024, 2048, 3584 tokens, 64 new
     python scripts/bench_long.py --lengths 512,4000 --max-new-tokens 64 --reps 2
 
-Prompts are held-out ShareGPT conversations concatenated into one "summarize this" request,
-cut to the length. For each length, in order of increasing length in one process: the
+Prompts are held-out ShareGPT conversations concatenated into one request, cut to the length,
+with the instruction to summarize them last. For each length, in order of increasing length in one process: the
 FIRST self-spec call at that length (the engine's KV cache must grow to it) and a warm
 call, each against HF greedy on the same prompt, side by side; the time split is prefill
 (the prompt through the model) and decoding. Every output is checked against HF greedy.
@@ -28,7 +28,8 @@ from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
 
 def long_prompt(tokenizer, length: int) -> list[int]:
-    """A chat prompt of exactly `length` tokens: held-out conversations to summarize."""
+    """A chat prompt of exactly `length` tokens: held-out conversations, then the request to
+    summarize them (the request last, so that the reply is a summary, not an early EOS)."""
     text = []
     for conversation in sharegpt_conversations():
         if split_of(conversation.id) != "eval":
@@ -36,12 +37,16 @@ def long_prompt(tokenizer, length: int) -> list[int]:
         text.extend(m["content"] for m in conversation.messages)
         if sum(len(t) for t in text) > length * 6:
             break
-    head = tokenizer.apply_chat_template([{"role": "user", "content": "Summarize this conversation:\n\n"}],
-                                         tokenize=True, add_generation_prompt=False, return_dict=False)
-    tail = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False)[-6:]
+    marker = "<<BODY>>"
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Here is a conversation:\n\n{marker}\n\n"
+                                     "Summarize the conversation above in five sentences."}],
+        tokenize=False, add_generation_prompt=True)
+    before, after = chat.split(marker)
+    head = tokenizer(before, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(after, add_special_tokens=False)["input_ids"]
     body = tokenizer("\n\n".join(text), add_special_tokens=False)["input_ids"]
-    return head[:-2] + body[: length - len(head) + 2 - len(tail)] + tail
+    return head + body[: length - len(head) - len(tail)] + tail
 
 
 def timed(fn):

@@ -313,3 +313,20 @@ def test_contention_watch_switches_to_the_work_pool_after_slow_steps():
         assert engine.generate_ar(prompt, 12) == before
     finally:
         use_work_pool(previous)
+
+
+def test_step_costs_at_a_longer_context_weigh_each_rows_attention():
+    """A step of n rows at `extra` more keys costs its measured cost plus n rows' attention
+    over them: relative to one row, more rows cost more at a long context; none changes
+    at the measured context; the engine's own curve and attention cost are measured."""
+    curve = (1.0, 1.0, 1.1, 1.2)
+    assert costs.costs_at(curve, 0.02, 1e-6, 0) == curve
+    longer = costs.costs_at(curve, 0.02, 1e-6, 1000)
+    assert longer[:2] == (1.0, 1.0)
+    assert longer[2] == pytest.approx((1.1 * 0.02 + 2e-3) / 0.021)
+    assert longer[3] == pytest.approx((1.2 * 0.02 + 3e-3) / 0.021) and longer[3] > curve[3]
+    model = tiny_model("llama", seed=0, layers=2)
+    engine = engine_or_skip(model, EngineConfig(width=4, capacity=2048, row_layout="kernel"))
+    assert engine.attention_seconds > 0  # a 4x longer context measurably costs more
+    far = engine.step_costs_at(2000)
+    assert far[4] >= engine.step_costs[4] and engine.step_costs_at(10) == engine.step_costs

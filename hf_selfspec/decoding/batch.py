@@ -121,7 +121,9 @@ class BatchDecoder:
         if limit:
             needs = [min(n, limit) for n in needs]
         regions = plan_regions(engine, needs)
-        costs = engine.batch_costs if self.config.adaptive else (1.0,) * (engine.max_step_rows + 1)
+        context = sum(len(r.prompt) for r in requests) // len(requests)
+        costs = (engine.step_costs_at(context, batched=True) if self.config.adaptive
+                 else (1.0,) * (engine.max_step_rows + 1))
         decoders = [SelfSpecDecoder(region, self.heads, self.config) for region in regions]
         runs = [d.begin(r.prompt, m, eos_token_ids, r.stop, r.on_commit, lo, collect_logits, r.stats, r.scorer,
                         do_sample) for d, r, m, lo in zip(decoders, requests, max_new, min_new)]
@@ -181,7 +183,7 @@ class BatchDecoder:
         rows = StepRows.concat([r for _, _, r in inputs])
         t0 = time.perf_counter()
         logits, argmax, finals = engine.verify(hidden, 0, engine.rows_meta(rows))
-        engine.observe_step(len(rows), time.perf_counter() - t0)
+        engine.observe_step(len(rows), time.perf_counter() - t0, sum(runs[b].position for b in live) // len(live))
         seconds = (time.perf_counter() - t0) / len(live)
         lo = 0
         for b, cycle, n in zip(live, cycles, kept):

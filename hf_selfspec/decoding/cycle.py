@@ -240,7 +240,7 @@ class SelfSpecDecoder:
             logits, argmax, finals = engine.verify(hidden, depth, engine.rows_meta(rows))
             seconds = time.perf_counter() - t0
             if depth == 0:
-                engine.observe_step(len(rows), seconds)
+                engine.observe_step(len(rows), seconds, cycle.ctx.position)
             self.finish_cycle(run, cycle, logits, argmax, finals, seconds)
         return self.result(run)
 
@@ -291,7 +291,7 @@ class SelfSpecDecoder:
             drafter.start(prompt_ids)
         run.done = self._commit(run, [first], [MODEL_LABEL])
         run.position = len(prompt_ids)
-        run.policy = self._new_policy()
+        run.policy = self._new_policy(len(prompt_ids))
         run.tree = self.use_tree and not do_sample and run.scorer is None
         return run
 
@@ -361,9 +361,11 @@ class SelfSpecDecoder:
     def _drafters(self):
         return [d for d in (self.drafter, self.lookup) if d is not None]
 
-    def _new_policy(self) -> DraftBudget:
+    def _new_policy(self, context: int) -> DraftBudget:
+        """The request's draft budget, on the step costs at its prompt's length (a long
+        prompt makes every row's attention, and so more rows, cost more)."""
         engine = self.engine
-        costs = engine.step_costs if self.config.adaptive else (1.0,) * (engine.width + 1)
+        costs = engine.step_costs_at(context) if self.config.adaptive else (1.0,) * (engine.width + 1)
         policy = DraftBudget(costs, self.max_draft, self.config.adaptive)
         if isinstance(self.drafter, DraftModelDrafter):  # a draft token costs its step, in main-model steps
             policy.draft_costs[self.drafter.key] = (

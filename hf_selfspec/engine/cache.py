@@ -152,6 +152,16 @@ class MeasurementCache:
                 valid["step_costs"][name] = value
             else:
                 self._warn(f"has invalid step costs for {name!r}")
+        attention = entry.get("attention", {})
+        if not isinstance(attention, dict):
+            self._warn("has attention costs that are not an object")
+            attention = {}
+        valid["attention"] = {}
+        for name, value in attention.items():
+            if type(value) in (int, float) and math.isfinite(value) and 0.0 <= value <= MAX_ROW_SECONDS:
+                valid["attention"][name] = float(value)
+            else:
+                self._warn(f"has an invalid attention cost for {name!r}")
         batch = entry.get("batch_costs", {})
         if not isinstance(batch, dict):
             self._warn("has batch step costs that are not an object")
@@ -215,6 +225,14 @@ class MeasurementCache:
 
     def store_batch_costs(self, layout: str, context: int, rows: tuple[int, ...], costs: tuple[float, ...]) -> None:
         self.entry.setdefault("batch_costs", {})[f"{layout}@{context}"] = {"rows": list(rows), "costs": list(costs)}
+        self._write()
+
+    def attention_seconds(self, layout: str, context: int) -> float | None:
+        """Seconds of attention per row and key of a step (all layers), measured before."""
+        return self.entry.get("attention", {}).get(f"{layout}@{context}")
+
+    def store_attention_seconds(self, layout: str, context: int, seconds: float) -> None:
+        self.entry.setdefault("attention", {})[f"{layout}@{context}"] = seconds
         self._write()
 
     def store_layout(self, layout: str) -> None:

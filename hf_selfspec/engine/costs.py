@@ -129,6 +129,48 @@ def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) ->
     return statistics.median(times) * STALE_FACTOR < cached_one_row
 
 
+@torch.no_grad()
+def measure_attention_seconds(engine: Engine) -> float:
+    """Seconds per row and per key of a step's attention over all layers: W-row steps at
+    the key limit `cost_context` and at a four times longer one, in interleaved rounds
+    (medians); 0.0 where the cache is too short to tell. A step of n rows at key limit L
+    then costs about its measured cost + n (L - cost_context) of this (`Engine.step_costs_at`)."""
+    low = cost_context(engine)
+    high = min(engine.position_limit - engine.width - 1, 4 * (low + 1) - 1)
+    if high < 2 * low:
+        return 0.0
+    base = engine.position_limit - engine.width
+    n = engine.width
+    h = engine.embed([0] * n)
+    samples: dict[int, list[float]] = {low: [], high: []}
+    started = time.perf_counter()
+    for rounds in range(1 + BATCH_COST_ROUNDS):
+        timed = {}
+        for limit in (low, high):
+            meta = engine.make_meta(range(base, base + n), [limit] * n)
+            t0 = time.perf_counter()
+            engine.verify(h, 0, meta)
+            timed[limit] = time.perf_counter() - t0
+        if rounds > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
+            for limit, seconds in timed.items():
+                samples[limit].append(seconds)
+        if len(samples[low]) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
+            break
+    extra = statistics.median(samples[high]) - statistics.median(samples[low])
+    return max(0.0, extra / (n * (high - low)))
+
+
+def costs_at(curve: Sequence[float], one_row_seconds: float, per_row_key: float, extra_keys: int) -> tuple[float, ...]:
+    """A cost curve (index n: n rows, in 1-row steps, measured at the key limit
+    `cost_context`) for steps whose rows see `extra_keys` more keys: each row's attention
+    adds `per_row_key` seconds per key, so n rows cost more relative to one."""
+    extra = max(0, extra_keys) * per_row_key
+    if extra <= 0.0:
+        return tuple(curve)
+    one = one_row_seconds + extra
+    return (1.0, *((c * one_row_seconds + n * extra) / one for n, c in enumerate(curve[1:], start=1)))
+
+
 # Batched steps: rows measured (multiples of the width; interpolated in between) and rounds.
 BATCH_COST_MULTIPLES = (1, 2, 3, 4, 6, 8)
 BATCH_COST_ROUNDS = 5

@@ -147,6 +147,7 @@ class Engine:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._step_costs: tuple[float, ...] | None = None
         self._batch_costs: tuple[float, ...] | None = None
+        self._attention_seconds: float | None = None
         self.contention = costs.ContentionWatch()
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
@@ -503,14 +504,41 @@ class Engine:
             self._batch_costs = costs.batch_cost_curve(self.step_costs, self.width, *found, self.max_step_rows)
         return self._batch_costs
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode step of `rows` rows took `seconds`: on the kernel layout, steps several
-        times slower than measured, several in a row, turn on the kernels' work-sharing pool
-        (costs.ContentionWatch: other processes are busy on the cores)."""
+    @property
+    def attention_seconds(self) -> float:
+        """Seconds of attention per row and key of a step, all layers (measured once per
+        model and machine: costs.measure_attention_seconds; cached on disk)."""
+        if self._attention_seconds is None:
+            context = costs.cost_context(self)
+            found = self._measured.attention_seconds(self.layout.name, context)
+            if found is None:
+                found = costs.measure_attention_seconds(self)
+                self._measured.store_attention_seconds(self.layout.name, context, found)
+            self._attention_seconds = found
+        return self._attention_seconds
+
+    def step_costs_at(self, context: int, batched: bool = False) -> tuple[float, ...]:
+        """`step_costs` (or `batch_costs`) for rows that see about `context` keys: beyond the
+        context they were measured at, every row's attention grows with the keys, so at a
+        long context more rows cost relatively more than the measured curve says."""
+        curve = self.batch_costs if batched else self.step_costs
+        extra = context - costs.cost_context(self)
+        if extra <= 0:
+            return curve
+        return costs.costs_at(curve, self.one_row_seconds, self.attention_seconds, extra)
+
+    def observe_step(self, rows: int, seconds: float, context: int = 0) -> None:
+        """A decode step of `rows` rows whose rows see about `context` keys took `seconds`:
+        on the kernel layout, steps several times slower than measured, several in a row,
+        turn on the kernels' work-sharing pool (costs.ContentionWatch: other processes are
+        busy on the cores)."""
         if self.layout.kernel_layer is None or self._step_costs is None:
             return
         curve = self._step_costs if rows <= self.width else self._batch_costs
-        expected = curve[rows] * self._one_row_seconds if curve is not None and rows < len(curve) else None
+        expected = None
+        extra_keys = max(0, context - costs.cost_context(self))
+        if curve is not None and rows < len(curve) and (extra_keys == 0 or self._attention_seconds is not None):
+            expected = curve[rows] * self._one_row_seconds + rows * extra_keys * (self._attention_seconds or 0.0)
         if self.contention.observe(expected, seconds):
             logger.warning(
                 "hf_selfspec: decode steps ran over %.0fx slower than measured: other processes are busy on "

@@ -73,8 +73,11 @@ class KVRegion:
     def rows_meta(self, rows: StepRows):
         return self.engine.rows_meta(rows)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        self.engine.observe_step(rows, seconds)
+    def observe_step(self, rows: int, seconds: float, context: int = 0) -> None:
+        self.engine.observe_step(rows, seconds, context)
+
+    def step_costs_at(self, context: int, batched: bool = False) -> tuple[float, ...]:
+        return self.engine.step_costs_at(context, batched)
 
     # in the region's own slot numbers
     @property
