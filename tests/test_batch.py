@@ -206,3 +206,16 @@ def test_heads_draft_trees_together_as_alone(kernel_engine):
     alone[2] = heads.draft_tree(finals[2], roots[2], depths[2], [0.0, 0.0, 0.0], 3, 2, 0.0, stops[2])
     together = heads.draft_trees(finals, roots, depths, [0.0, 0.0, 0.0], 3, 2, 0.0, stops)
     assert together == alone and alone[1] == [] and len(alone[0]) > len(alone[4]) > 0
+
+
+def test_a_batch_larger_than_a_step_runs_in_groups():
+    """More sequences than half a step's rows: each cycle runs the live sequences in
+    groups of steps; every sequence still equals its own decode alone."""
+    model = tiny_model("llama", seed=2, layers=2)
+    engine = Engine(model, EngineConfig(width=2, capacity=64, row_layout="kernel"))
+    assert engine.max_step_rows // 2 < 10
+    config = DecodeConfig(lookup="only", lookup_min_ngram=1)
+    prompts = [prompt(100 + b, 5 + 3 * b, 6) for b in range(10)]
+    results = BatchDecoder(engine, None, config).generate([SequenceRequest(p) for p in prompts], 12)
+    for p, res in zip(prompts, results):
+        assert res.tokens == engine.generate_ar(p, 12)
