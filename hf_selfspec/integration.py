@@ -689,11 +689,9 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # a batch shares engine steps (decoding/batch.py) where the engine and drafter allow it,
     # else its sequences are decoded one after the other: the same tokens either way
     batched = len(prompts) > 1 and draft_engine is None and batch_obstacle(engine, decoder) is None
-    measured_batch = False
+    measured_batch = batched and not engine.has_batch_costs
     if batched:  # measured once per machine and model (cached on disk): build time, not decoding
-        t_batch = time.perf_counter()
         getattr(engine, "batch_costs", None)
-        measured_batch = time.perf_counter() - t_batch > 0.05
     built = (engine is not engine_before or measured_batch
              or (draft_engine is not None and draft_engine is not draft_before))
     build_time = time.perf_counter() - started if built else 0.0

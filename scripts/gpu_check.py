@@ -34,6 +34,7 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 DEVICE = "cuda"  # a module constant so that a CPU dry run of the plumbing can swap it
 
@@ -171,31 +172,15 @@ def print_width_sweep(model, args, prompt, torch) -> None:
         torch.cuda.empty_cache()
 
 
-def random_top_heads(model, depth, torch, seed=0):
-    """Top-layer draft heads with random steps after the first (the logit lens of the final
-    state, often right): confident and mostly wrong, so trees branch (as the tests' heads)."""
-    from hf_selfspec.heads.repo import fingerprint
-    from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
-
-    cfg = model.config
-    config = TopHeadsConfig(base_model="random", base_fingerprint=fingerprint(model),
-                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=16,
-                            reduced_vocab=cfg.vocab_size)
-    heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for step in heads.steps[1:]:
-            for p in (step.down.weight, step.up.weight):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return heads
-
-
 def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
     """Section 5: tree decoding, eager and through graphs, == the engine's AR tokens."""
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 
-    top = random_top_heads(model, 3, torch)
+    # the tests' random heads (confident, mostly wrong: trees branch); tests/ is in the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_decoding import random_top_heads
+
+    top = random_top_heads(model, depth=3)
     config = DecodeConfig(thresholds=0.0, lookup="first", tree="on", siblings=3,
                           sibling_min_prob=0.0, adaptive=False)
     print(f"\n## draft trees on the Triton path (random top heads, siblings 3; {N} new)")

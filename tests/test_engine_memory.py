@@ -233,6 +233,9 @@ def test_measurements_are_keyed_by_what_they_depend_on(monkeypatch):
     "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": \"COSTS_NAN\", \"one_row_seconds\": 0.01}}}",
     "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": \"COSTS_OK\", \"one_row_seconds\": -1}}}",
     "ENTRY:[1]",
+    "ENTRY:{\"attention\": {\"KEY\": -1.0}}",
+    "ENTRY:{\"batch_costs\": {\"KEY\": {\"rows\": [2, 8], \"costs\": [1.0, 1.5]}}}",
+    "ENTRY:{\"batch_costs\": [1]}",
 ])
 def test_a_corrupt_cache_is_ignored_with_a_warning(cache_dir, corrupt):
     """The cache file is untrusted: wrong JSON, format, layout names, cost lengths, values

@@ -23,6 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from conftest import tiny_model
 from hf_selfspec.kernels import row_attention, row_attention_reference
 from test_decoding import prompt, random_top_heads
+from test_gpu import _EagerGraph
 
 import hf_selfspec.engine.runner as runner_module
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
@@ -146,18 +147,6 @@ def _triton_engine(model, width=8, capacity=400, executor="eager"):
                                         executor=executor, measurement_cache=False))
     engine.attention = TritonAttention()
     return engine
-
-
-class _EagerGraph:
-    """Stand-in for a captured CUDA graph: a replay reruns the body into the same outputs."""
-
-    def __init__(self, body):
-        self.body = body
-        self.outputs = body()
-
-    def replay(self):
-        for out, new in zip(self.outputs, self.body()):
-            out.copy_(new)
 
 
 NEW_TOKENS = 8

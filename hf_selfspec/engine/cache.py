@@ -142,37 +142,25 @@ class MeasurementCache:
                 valid["layout"] = entry["layout"]
             else:
                 self._warn(f"names an unknown row layout {entry['layout']!r}")
-        costs = entry.get("step_costs", {})
-        if not isinstance(costs, dict):
-            self._warn("has step costs that are not an object")
-            costs = {}
-        valid["step_costs"] = {}
-        for name, value in costs.items():
-            if self._valid_costs(value):
-                valid["step_costs"][name] = value
-            else:
-                self._warn(f"has invalid step costs for {name!r}")
-        attention = entry.get("attention", {})
-        if not isinstance(attention, dict):
-            self._warn("has attention costs that are not an object")
-            attention = {}
-        valid["attention"] = {}
-        for name, value in attention.items():
-            if type(value) in (int, float) and math.isfinite(value) and 0.0 <= value <= MAX_ROW_SECONDS:
-                valid["attention"][name] = float(value)
-            else:
-                self._warn(f"has an invalid attention cost for {name!r}")
-        batch = entry.get("batch_costs", {})
-        if not isinstance(batch, dict):
-            self._warn("has batch step costs that are not an object")
-            batch = {}
-        valid["batch_costs"] = {}
-        for name, value in batch.items():
-            if self._valid_batch_costs(value):
-                valid["batch_costs"][name] = value
-            else:
-                self._warn(f"has invalid batch step costs for {name!r}")
+        sections = (("step_costs", "step costs", self._valid_costs),
+                    ("attention", "attention cost", self._valid_seconds),
+                    ("batch_costs", "batch step costs", self._valid_batch_costs))
+        for section, what, check in sections:
+            found = entry.get(section, {})
+            if not isinstance(found, dict):
+                self._warn(f"has {what} that are not an object")
+                found = {}
+            valid[section] = {}
+            for name, value in found.items():
+                if check(value):
+                    valid[section][name] = value
+                else:
+                    self._warn(f"has invalid {what} for {name!r}")
         return valid
+
+    @staticmethod
+    def _valid_seconds(value: Any) -> bool:
+        return type(value) in (int, float) and math.isfinite(value) and 0.0 <= value <= MAX_ROW_SECONDS
 
     @staticmethod
     def _valid_batch_costs(value: Any) -> bool:
@@ -229,7 +217,8 @@ class MeasurementCache:
 
     def attention_seconds(self, layout: str, context: int) -> float | None:
         """Seconds of attention per row and key of a step (all layers), measured before."""
-        return self.entry.get("attention", {}).get(f"{layout}@{context}")
+        value = self.entry.get("attention", {}).get(f"{layout}@{context}")
+        return None if value is None else float(value)
 
     def store_attention_seconds(self, layout: str, context: int, seconds: float) -> None:
         self.entry.setdefault("attention", {})[f"{layout}@{context}"] = seconds

@@ -67,6 +67,29 @@ def cost_context(engine: Engine) -> int:
     return min(engine.capacity - engine.width, 2 * KEY_BLOCK - 1)
 
 
+def median_seconds(engine: Engine, steps: dict, rounds: int) -> dict:
+    """Median seconds of each step (an `engine.verify` from layer 0 of the (hidden, meta)
+    that `steps[key]()` returns), timed in interleaved rounds so that a burst of machine noise cannot make one
+    step look cheap or dear. Round 0 warms up, unless its steps are long (the weights were
+    just read); the rounds stop after MEASURE_SECONDS once MIN_ROUNDS are in. Each meta is
+    made just before its step (steps may share the engine's metadata buffer)."""
+    samples: dict = {k: [] for k in steps}
+    started = time.perf_counter()
+    for round_ in range(1 + rounds):
+        timed = {}
+        for k, make in steps.items():
+            h, meta = make()
+            t0 = time.perf_counter()
+            engine.verify(h, 0, meta)
+            timed[k] = time.perf_counter() - t0
+        if round_ > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
+            for k, seconds in timed.items():
+                samples[k].append(seconds)
+        if len(next(iter(samples.values()))) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
+            break
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 @torch.no_grad()
 def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     """(verify cost of n rows for n = 0..W in units of a 1-row step (index 0 = 1 row),
@@ -82,22 +105,11 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     widest = {k: max(n for n in key if key[n] == k) for k in set(key.values())}
     base = engine.position_limit - engine.width
     limit = cost_context(engine)
-    samples: dict[tuple, list[float]] = {k: [] for k in widest}
     h = engine.embed([0] * engine.width)
-    started = time.perf_counter()
-    for rounds in range(1 + STEP_COST_ROUNDS):  # round 0: warm-up, unless its steps are long
-        timed = {}
-        for k, n in widest.items():
-            meta = engine.make_meta(range(base, base + n), [limit] * n)  # one shared buffer
-            t0 = time.perf_counter()
-            engine.verify(h[:n], 0, meta)
-            timed[k] = time.perf_counter() - t0
-        if rounds > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
-            for k, seconds in timed.items():
-                samples[k].append(seconds)
-        if len(samples[next(iter(samples))]) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
-            break
-    seconds = [statistics.median(samples[key[n]]) for n in range(1, engine.width + 1)]
+    medians = median_seconds(engine, {
+        k: (lambda n=n: (h[:n], engine.make_meta(range(base, base + n), [limit] * n))) for k, n in widest.items()},
+        STEP_COST_ROUNDS)
+    seconds = [medians[key[n]] for n in range(1, engine.width + 1)]
     costs = [s / seconds[0] for s in seconds]
     for i in range(1, len(costs)):
         costs[i] = max(costs[i], costs[i - 1])
@@ -142,21 +154,10 @@ def measure_attention_seconds(engine: Engine) -> float:
     base = engine.position_limit - engine.width
     n = engine.width
     h = engine.embed([0] * n)
-    samples: dict[int, list[float]] = {low: [], high: []}
-    started = time.perf_counter()
-    for rounds in range(1 + BATCH_COST_ROUNDS):
-        timed = {}
-        for limit in (low, high):
-            meta = engine.make_meta(range(base, base + n), [limit] * n)
-            t0 = time.perf_counter()
-            engine.verify(h, 0, meta)
-            timed[limit] = time.perf_counter() - t0
-        if rounds > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
-            for limit, seconds in timed.items():
-                samples[limit].append(seconds)
-        if len(samples[low]) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
-            break
-    extra = statistics.median(samples[high]) - statistics.median(samples[low])
+    medians = median_seconds(engine, {
+        limit: (lambda limit=limit: (h, engine.make_meta(range(base, base + n), [limit] * n))) for limit in (low, high)},
+        BATCH_COST_ROUNDS)
+    extra = medians[high] - medians[low]
     return max(0.0, extra / (n * (high - low)))
 
 
@@ -186,21 +187,11 @@ def measure_batch_costs(engine: Engine) -> tuple[tuple[int, ...], tuple[float, .
     sizes = sorted({1, *(engine.width * m for m in BATCH_COST_MULTIPLES if engine.width * m <= engine.max_step_rows)})
     h = engine.embed([0] * sizes[-1])
     position = min(limit, engine.position_limit - 1)
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    started = time.perf_counter()
-    for rounds in range(1 + BATCH_COST_ROUNDS):  # round 0: warm-up, unless its steps are long
-        timed = {}
-        for n in sizes:
-            meta = engine.make_meta([position] * n, [limit] * n, [engine.trash_slot] * n, bases=[0] * n)
-            t0 = time.perf_counter()
-            engine.verify(h[:n], 0, meta)
-            timed[n] = time.perf_counter() - t0
-        if rounds > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
-            for n, seconds in timed.items():
-                samples[n].append(seconds)
-        if len(samples[1]) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
-            break
-    seconds = [statistics.median(samples[n]) for n in sizes]
+    medians = median_seconds(engine, {
+        n: (lambda n=n: (h[:n], engine.make_meta([position] * n, [limit] * n, [engine.trash_slot] * n,
+                                                bases=[0] * n))) for n in sizes},
+        BATCH_COST_ROUNDS)
+    seconds = [medians[n] for n in sizes]
     costs = [s / seconds[0] for s in seconds]
     for i in range(1, len(costs)):
         costs[i] = max(costs[i], costs[i - 1])

@@ -505,6 +505,12 @@ class Engine:
         return self._batch_costs
 
     @property
+    def has_batch_costs(self) -> bool:
+        """Whether `batch_costs` is known in this engine (read from the disk cache or
+        measured), so that asking for it costs nothing."""
+        return self._batch_costs is not None
+
+    @property
     def attention_seconds(self) -> float:
         """Seconds of attention per row and key of a step, all layers (measured once per
         model and machine: costs.measure_attention_seconds; cached on disk)."""
