@@ -274,7 +274,10 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
   // two weight rows per pass are consumed more slowly. 16-bit weights: 2 KiB ahead for 1-4
   // rows (bf16 step products, 2 threads, A/B in one process: 1 row 18.7-20.4 -> 16.3 ms, 4 rows
   // 24.4-24.9 -> 19.2-19.7 ms; float32 measured worse with 2 KiB: it keeps 1 KiB)
-  constexpr int64_t PF_BYTES = NX <= 4 ? (sizeof(T) == 2 ? 2048 : 1024) : 4096;
+  // 8 KiB for 16-bit weights since: a distance that reaches into the next weight rows (one
+  // run of memory: the rows are contiguous); bf16 step products on a 2-core Xeon, A/B in one
+  // process against 2 KiB: 1 / 2 / 4 rows 15.8 / 17.0 / 18.0 -> 13.3 / 14.1 / 14.7 ms.
+  constexpr int64_t PF_BYTES = NX <= 4 ? (sizeof(T) == 2 ? 8192 : 1024) : 4096;
   constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
   const int64_t k8 = K - K % 8;
@@ -371,8 +374,143 @@ void run_blocks(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, i
   });
 }
 
+// ---- AVX-512: two x rows per register ---------------------------------------------------
+//
+// On CPUs with AVX-512 (F, DQ, BW, VL), products of 16-bit weights with 6 or more rows pair
+// the x rows: one 16-lane register holds the 8-lane accumulators of two dot products (rows
+// 2p and 2p + 1, same weight row), each weight block is widened once and broadcast into both
+// halves, and the two rows' x blocks come pre-packed side by side. Each lane still runs
+// fma(w[k + j], x[k + j], acc_j) over k in order, and each half ends in the same `hsum` and
+// scalar tail, so every dot product is bit-identical to the 8-lane tiles above
+// (tests/test_kernels_cpu.py compares the two paths bit for bit). Measured on a 2-core Xeon
+// (one 512-bit FMA per cycle: no more FMA throughput than two 256-bit ones), A/B in one
+// process: bf16 SmolLM2 step products at 8 / 12 / 16 / 64 rows 1.10 / 1.25 / 1.17 / 1.10x
+// faster (fewer widenings and x loads), a 0.82B model's at 8 rows 1.37x; slower at 3-4 rows
+// and for float32 weights at every row count (0.65-0.98x), which keep the 8-lane tiles.
+std::atomic<bool> g_wide_on{true};  // rows_isa(): false = the 8-lane tiles everywhere
+inline bool wide_supported() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return ok;
+}
+inline bool use_wide() { return wide_supported() && g_wide_on.load(std::memory_order_relaxed); }
+
+#define WIDE_TARGET __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
+
+// 8 elements of a weight row, widened exactly, in both 256-bit halves of a 512-bit register
+template <typename T>
+struct Wide;
+template <>
+struct Wide<c10::BFloat16> {
+  WIDE_TARGET static inline __m512 load8x2(const c10::BFloat16* p) {
+    const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+template <>
+struct Wide<c10::Half> {
+  WIDE_TARGET static inline __m512 load8x2(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+
+// x rows packed in pairs: xpk[(b * P + p) * 16 + h * 8 + j] = x[2p + h][8b + j] for the
+// K8 = K - K % 8 leading columns (an odd R repeats its last row in the spare half)
+inline void pack_pairs(const float* x, int64_t R, int64_t K, std::vector<float>& xpk) {
+  const int64_t P = (R + 1) / 2, B = K / 8;
+  xpk.resize(static_cast<size_t>(B * P * 16));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t r = std::min(2 * p + h, R - 1);
+        std::memcpy(&xpk[(b * P + p) * 16 + h * 8], x + r * K + 8 * b, 8 * sizeof(float));
+      }
+}
+
+// NW weight rows against NP row pairs [p0, p0 + NP) of the P packed pairs; rows >= R unstored
+template <typename T, int NW, int NP>
+WIDE_TARGET __attribute__((noinline)) void wide_tile(const T* __restrict w, const float* __restrict xpk,
+                                                     const float* __restrict x, int64_t P, int64_t p0, int64_t R,
+                                                     int64_t K, int64_t O, int64_t o, float* __restrict y) {
+  __m512 acc[NW][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < NW; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < NP; ++c) acc[i][c] = _mm512_setzero_ps();
+  // prefetch as in `tile` for 5 or more rows
+  constexpr int64_t PF_BYTES = 4096;
+  constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
+  constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
+  const int64_t k8 = K - K % 8;
+  const float* xb = xpk + p0 * 16;
+  for (int64_t k = 0; k < k8; k += 8, xb += P * 16) {
+    __m512 wv[NW];
+#pragma GCC unroll 8
+    for (int i = 0; i < NW; ++i) wv[i] = Wide<T>::load8x2(w + i * K + k);
+    if ((k & (LINE - 1)) == 0) {
+#pragma GCC unroll 8
+      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NP; ++c) {
+      const __m512 xv = _mm512_loadu_ps(xb + c * 16);
+#pragma GCC unroll 8
+      for (int i = 0; i < NW; ++i) acc[i][c] = _mm512_fmadd_ps(wv[i], xv, acc[i][c]);
+    }
+  }
+  for (int i = 0; i < NW; ++i) {
+    const T* wi = w + i * K;
+    for (int c = 0; c < NP; ++c) {
+      const __m256 halves[2] = {_mm512_castps512_ps256(acc[i][c]), _mm512_extractf32x8_ps(acc[i][c], 1)};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t r = 2 * (p0 + c) + h;
+        if (r >= R) continue;
+        float s = hsum(halves[h]);
+        const float* xr = x + r * K;
+        for (int64_t k = k8; k < K; ++k) s = std::fma(Elem<T>::load1(wi + k), xr[k], s);
+        y[r * O + o + i] = s;
+      }
+    }
+  }
+}
+
+// NW weight rows against pairs [p0, p0 + n), n in 1..4
+template <typename T, int NW>
+inline void wide_block(const T* w, const float* xpk, const float* x, int64_t P, int64_t p0, int64_t R, int64_t K,
+                       int64_t O, int64_t o, float* y) {
+  switch (std::min<int64_t>(4, P - p0)) {
+    case 1: wide_tile<T, NW, 1>(w, xpk, x, P, p0, R, K, O, o, y); break;
+    case 2: wide_tile<T, NW, 2>(w, xpk, x, P, p0, R, K, O, o, y); break;
+    case 3: wide_tile<T, NW, 3>(w, xpk, x, P, p0, R, K, O, o, y); break;
+    default: wide_tile<T, NW, 4>(w, xpk, x, P, p0, R, K, O, o, y); break;
+  }
+}
+
+// every row against every weight row, NW weight rows at a time against blocks of up to 4
+// pairs (8 rows); the next block re-reads the NW weight rows from L1
+template <typename T>
+void run_wide(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  thread_local std::vector<float> xpk;
+  pack_pairs(xp, R, K, xpk);
+  const float* pk = xpk.data();
+  const int64_t P = (R + 1) / 2;
+  for_outputs(O, [&](int64_t o0, int64_t o1) {
+    int64_t o = o0;
+    for (; o + 4 <= o1; o += 4)
+      for (int64_t p0 = 0; p0 < P; p0 += 4) wide_block<T, 4>(wp + o * K, pk, xp, P, p0, R, K, O, o, yp);
+    for (; o < o1; ++o)
+      for (int64_t p0 = 0; p0 < P; p0 += 4) wide_block<T, 1>(wp + o * K, pk, xp, P, p0, R, K, O, o, yp);
+  });
+}
+
 template <typename T>
 void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  if constexpr (sizeof(T) == 2) {  // paired rows (see run_wide): 16-bit weights, 6+ rows
+    if (R >= 6 && use_wide()) {
+      run_wide<T>(wp, xp, yp, R, K, O);
+      return;
+    }
+  }
   switch (R) {  // registers: NW * NX accumulators + NW weight vectors + 1 x vector <= 16
     case 1: run<T, 4, 1>(wp, xp, yp, K, O); break;
     case 2: run<T, 4, 2>(wp, xp, yp, K, O); break;
@@ -419,6 +557,16 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
     linear_rows<T>(static_cast<const T*>(w.data_ptr()), xp, yp, R, K, O);
   });
   return y;
+}
+
+// mode 1: the AVX-512 paired-row tiles where the CPU has them (the default), 0: the 8-lane
+// tiles everywhere, -1: no change; returns 1 if paired tiles are in use (after the change).
+// Results are bit-identical either way.
+int64_t rows_isa(int64_t mode);
+int64_t rows_isa(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "rows_isa: mode must be -1 (query), 0 (8-lane) or 1 (AVX-512), got ", mode);
+  if (mode >= 0) g_wide_on.store(mode == 1);
+  return use_wide() ? 1 : 0;
 }
 
 // mode 1: the work-sharing pool, 0: OpenMP (the default), -1: no change; returns the previous

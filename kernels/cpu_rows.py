@@ -142,7 +142,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_attention", "rows_layer", "rows_pool"],
+                functions=["rows_linear", "rows_attention", "rows_layer", "rows_pool", "rows_isa"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
             _error = (f"the kernel build lock {lock} went stale while this process waited on it "
@@ -169,6 +169,18 @@ def use_work_pool(on: bool | None = None) -> bool | None:
     if module is None:
         return None
     return bool(module.rows_pool(-1 if on is None else int(bool(on))))
+
+
+def use_avx512(on: bool | None = None) -> bool | None:
+    """Whether products of 16-bit weights with 6 or more rows pair their rows in AVX-512
+    registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu_rows.cpp, "AVX-512").
+    Results are bit for bit the same either way; False keeps the 8-lane tiles everywhere.
+    `on=None` only asks. Returns whether paired tiles are in use after the call (always
+    False on a CPU without AVX-512; None: no kernel)."""
+    module = _load_module()
+    if module is None:
+        return None
+    return bool(module.rows_isa(-1 if on is None else int(bool(on))))
 
 
 def load_rows_linear():

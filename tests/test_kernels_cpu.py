@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 import time
 import warnings
 
@@ -28,6 +29,7 @@ from hf_selfspec.kernels.cpu_rows import (
     remove_stale_lock,
     rows_attention_reference,
     rows_linear_reference,
+    use_avx512,
     use_work_pool,
     wait_for_build_lock,
 )
@@ -631,3 +633,37 @@ def test_work_pool_gives_the_same_bits(kernel, attention, layer):
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)
     assert torch.equal(results[True][1][0], results[True][0][0])
+
+
+# ---- AVX-512 paired rows compute the same bits as the 8-lane tiles -------------------------
+
+def _has_avx512() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return all(f" {f}" in flags for f in ("avx512f", "avx512dq", "avx512bw", "avx512vl"))
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the paired-row tiles need AVX-512 F/DQ/BW/VL")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_avx512_rows_give_the_same_bits(kernel, layer, dtype):
+    gen = torch.Generator().manual_seed(13)
+    try:
+        assert use_avx512() is True  # the default on this CPU
+        for K in (576, 77, 8):  # a K % 8 tail through the scalar fma in both paths
+            w = torch.randn(131, K, generator=gen).to(dtype)
+            x = torch.randn(37, K, generator=gen)
+            for R in (6, 7, 8, 9, 16, 17, 37):  # odd R: the spare half of the last pair
+                out = {}
+                for wide in (False, True):
+                    assert use_avx512(wide) is wide
+                    out[wide] = kernel(x[:R].contiguous(), w)
+                assert torch.equal(out[False], out[True]), (K, R)
+                assert torch.equal(out[True][R - 1], kernel(x[R - 1:R].contiguous(), w)[0])  # row-invariant
+        case = _layer_case(gen, R=8, dtype=dtype, **LAYER_SHAPES[1])
+        layers = {}
+        for wide in (False, True):
+            use_avx512(wide)
+            c = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+            layers[wide] = _call(layer, c)
+        assert torch.equal(layers[False], layers[True])
+    finally:
+        use_avx512(True)
