@@ -149,8 +149,39 @@ def test_auto_layout_prefers_the_kernel_at_equal_product_cost(monkeypatch):
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
-    monkeypatch.setattr(costs, "gemm_seconds", lambda layout, linears, width, reps=3: 1.0)
+    monkeypatch.setattr(costs, "gemm_seconds", lambda layout, linears, width, reps=3, give_up=None: 1.0)
     assert Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256)).layout.name == "kernel"
+
+
+@pytest.mark.parametrize("micro_seconds,chosen", [(0.5, "micro"), (0.95, "kernel")])
+def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micro_seconds, chosen):
+    """The first passing layout (kernel) is timed in full; the next one only until it can no
+    longer win (SWITCH_MARGIN of the first's cost), so a big model's first call does not
+    wait for a loser's whole pass over its weights."""
+    from hf_selfspec.engine.layouts import SWITCH_MARGIN
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    if load_rows_linear() is None:
+        pytest.skip("the C++ row kernel cannot be built on this machine")
+    calls = []
+
+    def fake(layout, linears, width, reps=3, give_up=float("inf")):
+        seconds = {"kernel": 1.0, "micro": micro_seconds}[layout.name]
+        calls.append((layout.name, give_up))
+        return float("inf") if seconds > give_up else seconds
+
+    monkeypatch.setattr(costs, "gemm_seconds", fake)
+    engine = Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256, measurement_cache=False))
+    assert engine.layout.name == chosen
+    assert calls == [("kernel", float("inf")), ("micro", SWITCH_MARGIN * 1.0)]
+
+
+def test_gemm_seconds_stops_past_its_give_up_time():
+    model = tiny_model("llama")
+    layout = LAYOUTS["micro"](8)  # F.linear: runs on any machine
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert costs.gemm_seconds(layout, linears, 8, give_up=0.0) == float("inf")
+    assert 0.0 < costs.gemm_seconds(layout, linears, 8) < float("inf")
 
 
 def test_over_capacity_prompt_is_refused_before_work():
@@ -326,7 +357,11 @@ def test_step_costs_at_a_longer_context_weigh_each_rows_attention():
     assert longer[2] == pytest.approx((1.1 * 0.02 + 2e-3) / 0.021)
     assert longer[3] == pytest.approx((1.2 * 0.02 + 3e-3) / 0.021) and longer[3] > curve[3]
     model = tiny_model("llama", seed=0, layers=2)
-    engine = engine_or_skip(model, EngineConfig(width=4, capacity=2048, row_layout="kernel"))
+    engine = engine_or_skip(model, EngineConfig(width=4, capacity=2048, row_layout="kernel",
+                                                measurement_cache=False))
+    verify = engine.verify
+    engine.verify = None  # the attention cost is timed on the attention alone, not whole steps
     assert engine.attention_seconds > 0  # a 4x longer context measurably costs more
+    engine.verify = verify
     far = engine.step_costs_at(2000)
     assert far[4] >= engine.step_costs[4] and engine.step_costs_at(10) == engine.step_costs

@@ -7,6 +7,8 @@ later process, or a bigger KV cache, measures nothing.
 
 from __future__ import annotations
 
+import functools
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,6 +29,10 @@ STEP_COST_ROUNDS = 7
 # steps are long enough that noise matters less, and the first call waits for them.
 MEASURE_SECONDS = 2.0
 MIN_ROUNDS = 2
+# ... and a round of steps longer than this is not repeated: each step of it streams the
+# weights once or more, a steady measurement (a 0.82B fp32 model's 1..8-row steps take ~1.1 s
+# together: one round instead of two halves its first call's wait).
+ONE_ROUND_SECONDS = 1.0
 # A round of steps this long needs no warm-up round before it (the weights were just read).
 LONG_ROUND_SECONDS = 0.5
 # Best-of rounds for a layout's products in `gemm_seconds`; one pass over the weights that
@@ -37,15 +43,17 @@ LONG_GEMM_SECONDS = 0.25
 
 @torch.no_grad()
 def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: int,
-                 reps: int = GEMM_REPS) -> float:
-    """Best-of-`reps` seconds of every weight's product for an AR step and a `width`-row
-    step (what a decoder takes: AR where drafts do not pay, and the widest verification)."""
+                 reps: int = GEMM_REPS, give_up: float = math.inf) -> float:
+    """Best-of-`reps` seconds of every weight's product for a `width`-row step and an AR
+    step (what a decoder takes: the widest verification, and AR where drafts do not pay).
+    math.inf as soon as the total passes `give_up` (a candidate that has already lost: on a
+    big model each pass reads gigabytes, and the first call waits for it)."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's RNG (sampling seeds)
     total = 0.0
-    for n in sorted({1, width}):
+    for n in sorted({1, width}, reverse=True):  # the wide step first: where layouts differ most
         rows = layout.rows(n)
         xs: dict[tuple, torch.Tensor] = {}
-        best = float("inf")
+        best = math.inf
         for _ in range(reps):
             t0 = time.perf_counter()
             for lin in linears:
@@ -54,6 +62,8 @@ def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: i
                 if key not in xs:
                     xs[key] = torch.randn(rows, w.shape[1], generator=gen).to(w.device, w.dtype)
                 layout.linear(xs[key], lin)
+                if total + time.perf_counter() - t0 > give_up:
+                    return math.inf
             best = min(best, time.perf_counter() - t0)
             if best > LONG_GEMM_SECONDS:  # a big model: one pass is a steady measurement
                 break
@@ -69,22 +79,28 @@ def cost_context(engine: Engine) -> int:
 
 def median_seconds(engine: Engine, steps: dict, rounds: int) -> dict:
     """Median seconds of each step (an `engine.verify` from layer 0 of the (hidden, meta)
-    that `steps[key]()` returns), timed in interleaved rounds so that a burst of machine noise cannot make one
-    step look cheap or dear. Round 0 warms up, unless its steps are long (the weights were
-    just read); the rounds stop after MEASURE_SECONDS once MIN_ROUNDS are in. Each meta is
-    made just before its step (steps may share the engine's metadata buffer)."""
+    that `steps[key]()` returns, or the call `steps[key]()` returns), timed in interleaved
+    rounds so that a burst of machine noise cannot make one step look cheap or dear. Round 0
+    warms up, unless its steps are long (the weights were just read); the rounds stop after
+    MEASURE_SECONDS once MIN_ROUNDS are in, or after one round longer than ONE_ROUND_SECONDS.
+    Each meta is made just before its step (steps may share the engine's metadata buffer)."""
     samples: dict = {k: [] for k in steps}
     started = time.perf_counter()
     for round_ in range(1 + rounds):
         timed = {}
         for k, make in steps.items():
-            h, meta = make()
+            made = make()
+            if not callable(made):
+                h, meta = made
+                made = functools.partial(engine.verify, h, 0, meta)
             t0 = time.perf_counter()
-            engine.verify(h, 0, meta)
+            made()
             timed[k] = time.perf_counter() - t0
         if round_ > 0 or sum(timed.values()) > LONG_ROUND_SECONDS:
             for k, seconds in timed.items():
                 samples[k].append(seconds)
+        if sum(timed.values()) > ONE_ROUND_SECONDS:
+            break
         if len(next(iter(samples.values()))) >= MIN_ROUNDS and time.perf_counter() - started > MEASURE_SECONDS:
             break
     return {k: statistics.median(v) for k, v in samples.items()}
@@ -143,20 +159,34 @@ def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) ->
 
 @torch.no_grad()
 def measure_attention_seconds(engine: Engine) -> float:
-    """Seconds per row and per key of a step's attention over all layers: W-row steps at
-    the key limit `cost_context` and at a four times longer one, in interleaved rounds
-    (medians); 0.0 where the cache is too short to tell. A step of n rows at key limit L
-    then costs about its measured cost + n (L - cost_context) of this (`Engine.step_costs_at`)."""
+    """Seconds per row and per key of a step's attention over all layers: the engine's
+    attention alone (the backend its steps use) for W rows at the key limit `cost_context`
+    and at a four times longer one, over every layer, in interleaved rounds (medians); 0.0
+    where the cache is too short to tell. A step of n rows at key limit L then costs about
+    its measured cost + n (L - cost_context) of this (`Engine.step_costs_at`). Timing the
+    attention alone keeps a big model's weights out of it: a whole step there streams
+    gigabytes, and the difference of two such steps is mostly noise."""
     low = cost_context(engine)
     high = min(engine.position_limit - engine.width - 1, 4 * (low + 1) - 1)
     if high < 2 * low:
         return 0.0
-    base = engine.position_limit - engine.width
-    n = engine.width
-    h = engine.embed([0] * n)
-    medians = median_seconds(engine, {
-        limit: (lambda limit=limit: (h, engine.make_meta(range(base, base + n), [limit] * n))) for limit in (low, high)},
-        BATCH_COST_ROUNDS)
+    v, n = engine.view, engine.width
+    base = engine.position_limit - n
+    gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's RNG
+    q = torch.randn(v.num_heads, n, v.head_dim, generator=gen).to(v.device, v.dtype)
+
+    def attention_at(limit: int):
+        attend = engine.attention.bind(engine, engine.make_meta(range(base, base + n), [limit] * n))
+
+        def run():
+            for layer in range(v.num_layers):
+                attend(q, layer)
+            if v.device.type == "cuda":
+                torch.cuda.synchronize(v.device)
+        return run
+
+    medians = median_seconds(engine, {limit: (lambda limit=limit: attention_at(limit)) for limit in (low, high)},
+                             ATTENTION_ROUNDS)
     extra = medians[high] - medians[low]
     return max(0.0, extra / (n * (high - low)))
 
@@ -171,6 +201,9 @@ def costs_at(curve: Sequence[float], one_row_seconds: float, per_row_key: float,
     one = one_row_seconds + extra
     return (1.0, *((c * one_row_seconds + n * extra) / one for n, c in enumerate(curve[1:], start=1)))
 
+
+# Interleaved rounds of `measure_attention_seconds` (milliseconds each on a CPU).
+ATTENTION_ROUNDS = 5
 
 # Batched steps: rows measured (multiples of the width; interpolated in between) and rounds.
 BATCH_COST_MULTIPLES = (1, 2, 3, 4, 6, 8)

@@ -24,6 +24,7 @@ docs/engine_layouts_history.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -257,13 +258,15 @@ SWITCH_MARGIN = 0.9
 
 def choose_layout(wanted: str, width: int, device: torch.device, linears: Sequence[Linear], *,
                   cached: str | None = None,
-                  measure: Callable[[RowLayout], float] | None = None) -> RowLayout:
+                  measure: Callable[[RowLayout, float], float] | None = None) -> RowLayout:
     """The row layout for an engine: `wanted` by name (ValueError when its self-test fails),
     or for `auto` the cheapest passing one on the CPU (fixed on other devices).
 
     cached: a layout `auto` picked before for the same model, machine and software (the
-    measurement cache): taken after its own self-test, with no timing. measure: the
-    seconds of a layout's products (costs.gemm_seconds), called one layout at a time."""
+    measurement cache): taken after its own self-test, with no timing. measure(layout,
+    give_up): the seconds of a layout's products (costs.gemm_seconds), called one layout at
+    a time; math.inf once they pass `give_up`, the cost at which a candidate can no longer
+    replace the first passing layout."""
     if wanted != "auto":
         cls = LAYOUTS[wanted]
         if not cls.self_test(linears):
@@ -278,12 +281,13 @@ def choose_layout(wanted: str, width: int, device: torch.device, linears: Sequen
         return _fallback(width, linears)
     if len(passing) == 1 or measure is None:
         return LAYOUTS[passing[0]](width)
-    costs = {}
-    for name in passing:  # one candidate alive at a time
-        costs[name] = measure(LAYOUTS[name](width))
+    first = passing[0]
+    costs = {first: measure(LAYOUTS[first](width), math.inf)}
+    for name in passing[1:]:  # one candidate alive at a time
+        costs[name] = measure(LAYOUTS[name](width), SWITCH_MARGIN * costs[first])
     best = min(costs, key=costs.get)
-    if costs[best] > SWITCH_MARGIN * costs[passing[0]]:
-        best = passing[0]
+    if costs[best] > SWITCH_MARGIN * costs[first]:
+        best = first
     return LAYOUTS[best](width)
 
 

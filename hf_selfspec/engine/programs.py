@@ -36,12 +36,12 @@ import torch.nn.functional as F
 
 from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
+from ..logs import logger
 from . import costs
 from .attention import KEY_BLOCK, select_attention, visible_bias
 from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, rms_norm, rotate_half
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
-from ..logs import logger
 from .meta import StepMeta, StepRows
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
@@ -188,7 +188,8 @@ class Engine:
         cached = self._measured.layout if wanted == "auto" else None
         layout = choose_layout(
             wanted, self.width, v.device, linears, cached=cached,
-            measure=lambda candidate: costs.gemm_seconds(candidate, linears, self.width))
+            measure=lambda candidate, give_up: costs.gemm_seconds(candidate, linears, self.width,
+                                                                give_up=give_up))
         if wanted == "auto" and v.device.type == "cpu" and layout.name in AUTO_ORDER and layout.name != cached:
             self._measured.store_layout(layout.name)
         if v.device.type == "cpu" and layout.name != "kernel":
