@@ -134,9 +134,49 @@ def bandwidth_gbs(reps: int = 7, mib: int = 512) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def step_split(engine, prompt, n: int, reps: int) -> dict:
+    """ms of one n-row verify step and of its parts, each timed alone in interleaved rounds
+    (medians): every weight's product (the layout's own), the attention over all layers
+    (the engine's backend), and the rest (norms, RoPE, KV writes, residual adds, argmax,
+    host/Python: the step minus the two)."""
+    layout, v = engine.layout, engine.view
+    linears = [lin for lw in v.layers for lin in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)]
+    weights = [lin.weight for lin in linears] + [v.lm_head.weight]
+    rows = layout.rows(n)
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]).to(w.dtype) for w in weights}
+    q = torch.randn(v.num_heads, n, v.head_dim).to(v.dtype)
+    context = len(prompt)
+
+    def step():
+        meta = engine.make_meta(range(context, context + n))
+        engine.verify(engine.embed(prompt[:n]), 0, meta)
+
+    def products():
+        for lin in linears:
+            layout.linear(xs[lin.weight.shape[1]], lin)
+        layout.linear(xs[v.lm_head.weight.shape[1]], v.lm_head)
+
+    def attention():
+        attend = engine.attention.bind(engine, engine.make_meta(range(context, context + n)))
+        for layer in range(v.num_layers):
+            attend(q, layer)
+
+    parts = {"step": step, "products": products, "attention": attention}
+    samples = {k: [] for k in parts}
+    for _ in range(reps):
+        for k, fn in parts.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[k].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(t) * 1e3 for k, t in samples.items()}
+    ms["rest"] = max(0.0, ms["step"] - ms["products"] - ms["attention"])
+    return ms
+
+
 def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     """Bytes one engine step reads (weights + KV at `context`) over the measured bandwidth,
-    beside the step's measured time: how far each step is from the memory bound."""
+    beside the step's measured time: how far each step is from the memory bound; and where
+    each step's time goes (step_split)."""
     engine = model._selfspec.engine_for(model, 1024)
     cfg = model.config
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
@@ -154,13 +194,17 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     for n in widths:
         if n <= engine.width:
             ms = verify_ms(engine, prompt, n, reps)
-            rows.append({"rows": n, "ms": ms, "bound_ms": bound_ms, "of_bound": bound_ms / ms})
+            split = step_split(engine, prompt, n, reps)
+            rows.append({"rows": n, "ms": ms, "bound_ms": bound_ms, "of_bound": bound_ms / ms, "split": split})
     print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
           f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
           f"({1e3 / bound_ms:.0f} AR steps/s)")
-    print(f"{'rows':>5} {'ms':>8} {'bound ms':>9} {'% of bound':>11}")
+    print(f"{'rows':>5} {'ms':>8} {'bound ms':>9} {'% of bound':>11}   split of a step, timed apart: "
+          "products / attention / rest (norms, RoPE, KV write, adds, argmax, host)")
     for r in rows:
-        print(f"{r['rows']:>5} {r['ms']:>8.1f} {r['bound_ms']:>9.1f} {r['of_bound']:>10.0%}")
+        sp = r["split"]
+        parts = f"{sp['products']:.1f} / {sp['attention']:.1f} / {sp['rest']:.1f} ms of {sp['step']:.1f}"
+        print(f"{r['rows']:>5} {r['ms']:>8.1f} {r['bound_ms']:>9.1f} {r['of_bound']:>10.0%}   {parts}")
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth_gbs": gbs, "steps": rows}
 
 
