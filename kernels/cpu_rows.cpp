@@ -41,6 +41,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -585,9 +586,9 @@ int64_t rows_pool(int64_t mode) {
 // values of slots [0, limit[r]] of its KV head h / G, and nothing else enters its result.
 // The arithmetic of one (row, head) is one fixed sequence whatever the other rows, how many
 // there are and how far they see:
-//   s_j = q.k_j     q scaled by `scale` first; the 8-wide FMA dot product of `tile`, four
-//                   keys in flight with one accumulator each (`dot4`, the last L % 4 keys
-//                   through `dot`, the same sequence)
+//   s_j = q.k_j     q scaled by `scale` first; the 8-wide FMA dot product of `tile`, eight
+//                   keys in flight with one accumulator each (`dot8`, then `dot4`, the last
+//                   keys through `dot`: the same sequence for every key)
 //   m   = max_j s_j (exact in any order)
 //   p_j = exp(s_j - m) by `exp8` (8 lanes, each lane's result depends on its input only),
 //   l   = sum_j p_j in 8 lanes by j mod 8 (zeros past the last key), then `hsum`
@@ -631,6 +632,49 @@ inline void dot4(const float* __restrict a, const TC* __restrict k, int64_t d, f
     for (int64_t i = d8; i < d; ++i) t[j] = std::fma(a[i], Elem<TC>::load1(kj + i), t[j]);
     s[j] = t[j];
   }
+}
+
+// The `hsum` of eight accumulators at once, as one vector [hsum(a0), ..., hsum(a7)]: the
+// same additions in the same pairing (lanes k + 4 onto k, then 2 onto 0 and 3 onto 1, then
+// 1 onto 0), done for eight sums per instruction, so each result is bit-identical to `hsum`
+// (float addition is commutative bit for bit; only the association matters, and it is kept).
+inline __m256 hsum8(const __m256 a[8]) {
+  // lo + hi halves, two accumulators per register: [s_i | s_{i+4}]
+  __m256 s[4];
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20), _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+  // (s0 + s2, s1 + s3) per sum: 64-bit interleaves pair element 0 with 2 and 1 with 3
+  __m256 t[2];
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(s[2 * i]), y = _mm256_castps_pd(s[2 * i + 1]);
+    t[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  // element 0 + element 1 per sum: [a0 a1 a2 a3 | a4 a5 a6 a7]
+  return _mm256_hadd_ps(t[0], t[1]);
+}
+
+// eight dot products of one query with keys k, k + d, ..., k + 7d, each exactly as `dot`:
+// eight independent accumulators keep both FMA pipes busy (`dot4`'s four chains wait on
+// the FMA latency), and the eight horizontal sums share instructions (`hsum8`)
+template <typename TC>
+inline void dot8(const float* __restrict a, const TC* __restrict k, int64_t d, float* __restrict s) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t d8 = d - d % 8;
+  for (int64_t i = 0; i < d8; i += 8) {
+    const __m256 av = _mm256_loadu_ps(a + i);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(av, Elem<TC>::load8(k + j * d + i), acc[j]);
+  }
+  _mm256_storeu_ps(s, hsum8(acc));
+  if (d8 < d)
+    for (int j = 0; j < 8; ++j) {
+      const TC* kj = k + j * d;
+      float t = s[j];
+      for (int64_t i = d8; i < d; ++i) t = std::fma(a[i], Elem<TC>::load1(kj + i), t);
+      s[j] = t;
+    }
 }
 
 // exp(x) for x <= 0 on 8 lanes (softmax terms): x = n ln2 + r, |r| <= ln2 / 2, a degree-7
@@ -774,6 +818,42 @@ void check_cache(const torch::Tensor& k, const torch::Tensor& v, const char* fn)
   TORCH_CHECK(k.size(2) <= kMaxHeadDim, fn, ": head_dim <= 256, got ", k.size(2));
 }
 
+// Work items of `attention_rows`: the (row, head) pairs of one KV head g, rows [r0, r1) and
+// query heads [h0, h1) of that KV head's group. The pairs of an item visit the keys together,
+// one block of KEY_TILE keys at a time, so a block of K (and then of V) is read from memory
+// once per item rather than once per pair: with 8 rows of 3 heads per KV head, 24 times fewer
+// reads of a long context's cache. Each pair's arithmetic is the one above whatever item it
+// is in: its scores are computed key by key, its softmax over its own scores, and its
+// weighted sum in order of j (the accumulators carried from block to block in memory).
+constexpr int64_t KEY_TILE = 64;
+
+// n elements of a 16-bit cache as float32 (the exact widening `Elem` does in registers), so
+// that the pairs of an item widen a tile of keys or values once, not once per pair
+template <typename TC>
+inline void widen(const TC* __restrict src, int64_t n, float* __restrict dst) {
+  const int64_t n8 = n - n % 8;
+  for (int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(dst + i, Elem<TC>::load8(src + i));
+  for (int64_t i = n8; i < n; ++i) dst[i] = Elem<TC>::load1(src + i);
+}
+
+struct AttentionItems {
+  int64_t rows_per_item, heads_per_item, row_blocks, head_blocks, count;
+};
+
+// As many rows and heads per item as leave at least two items per thread
+inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G) {
+  const int64_t want = 2 * std::max<int64_t>(1, at::get_num_threads());
+  AttentionItems it{std::min<int64_t>(4, R), G, 0, 0, 0};
+  auto count = [&]() {
+    it.row_blocks = (R + it.rows_per_item - 1) / it.rows_per_item;
+    it.head_blocks = (G + it.heads_per_item - 1) / it.heads_per_item;
+    return it.count = Hkv * it.row_blocks * it.head_blocks;
+  };
+  while (count() < want && it.rows_per_item > 1) it.rows_per_item = (it.rows_per_item + 1) / 2;
+  while (count() < want && it.heads_per_item > 1) it.heads_per_item = (it.heads_per_item + 1) / 2;
+  return it;
+}
+
 template <typename TC>
 void attention_rows(const float* qp, const TC* kp, const TC* vp, const AttentionMeta& meta, int64_t R, int64_t Hq,
                     int64_t Hkv, int64_t S, int64_t d, float sc, float* op) {
@@ -784,51 +864,136 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
   const int64_t P = meta.path.size(1);
   const int64_t* pp = meta.path.data_ptr<int64_t>();
   const int64_t d8 = d - d % 8;
+  const AttentionItems items = attention_items(R, Hkv, G);
   auto body = [&](int64_t i0, int64_t i1) {
-    alignas(32) float qs[kMaxHeadDim];
-    alignas(32) float acc[kMaxHeadDim];
-    for (int64_t item = i0; item < i1; ++item) {  // item = r * Hq + h
-      const int64_t r = item / Hq, h = item % Hq, L = lp[r] + 1, L8 = (L + 7) / 8 * 8;
-      const int64_t Lp = L - meta.tree_keys[r];  // keys [0, Lp) contiguous, [Lp, L) on the path
-      const int64_t* row_path = pp + r * P;
-      const TC* kh = kp + (h / G) * S * d;  // path slots are absolute
-      const TC* vh = vp + (h / G) * S * d;
-      const TC* kb = kh + meta.first_slot(r) * d;  // the prefix from the row's first slot
-      const TC* vb = vh + meta.first_slot(r) * d;
-      float* s = sp + item * stride;
-      for (int64_t i = 0; i < d; ++i) qs[i] = qp[item * d + i] * sc;
-      int64_t j = 0;
-      for (; j + 4 <= Lp; j += 4) dot4<TC>(qs, kb + j * d, d, s + j);
-      for (; j < Lp; ++j) s[j] = dot<TC>(qs, kb + j * d, d);
-      for (; j < L; ++j) s[j] = dot<TC>(qs, kh + row_path[j - Lp] * d, d);
-      float m = s[0];
-      for (j = 1; j < L; ++j) m = std::max(m, s[j]);
-      for (j = L; j < L8; ++j) s[j] = -INFINITY;  // exp8 -> exp(-87): zeroed below
-      const __m256 mv = _mm256_set1_ps(m);
-      __m256 lv = _mm256_setzero_ps();
-      for (j = 0; j < L8; j += 8) {
-        __m256 pj = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-        if (j + 8 > L) {  // lanes past the last key contribute exactly 0
-          alignas(32) float keep[8];
-          for (int i = 0; i < 8; ++i) keep[i] = j + i < L ? 1.0f : 0.0f;
-          pj = _mm256_mul_ps(pj, _mm256_load_ps(keep));
+    struct Pair {
+      int64_t item, L, Lp;  // item = r * Hq + h; keys [0, Lp) contiguous, [Lp, L) on the path
+      const int64_t* path;
+      const TC *kh, *vh, *kb, *vb;
+      float* s;
+      float l;
+    };
+    const int64_t most = items.rows_per_item * items.heads_per_item;
+    std::vector<Pair> pairs;
+    pairs.reserve(most);
+    // per pair: its scaled query, then its weighted-sum accumulators (32-byte aligned)
+    const int64_t dd = (d + 7) / 8 * 8;  // keeps every pair's accumulators 32-byte aligned
+    // 16-bit caches: a tile of keys (then values) widened once for all pairs of the item
+    constexpr bool wide_cache = !std::is_same_v<TC, float>;
+    const int64_t tile_floats = wide_cache ? KEY_TILE * d : 0;
+    std::vector<float> buffer(2 * most * dd + tile_floats + 8);
+    float* qs_all = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t(31));
+    float* acc_all = qs_all + most * dd;
+    float* tile = acc_all + most * dd;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t g = it / (items.row_blocks * items.head_blocks);
+      const int64_t rb = it / items.head_blocks % items.row_blocks, hb = it % items.head_blocks;
+      const int64_t r0 = rb * items.rows_per_item, r1 = std::min(R, r0 + items.rows_per_item);
+      const int64_t h0 = g * G + hb * items.heads_per_item, h1 = std::min(g * G + G, h0 + items.heads_per_item);
+      pairs.clear();
+      int64_t longest = 0;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t h = h0; h < h1; ++h) {
+          Pair pr;
+          pr.item = r * Hq + h;
+          pr.L = lp[r] + 1;
+          pr.Lp = pr.L - meta.tree_keys[r];
+          pr.path = pp + r * P;
+          pr.kh = kp + g * S * d;  // path slots are absolute
+          pr.vh = vp + g * S * d;
+          pr.kb = pr.kh + meta.first_slot(r) * d;  // the prefix from the row's first slot
+          pr.vb = pr.vh + meta.first_slot(r) * d;
+          pr.s = sp + pr.item * stride;
+          pr.l = 0.f;
+          float* qs = qs_all + pairs.size() * dd;
+          for (int64_t i = 0; i < d; ++i) qs[i] = qp[pr.item * d + i] * sc;
+          longest = std::max(longest, pr.Lp);
+          pairs.push_back(pr);
         }
-        _mm256_storeu_ps(s + j, pj);
-        lv = _mm256_add_ps(lv, pj);
+      const int64_t n = static_cast<int64_t>(pairs.size());
+      // scores of the contiguous keys, a tile of keys at a time for every pair
+      const void* widened = nullptr;  // the cache rows now in `tile` (16-bit caches)
+      int64_t widened_keys = 0;
+      auto scores_of = [&](const auto* k, const float* qs, float* s, int64_t keys) {
+        using TK = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
+        int64_t j = 0;
+        for (; j + 8 <= keys; j += 8) dot8<TK>(qs, k + j * d, d, s + j);
+        for (; j + 4 <= keys; j += 4) dot4<TK>(qs, k + j * d, d, s + j);
+        for (; j < keys; ++j) s[j] = dot<TK>(qs, k + j * d, d);
+      };
+      for (int64_t t0 = 0; t0 < longest; t0 += KEY_TILE)
+        for (int64_t c = 0; c < n; ++c) {
+          const Pair& pr = pairs[c];
+          const int64_t keys = std::min(pr.Lp, t0 + KEY_TILE) - t0;
+          if (keys <= 0) continue;
+          const TC* k = pr.kb + t0 * d;
+          if constexpr (wide_cache) {
+            if (k != widened || keys > widened_keys) {
+              widen<TC>(k, keys * d, tile);
+              widened = k, widened_keys = keys;
+            }
+            scores_of(static_cast<const float*>(tile), qs_all + c * dd, pr.s + t0, keys);
+          } else {
+            scores_of(k, qs_all + c * dd, pr.s + t0, keys);
+          }
+        }
+      // each pair's path keys, its maximum, exponentials and their sum
+      for (int64_t c = 0; c < n; ++c) {
+        Pair& pr = pairs[c];
+        float* s = pr.s;
+        const int64_t L = pr.L, L8 = (L + 7) / 8 * 8;
+        for (int64_t j = pr.Lp; j < L; ++j) s[j] = dot<TC>(qs_all + c * dd, pr.kh + pr.path[j - pr.Lp] * d, d);
+        float m = s[0];
+        for (int64_t j = 1; j < L; ++j) m = std::max(m, s[j]);
+        for (int64_t j = L; j < L8; ++j) s[j] = -INFINITY;  // exp8 -> exp(-87): zeroed below
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 lv = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L8; j += 8) {
+          __m256 pj = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+          if (j + 8 > L) {  // lanes past the last key contribute exactly 0
+            alignas(32) float keep[8];
+            for (int i = 0; i < 8; ++i) keep[i] = j + i < L ? 1.0f : 0.0f;
+            pj = _mm256_mul_ps(pj, _mm256_load_ps(keep));
+          }
+          _mm256_storeu_ps(s + j, pj);
+          lv = _mm256_add_ps(lv, pj);
+        }
+        pr.l = hsum(lv);
+        float* acc = acc_all + c * dd;
+        for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
       }
-      const float l = hsum(lv);
-      for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
-      // keys in order of j: the contiguous prefix, then each path key (the same FMA per lane)
-      weighted_sum_d<TC>(s, vb, d, 0, Lp, acc);
-      for (j = Lp; j < L; ++j) weighted_sum_d<TC>(s + j, vh + row_path[j - Lp] * d, d, 0, 1, acc);
-      float* o = op + item * d;  // out[r, h*d : (h+1)*d]
-      const __m256 lvec = _mm256_set1_ps(l);
-      for (int64_t c = 0; c < d8; c += 8) _mm256_storeu_ps(o + c, _mm256_div_ps(_mm256_load_ps(acc + c), lvec));
-      for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / l;
+      // the weighted sums over the contiguous keys in order of j, a tile at a time for
+      // every pair, then each pair's path keys (the same FMA per lane)
+      widened = nullptr, widened_keys = 0;
+      for (int64_t t0 = 0; t0 < longest; t0 += KEY_TILE)
+        for (int64_t c = 0; c < n; ++c) {
+          const Pair& pr = pairs[c];
+          const int64_t keys = std::min(pr.Lp, t0 + KEY_TILE) - t0;
+          if (keys <= 0) continue;
+          const TC* v = pr.vb + t0 * d;
+          if constexpr (wide_cache) {
+            if (v != widened || keys > widened_keys) {
+              widen<TC>(v, keys * d, tile);
+              widened = v, widened_keys = keys;
+            }
+            weighted_sum_d<float>(pr.s + t0, tile, d, 0, keys, acc_all + c * dd);
+          } else {
+            weighted_sum_d<TC>(pr.s + t0, v, d, 0, keys, acc_all + c * dd);
+          }
+        }
+      for (int64_t c = 0; c < n; ++c) {
+        const Pair& pr = pairs[c];
+        float* acc = acc_all + c * dd;
+        for (int64_t j = pr.Lp; j < pr.L; ++j) weighted_sum_d<TC>(pr.s + j, pr.vh + pr.path[j - pr.Lp] * d, d, 0, 1, acc);
+        float* o = op + pr.item * d;  // out[r, h*d : (h+1)*d]
+        const __m256 lvec = _mm256_set1_ps(pr.l);
+        for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
+        for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / pr.l;
+      }
     }
   };
-  if (use_pool()) Pool::get().run(R * Hq, [&](int64_t i) { body(i, i + 1); });
-  else at::parallel_for(0, R * Hq, 1, body);
+  if (use_pool()) Pool::get().run(items.count, [&](int64_t i) { body(i, i + 1); });
+  else at::parallel_for(0, items.count, 1, body);
 }
 
 }  // namespace

@@ -179,6 +179,25 @@ def test_attention_tree_row_is_bit_identical_to_the_chain_row(attention, pos0):
         assert torch.equal(mixed, chain)
 
 
+@pytest.mark.parametrize("d", [64, 12, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_scores_are_the_same_whichever_dot_product_computes_them(attention, d, dtype):
+    """Contiguous keys go through the 8-key and 4-key dot products in tiles (a 16-bit cache's
+    tile widened once for all rows and heads), path keys one at a time (`dot`, widened in
+    registers): a row whose every key is a path slot equals the row that sees them
+    contiguous, bit for bit, so all of them compute each score and weighted sum alike (d 12:
+    the scalar tails too; 37 and 130 keys: more than one tile)."""
+    gen = torch.Generator().manual_seed(d)
+    for L in (1, 5, 8, 13, 37, 130):
+        k = torch.randn(3, 160, d, generator=gen).to(dtype)
+        v = torch.randn(3, 160, d, generator=gen).to(dtype)
+        q = torch.randn(2, 9, d, generator=gen)
+        contiguous = attention(q, k, v, torch.tensor([L - 1] * 2), 0.125)
+        path = torch.arange(L).repeat(2, 1)
+        as_path = attention(q, k, v, torch.tensor([L - 1] * 2), 0.125, path)
+        assert torch.equal(as_path, contiguous), (d, L)
+
+
 def test_attention_tree_matches_float64_reference(attention):
     gen = torch.Generator().manual_seed(3)
     k, v = _cache(gen, 2, 300, 16)
