@@ -19,6 +19,14 @@ Builds a random-weight Llama-style model on the GPU (no network, no download), t
      accepted a row off the chain (0 would mean the check did not exercise trees);
   6. generate(..., assistant="self") on the model (no heads: prompt lookup) with the graph
      executor: tokens == engine AR and ms per token beside HF greedy.
+  7. with --replay-only (its own phase in gpu_check.sh): the decode traces recorded on the
+     CPU with the real default model and its shipped heads (scripts/record_traces.py,
+     scripts/data/) replayed cycle by cycle through the engine's executor on random-weight
+     models of the default model's shape and of the 1B-class shape above: the recorded rows
+     (chain or tree) verified in one step at the recorded position, the heads drafting as
+     deep as they did, the accepted path compacted; predicted tokens/s = committed tokens /
+     replay time, beside HF greedy, HF prompt lookup and HF assisted generation (a random
+     2-layer draft model) measured on the same model.
 Batched steps (several sequences' KV regions) are checked at the kernel level by
 tests/test_triton_trees.py (scripts/gpu_check.sh runs it); the fixed layout the GPU uses
 does not take steps wider than its width yet.
@@ -37,6 +45,13 @@ import time
 from pathlib import Path
 
 DEVICE = "cuda"  # a module constant so that a CPU dry run of the plumbing can swap it
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "traces_smollm2.json.gz"
+# Random-weight models the traces are replayed on: the default model's shape (the traces'
+# own) and "main", the --hidden/--layers/... model of the other sections (1B class).
+REPLAY_SHAPES = {
+    "smollm2-135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152,
+                         tie=True),
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +80,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "verification costs on this GPU; empty: none)")
     p.add_argument("--profile-steps", type=int, default=16,
                    help="replays of the `ar` graph under torch.profiler for the kernel table (0: none)")
+    replay = p.add_argument_group("replayed traces (--replay-only; docs/gpu.md)")
+    replay.add_argument("--replay-only", action="store_true",
+                        help="only replay the recorded decode traces (scripts/record_traces.py) on "
+                             "random-weight models of --replay-shapes, against HF decoding")
+    replay.add_argument("--replay-trace", default=str(DEFAULT_TRACE), help="recorded traces (.json[.gz])")
+    replay.add_argument("--replay-shapes", default="smollm2-135m,main",
+                        help=f"model shapes: {', '.join(REPLAY_SHAPES)}, or main (--hidden, --layers, ...)")
+    replay.add_argument("--replay-prompts", type=int, default=0, help="prompts replayed per trace (0: all)")
+    replay.add_argument("--replay-hf-new", type=int, default=32,
+                        help="new tokens N of the per-token HF and engine-AR timings")
+    replay.add_argument("--replay-budget", type=float, default=150.0,
+                        help="seconds for the whole replay: what does not fit is skipped and said so")
     return p.parse_args(argv)
 
 
@@ -205,9 +232,306 @@ def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
         print("(no cycle accepted a row off the chain: trees were verified, but no branch was taken)")
 
 
+# ---- replayed traces: what the recorded decodes of the real default model would cost here ----
+
+
+def sync(torch) -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def shaped_model(shape: dict, dtype: str, seed: int, capacity: int, torch):
+    """Random-weight LlamaForCausalLM of `shape` (REPLAY_SHAPES' keys) on DEVICE."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"], max_position_embeddings=max(4096, capacity),
+        tie_word_embeddings=shape.get("tie", False), bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config)
+    model = model.to({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]).eval()
+    model.generation_config.eos_token_id = None  # every generate() runs its full length
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def replay_shapes(args) -> dict[str, dict]:
+    main_shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                      intermediate=args.intermediate, vocab=args.vocab, tie=False)
+    shapes = {}
+    for name in (n.strip() for n in args.replay_shapes.split(",") if n.strip()):
+        if name == "main":
+            shapes[f"main ({args.hidden}x{args.layers})"] = main_shape
+        elif name in REPLAY_SHAPES:
+            shapes[name] = REPLAY_SHAPES[name]
+        else:
+            raise SystemExit(f"--replay-shapes: unknown shape {name!r} (known: {', '.join(REPLAY_SHAPES)}, main)")
+    return shapes
+
+
+def replay_engine(model, width: int, capacity: int):
+    """The engine the replay runs: the fixed layout with the executor generate() gives a
+    model on DEVICE (CUDA graphs on CUDA, eager elsewhere)."""
+    from hf_selfspec.engine.programs import Engine, EngineConfig
+
+    executor = "cuda_graphs" if DEVICE == "cuda" else "eager"
+    return Engine(model, EngineConfig(width=width, capacity=capacity, row_layout="fixed", executor=executor))
+
+
+def random_draft_heads(model, seed: int, torch):
+    """Top-layer draft heads of the shipped heads' shape (depth, adapter, reduced vocabulary:
+    hf_selfspec/default_heads/config.json) with random weights, bound to `model`: they
+    cost what the shipped heads cost per drafting step."""
+    import json
+
+    from hf_selfspec.heads.base import fingerprint
+    from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
+
+    shipped = json.loads((Path(__file__).resolve().parent.parent / "hf_selfspec" / "default_heads"
+                          / "config.json").read_text())
+    cfg = model.config
+    reduced = min(shipped["reduced_vocab"], cfg.vocab_size)
+    config = TopHeadsConfig(base_model="random", base_fingerprint=fingerprint(model),
+                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                            vocab_size=cfg.vocab_size, depth=shipped["depth"],
+                            adapter_dim=shipped["adapter_dim"], reduced_vocab=reduced)
+    heads = TopDraftHeads(config, torch.arange(reduced))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for step in heads.steps:
+            for p in (step.down.weight, step.up.weight):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return heads.init_from_model(model)
+
+
+def replay_trace(engine, drafter, prompts: list[dict], tree_mode: bool, seed: int, torch) -> dict:
+    """Replay recorded cycles (scripts/record_traces.py) on `engine`: per prompt a random
+    prompt of the recorded length is prefilled (not timed), then per cycle what the decode
+    loop does, at the recorded position: the heads draft (when they did, as deep as they
+    did; thresholds 0, so they do their most work), the recorded rows (a chain, or the tree
+    with its parents) are embedded and verified in ONE engine step, the argmax comes to the
+    host, the accepted path's KV is compacted. Token values are random: the cost of a step
+    does not depend on them. -> seconds of the cycles (prefill excluded), committed tokens,
+    rows of every step, cycles."""
+    import random
+
+    from hf_selfspec.decoding.candidates import DraftContext
+
+    rng = random.Random(seed)
+    vocab = engine.view.vocab_size
+    seconds, committed, rows_seen, cycles = 0.0, 0, [], 0
+    for entry in prompts:
+        prompt = [rng.randrange(3, vocab) for _ in range(entry["prompt_tokens"])]
+        _, final = engine.prefill(prompt)
+        plan = []  # what the loop knows before it verifies: host lists, made before the clock
+        for position, n, done, budget, parents, accepted in entry["cycles"]:
+            parents = parents if parents is not None else list(range(-1, n - 1))
+            if len(parents) != n or not 1 <= n <= engine.width:
+                raise ValueError(f"a recorded cycle of {n} rows does not fit this engine (width {engine.width})")
+            depth = [0] * n
+            for i in range(1, n):
+                depth[i] = depth[parents[i]] + 1
+            plan.append((position, n, done, budget, parents, depth, accepted,
+                         [rng.randrange(3, vocab) for _ in range(n)]))
+        sync(torch)
+        start = time.perf_counter()
+        for position, n, done, budget, parents, depth, accepted, tokens in plan:
+            if budget and drafter is not None:
+                ctx = DraftContext([tokens[0]], final, position, frozenset(), tree_mode)
+                drafter.propose(ctx, budget)
+            if depth[-1] == n - 1:  # a chain
+                rows = engine.step_rows(range(position, position + n))
+            else:
+                paths = []
+                for i in range(n):
+                    path, r = [], i
+                    while r >= 0:
+                        path.append(position + r)
+                        r = parents[r]
+                    paths.append(path[::-1])
+                rows = engine.step_rows([position + d for d in depth], [position + i for i in range(n)], paths)
+            _, argmax, finals = engine.verify(engine.embed(tokens), 0, engine.rows_meta(rows))
+            argmax.tolist()  # the host's acceptance decision: one sync per cycle
+            engine.move_kv([position + r for r in accepted[1:]],
+                           [position + 1 + j for j in range(len(accepted) - 1)])
+            final = finals[accepted[-1]]
+            rows_seen.append(n)
+            committed += done
+            cycles += 1
+        sync(torch)
+        seconds += time.perf_counter() - start
+    return {"seconds": seconds, "committed": committed, "rows": rows_seen, "cycles": cycles}
+
+
+def per_token_ms(run, prompt, new: int, torch, repeats: int = 1) -> float:
+    """Median over repeats of (t(new) - t(1)) / (new - 1), in ms (the prefill cancels)."""
+    run(prompt, new)  # warm-up
+    samples = []
+    for _ in range(repeats):
+        times = []
+        for n in (1, new):
+            sync(torch)
+            start = time.perf_counter()
+            run(prompt, n)
+            sync(torch)
+            times.append(time.perf_counter() - start)
+        samples.append((times[1] - times[0]) / (new - 1) * 1e3)
+    return statistics.median(samples)
+
+
+def replay_model(name: str, shape: dict, data: dict, args, deadline: float, torch, failed: list) -> list:
+    """One model shape: the traces replayed through the engine's executor beside HF greedy,
+    HF prompt lookup and HF assisted generation on the same model. -> table rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_selfspec.decoding.drafters import TopHeadsDrafter
+
+    traces = {k: v[: args.replay_prompts or None] for k, v in data["traces"].items()}
+    entries = [e for t in traces.values() for e in t]
+    longest = max(e["prompt_tokens"] + e["new_tokens"] for e in entries)
+    width = data["width"]
+    capacity = -(-(longest + 2 * width) // 256) * 256
+    t0 = time.perf_counter()
+    model = shaped_model(shape, args.dtype, args.seed, capacity, torch)
+    engine = replay_engine(model, width, capacity)
+    cfg = data["decode_config"]
+    heads = random_draft_heads(model, args.seed, torch)
+    drafter = TopHeadsDrafter(heads, [0.0] * heads.config.depth, cfg["siblings"] + 1, cfg["tree_beam"], 0.0)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"\n## replayed traces on {name}: {params / 1e9:.3f}B params, hidden {shape['hidden']}, "
+          f"{shape['layers']} layers, {shape['heads']}/{shape['kv_heads']} heads, vocab {shape['vocab']}, "
+          f"{args.dtype}, W={width}, executor {'CUDA graphs' if engine.graphs is not None else 'eager'} "
+          f"(built in {time.perf_counter() - t0:.1f}s)")
+    rows = []
+    first = min(entries, key=lambda e: e["prompt_tokens"])
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(3, shape["vocab"], (first["prompt_tokens"],), generator=gen).tolist()
+    new = args.replay_hf_new
+
+    # self-spec first (the prediction), then the baselines while the budget lasts
+    replay_trace(engine, drafter, [first], data.get("tree_mode", True), args.seed, torch)  # warm-up, captures
+    for trace_name, prompts in traces.items():
+        result = replay_trace(engine, drafter, prompts, data.get("tree_mode", True), args.seed, torch)
+        recorded = sum(c[2] for e in prompts for c in e["cycles"])
+        if result["committed"] != recorded:
+            failed.append(f"{name}: replay committed {result['committed']} tokens, trace {trace_name!r} {recorded}")
+        ms = result["seconds"] / max(result["committed"], 1) * 1e3
+        note = (f"tau {result['committed'] / max(result['cycles'], 1):.2f}, "
+                f"{sum(result['rows']) / max(result['cycles'], 1):.2f} rows / cycle, {result['cycles']} cycles")
+        rows.append((f"self-spec replay, trace {trace_name!r} (predicted)", ms, note))
+    if engine.graphs is not None and engine.graphs.eager:
+        failed.append(f"{name}: the replay engine's capture fell back: {engine.graphs.fallback_reason}")
+
+    def engine_ar(p, n):
+        return engine.generate_ar(p, n)
+
+    def hf(p, n, **kw):
+        ids = torch.tensor([p], device=DEVICE)
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0, **kw)
+
+    draft_model = None
+    baselines = [("engine AR (measured)", engine_ar, ""),
+                 ("HF greedy generate() (measured)", hf, ""),
+                 ("HF prompt lookup, 10 tokens (measured; random prompt: little to copy)",
+                  lambda p, n: hf(p, n, prompt_lookup_num_tokens=10), ""),
+                 ("HF assisted, 2-layer random draft (measured; the draft is rarely right)",
+                  lambda p, n: hf(p, n, assistant_model=draft_model), "")]
+    greedy_ms = None
+    for label, run, note in baselines:
+        if time.perf_counter() > deadline:
+            rows.append((label, None, "skipped: --replay-budget spent"))
+            continue
+        if "assisted" in label and draft_model is None:
+            torch.manual_seed(args.seed + 1)
+            draft_cfg = LlamaConfig(vocab_size=shape["vocab"], hidden_size=256, intermediate_size=1024,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=max(4096, capacity), tie_word_embeddings=True,
+                                    bos_token_id=None, eos_token_id=None, pad_token_id=0)
+            with torch.device(DEVICE):
+                draft_model = LlamaForCausalLM(draft_cfg)
+            draft_model = draft_model.to(next(model.parameters()).dtype).eval()
+        try:
+            ms = per_token_ms(run, prompt, new, torch)
+        except Exception as error:  # noqa: BLE001 - a baseline HF refuses is reported, not fatal
+            rows.append((label, None, f"failed: {type(error).__name__}: {error}"))
+            continue
+        rows.append((label, ms, note))
+        if label.startswith("HF greedy"):
+            greedy_ms = ms
+    lookup = data.get("hf_prompt_lookup") or []
+    if greedy_ms is not None and lookup:
+        # HF prompt lookup's own passes on the real model (recorded on the CPU), each costed
+        # as one HF greedy step here: its extra rows are nearly free on a GPU and its host
+        # work per pass is HF's, so this favours HF a little
+        lookup = lookup[: args.replay_prompts or None]
+        passes = sum(h["passes"] for h in lookup)
+        tokens = sum(h["new_tokens"] - 1 for h in lookup)
+        rows.append(("HF prompt lookup on the real model's tokens (predicted: recorded passes x HF "
+                     "greedy step)", passes * greedy_ms / max(tokens, 1),
+                     f"{tokens / max(passes, 1):.2f} tokens / pass"))
+    print(f"prompt for the measured rows: {len(prompt)} random tokens, {new} new; traces: "
+          + ", ".join(f"{k!r} {len(v)} prompts" for k, v in traces.items()))
+    print("| method | ms / token | tokens/s | x HF greedy | notes |")
+    print("|---|---|---|---|---|")
+    for label, ms, note in rows:
+        if ms is None:
+            print(f"| {label} | - | - | - | {note} |")
+            continue
+        ratio = f"{greedy_ms / ms:.2f}x" if greedy_ms else "-"
+        print(f"| {label} | {ms:.3f} | {1e3 / ms:.0f} | {ratio} | {note} |")
+    del engine, model, heads, drafter, draft_model
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def replay_main(args) -> int:
+    """--replay-only: every shape of --replay-shapes, within --replay-budget seconds."""
+    import torch
+
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from record_traces import load_traces
+
+    started = time.perf_counter()
+    deadline = started + args.replay_budget
+    data = load_traces(args.replay_trace)
+    print(f"# replay of {args.replay_trace}: {data['model']} with {data['heads']}, W={data['width']}, "
+          f"{data['max_new_tokens']} new tokens; traces {', '.join(data['traces'])} ('cpu': the policy "
+          "planned with the CPU's step costs, 'gpu': with a GPU's width curve)")
+    failed: list[str] = []
+    for name, shape in replay_shapes(args).items():
+        if time.perf_counter() > deadline:
+            print(f"\n## {name}: skipped, --replay-budget ({args.replay_budget:.0f} s) spent")
+            continue
+        try:
+            replay_model(name, shape, data, args, deadline, torch, failed)
+        except Exception as error:  # noqa: BLE001 - the next shape still runs
+            import traceback
+
+            traceback.print_exc()
+            failed.append(f"{name}: {type(error).__name__}: {error}")
+    print(f"\nreplay took {time.perf_counter() - started:.0f} s")
+    if failed:
+        print("FAILED:\n  " + "\n  ".join(failed))
+        return 1
+    print("OK: every trace replayed with its recorded rows and committed tokens")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+
+    if args.replay_only:
+        return replay_main(args)
 
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)

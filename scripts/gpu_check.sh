@@ -14,11 +14,16 @@ status=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
 
+# Timeouts: 190 + 180 + 100 s = 470 s, so that the whole run stays under 8 minutes even
+# when a phase hangs; the replay also stops itself (--replay-budget) before its timeout.
 echo "== tests (CUDA graphs, Triton kernel, trees and batches on the Triton path) =="
-timeout 240 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_triton_trees.py -q -p no:cacheprovider || status=1
+timeout 190 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_triton_trees.py -q -p no:cacheprovider || status=1
 
 echo "== gpu_check.py =="
-timeout 220 python scripts/gpu_check.py "$@" || status=1
+timeout 180 python scripts/gpu_check.py "$@" || status=1
+
+echo "== gpu_check.py --replay-only (recorded traces of the default model, replayed) =="
+timeout 100 python scripts/gpu_check.py --replay-only --replay-budget 80 "$@" || status=1
 
 echo "== gpu_check.sh: $([ $status -eq 0 ] && echo OK || echo FAILED) =="
 exit $status

@@ -173,6 +173,11 @@ class SelfSpecDecoder:
         if self.config.tree == "on" and self.tree_reason is not None:
             raise ValueError(f"tree='on' cannot be used here: {self.tree_reason}; use tree='auto' or 'off'")
         self.use_tree = self.config.tree != "off" and self.tree_reason is None
+        # set to a list to record the loop's events, what a replay of these decodes needs
+        # (scripts/record_traces.py): ("prompt", prompt length), ("draft", drafter key,
+        # budget), ("verify", position, parent of each row, committed rows, committed
+        # tokens). None (the default) records nothing: one attribute test per event
+        self.trace: list | None = None
 
     def _tree_obstacle(self) -> str | None:
         """Why draft trees cannot be used with this engine and drafter (None: they can)."""
@@ -257,6 +262,8 @@ class SelfSpecDecoder:
         engine.check_capacity(len(prompt_ids), max_new_tokens, draft_rows=0)
         stats = stats if stats is not None else DecodeStats()
         stats.prompt_tokens = len(prompt_ids)
+        if self.trace is not None:
+            self.trace.append(("prompt", len(prompt_ids)))
         stats.lossy = self.config.lossy_top_k > 1
         stats.exits_per_head = [0] * self.num_sources
         run = SequenceRun(max_new_tokens, frozenset(int(e) for e in eos_token_ids), stop, on_commit,
@@ -345,9 +352,12 @@ class SelfSpecDecoder:
         stats.off_chain_cycles += any(tree.depth[r] != r for r in rows)
         self._feedback(run.policy, plan, rows)
         run.final_before = verified.finals[rows[-1]]
+        position = run.position
         run.position += len(tokens)
         before = len(run.out)
         run.done = self._commit(run, tokens, labels)
+        if self.trace is not None:
+            self.trace.append(("verify", position, list(tree.parent), list(rows), len(run.out) - before))
         if run.kept_logits is not None:
             kept = rows[: len(run.out) - before]
             run.kept_logits.extend(verified.logits[kept])
@@ -393,6 +403,8 @@ class SelfSpecDecoder:
     def _propose(self, drafter, ctx: DraftContext, budget: int, stats: DecodeStats) -> Proposal:
         proposal = drafter.propose(ctx, budget)
         stats.head_evaluations += proposal.evaluations
+        if self.trace is not None:
+            self.trace.append(("draft", proposal.drafter, budget))
         return proposal
 
     def _plan_chain(self, ctx: DraftContext, budget: int, policy: DraftBudget, stats: DecodeStats) -> DraftPlan:
