@@ -39,6 +39,7 @@ scripts/gpu_check.sh; see docs/gpu.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -49,8 +50,8 @@ DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "traces_smollm2.json.
 # Random-weight models the traces are replayed on: the default model's shape (the traces'
 # own) and "main", the --hidden/--layers/... model of the other sections (1B class).
 REPLAY_SHAPES = {
-    "smollm2-135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152,
-                         tie=True),
+    "smollm2-135m": {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "intermediate": 1536,
+                     "vocab": 49152, "tie": True},
 }
 
 
@@ -260,8 +261,8 @@ def shaped_model(shape: dict, dtype: str, seed: int, capacity: int, torch):
 
 
 def replay_shapes(args) -> dict[str, dict]:
-    main_shape = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                      intermediate=args.intermediate, vocab=args.vocab, tie=False)
+    main_shape = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+                  "intermediate": args.intermediate, "vocab": args.vocab, "tie": False}
     shapes = {}
     for name in (n.strip() for n in args.replay_shapes.split(",") if n.strip()):
         if name == "main":
@@ -471,8 +472,8 @@ def replay_model(name: str, shape: dict, data: dict, args, deadline: float, torc
         lookup = lookup[: args.replay_prompts or None]
         passes = sum(h["passes"] for h in lookup)
         tokens = sum(h["new_tokens"] - 1 for h in lookup)
-        rows.append(("HF prompt lookup on the real model's tokens (predicted: recorded passes x HF "
-                     "greedy step)", passes * greedy_ms / max(tokens, 1),
+        rows.append(("HF prompt lookup on the real model's tokens (predicted: recorded passes x HF greedy step)",
+                     passes * greedy_ms / max(tokens, 1),
                      f"{tokens / max(passes, 1):.2f} tokens / pass"))
     print(f"prompt for the measured rows: {len(prompt)} random tokens, {new} new; traces: "
           + ", ".join(f"{k!r} {len(v)} prompts" for k, v in traces.items()))
@@ -484,9 +485,6 @@ def replay_model(name: str, shape: dict, data: dict, args, deadline: float, torc
             continue
         ratio = f"{greedy_ms / ms:.2f}x" if greedy_ms else "-"
         print(f"| {label} | {ms:.3f} | {1e3 / ms:.0f} | {ratio} | {note} |")
-    del engine, model, heads, drafter, draft_model
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -518,6 +516,9 @@ def replay_main(args) -> int:
 
             traceback.print_exc()
             failed.append(f"{name}: {type(error).__name__}: {error}")
+        gc.collect()  # the shape's model, engine and graphs, before the next one is built
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     print(f"\nreplay took {time.perf_counter() - started:.0f} s")
     if failed:
         print("FAILED:\n  " + "\n  ".join(failed))

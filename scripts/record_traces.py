@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_selfspec import attach_heads  # noqa: E402
-from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
-from hf_selfspec.decoding.cycle import SelfSpecDecoder  # noqa: E402
-from hf_selfspec.decoding.drafters import HEADS_KEY  # noqa: E402
-from hf_selfspec.defaults import DEFAULT_MODEL_ID, load_default_model_and_tokenizer  # noqa: E402
+from hf_selfspec import attach_heads
+from hf_selfspec.data import prompt_sets, render_prompt
+from hf_selfspec.decoding.cycle import SelfSpecDecoder
+from hf_selfspec.decoding.drafters import HEADS_KEY
+from hf_selfspec.defaults import DEFAULT_MODEL_ID, load_default_model_and_tokenizer
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "traces_smollm2.json.gz"
 CATEGORIES = ("chat", "code", "summarize")
@@ -122,7 +122,7 @@ def record(model, prompts: list[list[int]], max_new: int, eos: list[int], row_co
     for prompt in prompts:
         engine = state.engine_for(model, len(prompt) + max_new + state.engine_config.width)
         if row_costs is not None:
-            engine.step_costs_at = lambda context, batched=False: tuple(row_costs)  # noqa: B023
+            engine.step_costs_at = lambda context, batched=False: tuple(row_costs)
         decoder = SelfSpecDecoder(engine, state.heads, state.decode_config)
         decoder.trace = events
         trees = decoder.use_tree

@@ -34,11 +34,11 @@ from hf_selfspec.engine.programs import Engine, EngineConfig
 from hf_selfspec.engine.runner import CudaGraphRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import gpu_check  # noqa: E402
-import record_traces  # noqa: E402
+import gpu_check
+import record_traces
 
 NEW_TOKENS = 8
-TINY = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=256, tie=False)
+TINY = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 256, "vocab": 256, "tie": False}
 
 
 def _triton_engine(model, width=8, capacity=400, executor="eager"):
