@@ -27,6 +27,9 @@ Builds a random-weight Llama-style model on the GPU (no network, no download), t
      deep as they did, the accepted path compacted; predicted tokens/s = committed tokens /
      replay time, beside HF greedy, HF prompt lookup and HF assisted generation (a random
      2-layer draft model) measured on the same model.
+  8. the fused small kernels (opt-in Engine.fused_small_ops: residual add + RMSNorm, RoPE +
+     KV write in Triton): graphs == eager and speculative == AR with them, their tokens and
+     logits against the unfused engine, the `ar` graph's GPU time with and without them.
 Batched steps (several sequences' KV regions) are checked at the kernel level by
 tests/test_triton_trees.py (scripts/gpu_check.sh runs it); the fixed layout the GPU uses
 does not take steps wider than its width yet.
@@ -231,6 +234,65 @@ def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
         failed.append(f"tree engine's capture fell back: {graph_engine.graphs.fallback_reason}")
     if off_chain == 0:
         print("(no cycle accepted a row off the chain: trees were verified, but no branch was taken)")
+
+
+def check_fused(model, engine, args, prompts, N, torch, failed) -> None:
+    """Section 8: the fused small kernels (Engine.fused_small_ops, kernels/fused.py) on this
+    GPU: a fused engine's AR through graphs == its eager AR and its speculative tokens ==
+    its AR (invariants), its tokens against the unfused engine's (a measured rate: RMSNorm
+    rounds differently), the logits' largest difference, and the `ar` graph's GPU time."""
+    from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+    from hf_selfspec.engine.programs import Engine, EngineConfig
+
+    config = EngineConfig(width=args.width, capacity=args.capacity, row_layout="fixed")
+    fused = Engine(model, config)
+    fused.fused_small_ops = True
+    fused_graphs = Engine(model, EngineConfig(width=args.width, capacity=args.capacity, row_layout="fixed",
+                                              executor="cuda_graphs"))
+    fused_graphs.fused_small_ops = True
+    print(f"\n## fused small kernels (add + RMSNorm, RoPE + KV write; {N} new)")
+    print("| prompt | graphs == eager (fused) | spec == AR (fused) | fused == unfused tokens | max |logit diff| |")
+    print("|---|---|---|---|---|")
+    for i, prompt in enumerate(prompts):
+        eager = fused.generate_ar(prompt, N)
+        graphs = fused_graphs.generate_ar(prompt, N)
+        spec = SelfSpecDecoder(fused_graphs, None, DecodeConfig(lookup="only")).generate(prompt, N).tokens
+        unfused = engine.generate_ar(prompt, N)
+        diffs = []
+        for e in (fused, engine):
+            e.prefill(prompt)
+            meta = e.make_meta(range(len(prompt), len(prompt) + args.width))
+            diffs.append(e.verify(e.embed(prompt[:args.width]), 0, meta)[0].float())
+        diff = float((diffs[0] - diffs[1]).abs().max())
+        print(f"| {i} | {graphs == eager} | {spec == eager} | {unfused == eager} | {diff:.3g} |")
+        if graphs != eager:
+            failed.append(f"prompt {i}: fused graph AR tokens != fused eager AR tokens")
+        if spec != eager:
+            failed.append(f"prompt {i}: fused speculative tokens != fused AR tokens")
+    if fused_graphs.graphs.eager:
+        failed.append(f"fused engine's capture fell back: {fused_graphs.graphs.fallback_reason}")
+    prompt = prompts[0]
+    times = []
+    for e in (engine, fused_graphs):
+        runner = e.graphs
+        if runner is None:
+            from hf_selfspec.engine.runner import CudaGraphRunner
+
+            runner = CudaGraphRunner(e)
+        runner.warmup([("ar",)])
+        program = runner.program(("ar",))
+        e.prefill(prompt)
+        e.make_meta([len(prompt)])
+        program.graph.replay()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(N):
+            program.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) / N)
+    print(f"`ar` graph replay (GPU time): unfused {times[0]:.3f} ms, fused {times[1]:.3f} ms "
+          f"({times[0] / times[1]:.2f}x)")
 
 
 # ---- replayed traces: what the recorded decodes of the real default model would cost here ----
@@ -688,6 +750,11 @@ def main(argv=None) -> int:
     hf_ms, self_ms = rows[0][1], per_token(self_generate, prompt)
     print(f"| generate() | ms/token | vs HF greedy |\n|---|---|---|\n| HF greedy | {hf_ms:.3f} | 1.00x |\n"
           f"| assistant='self', graphs | {self_ms:.3f} | {hf_ms / self_ms:.2f}x |")
+
+    try:  # opt-in kernels: a failure here is reported as a failed check, the run goes on
+        check_fused(model, engine, args, prompts, N, torch, failed)
+    except Exception as error:  # noqa: BLE001
+        failed.append(f"fused small kernels: {type(error).__name__}: {error}")
 
     # diagnostics: no invariant depends on them, so an error is printed and the run goes on
     for diagnostic in (lambda: print_kernel_table(runner, engine, prompt, args.profile_steps, torch),

@@ -16,8 +16,8 @@ python -c "import torch, triton, transformers; print('torch', torch.__version__,
 
 # Timeouts: 190 + 180 + 100 s = 470 s, so that the whole run stays under 8 minutes even
 # when a phase hangs; the replay also stops itself (--replay-budget) before its timeout.
-echo "== tests (CUDA graphs, Triton kernel, trees and batches on the Triton path) =="
-timeout 190 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_triton_trees.py -q -p no:cacheprovider || status=1
+echo "== tests (CUDA graphs, Triton kernels, trees and batches on the Triton path, fused small kernels) =="
+timeout 190 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_triton_trees.py tests/test_triton_fused.py -q -p no:cacheprovider || status=1
 
 echo "== gpu_check.py =="
 timeout 180 python scripts/gpu_check.py "$@" || status=1

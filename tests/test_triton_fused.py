@@ -118,3 +118,65 @@ def test_bad_inputs_are_refused():
         rope_kv_write(q, k, v, cos, sin, torch.zeros(3, dtype=torch.long), k_cache, v_cache)
     with pytest.raises(ValueError, match="one dtype"):
         rope_kv_write(q, k, v, cos.double(), sin, torch.zeros(2, dtype=torch.long), k_cache, v_cache)
+
+
+# ---- in the engine (Engine.fused_small_ops, opt-in) ------------------------------------------
+
+
+def _engine(fused, executor="eager", dtype=torch.float32):
+    from conftest import tiny_model
+
+    from hf_selfspec.engine.attention import TritonAttention
+    from hf_selfspec.engine.programs import Engine, EngineConfig
+
+    model = tiny_model("llama", seed=0, layers=2).to(DEVICE, dtype)
+    engine = Engine(model, EngineConfig(width=8, capacity=300, row_layout="fixed", executor=executor,
+                                        measurement_cache=False))
+    engine.attention = TritonAttention()
+    engine.fused_small_ops = fused
+    return engine
+
+
+def test_fused_engine_step_is_row_and_segment_invariant_and_close_to_unfused():
+    """A fused verify step: rows alone == rows among 8 (bits), seg(0, 1) + verify(1) ==
+    verify(0) (bits: the pending MLP add), logits close to the unfused engine's (fp32)."""
+    fused, plain = _engine(True), _engine(False)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 256, (20,), generator=gen).tolist()
+    tokens = torch.randint(3, 256, (8,), generator=gen).tolist()
+    results = []
+    for engine in (fused, plain):
+        engine.prefill(prompt)
+        meta = engine.make_meta(range(20, 28))
+        results.append(engine.verify(engine.embed(tokens), 0, meta))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-4)
+    fused.prefill(prompt)
+    meta = fused.make_meta(range(20, 23))
+    three = fused.verify(fused.embed(tokens[:3]), 0, meta)
+    assert torch.equal(three[0], results[0][0][:3])
+    fused.prefill(prompt)
+    meta = fused.make_meta(range(20, 23))
+    mid = fused.seg(fused.embed(tokens[:3]), 0, 1, meta)
+    assert torch.equal(fused.verify(mid, 1, meta)[0], three[0])
+
+
+def test_fused_engine_speculative_equals_ar_through_stand_in_graphs(monkeypatch):
+    """Prompt-lookup speculative decoding on the fused engine == its AR tokens, eager and
+    through the graph runner (stand-in graphs: logits bitwise the eager engine's)."""
+    from test_gpu import _EagerGraph
+
+    import hf_selfspec.engine.runner as runner_module
+    from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+    from hf_selfspec.engine.runner import CudaGraphRunner
+
+    monkeypatch.setattr(runner_module, "_require_cuda", lambda engine: None)
+    monkeypatch.setattr(CudaGraphRunner, "_record", lambda self, body: ((g := _EagerGraph(body)), g.outputs))
+    prompt = list(range(3, 30)) + list(range(3, 12))
+    eager = _engine(True)
+    reference = eager.generate_ar(prompt, 8)
+    spec = SelfSpecDecoder(eager, None, DecodeConfig(lookup="only")).generate(prompt, 8, collect_logits=True)
+    assert spec.tokens == reference and spec.stats.drafted > 0
+    graphs = _engine(True, executor="cuda_graphs")
+    through = SelfSpecDecoder(graphs, None, DecodeConfig(lookup="only")).generate(prompt, 8, collect_logits=True)
+    assert through.tokens == reference and not graphs.graphs.eager
+    assert all(torch.equal(a, b) for a, b in zip(through.logits, spec.logits))

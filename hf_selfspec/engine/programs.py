@@ -152,6 +152,11 @@ class Engine:
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
         self._allocate(self.config.capacity)
+        # the Triton fused small kernels (kernels/fused.py: residual add + RMSNorm, RoPE + KV
+        # write) in the PyTorch-ops layers; opt-in (off by default) until a GPU run has checked
+        # them (scripts/gpu_check.py compares them with the unfused ops). RMSNorm's sum runs
+        # in another order than torch's, so an engine uses one or the other for all its steps
+        self.fused_small_ops = False
         self.graphs = None  # the CUDA-graph executor, when built with one
         if self.config.executor == "cuda_graphs":
             from .runner import CudaGraphRunner  # runner.py never imports this module
@@ -422,6 +427,8 @@ class Engine:
         cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
+        if self.fused_small_ops:
+            return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
             x = rms_norm(h, lw.input_norm, v.eps)
@@ -442,6 +449,32 @@ class Engine:
             x = rms_norm(h, lw.post_norm, v.eps)
             h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
         return h[:n]
+
+    def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
+        """`run_layers`' PyTorch-ops branch with the fused Triton kernels (fused_small_ops):
+        h [R, H] padded. The MLP's output is added inside the next layer's input norm, and
+        after the last layer of the range by the same add, so a row's bits do not depend on
+        where a seg ends."""
+        from hf_selfspec.kernels.fused import add_rms_norm, rope_kv_write
+
+        v, lin = self.view, self.layout.linear
+        R, Hq, Hkv, d = meta.rows, v.num_heads, v.num_kv_heads, v.head_dim
+        cos, sin, slots = meta.cos[:R], meta.sin[:R], meta.slots[:R]
+        pending = None  # the previous layer's MLP output, not yet added to h
+        for li in range(start, end):
+            lw = v.layers[li]
+            h, x = add_rms_norm(h, lw.input_norm, v.eps, pending)
+            q = lin(x, lw.q).view(R, Hq, d)
+            k = lin(x, lw.k).view(R, Hkv, d)
+            val = lin(x, lw.v).view(R, Hkv, d)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, v.eps)
+                k = rms_norm(k, lw.k_norm, v.eps)
+            q = rope_kv_write(q, k, val, cos, sin, slots, self.k_cache[li], self.v_cache[li])  # [R, Hq, d]
+            o = attend(q.transpose(0, 1), li)  # [R, Hq*d]
+            h, x = add_rms_norm(h, lw.post_norm, v.eps, lin(o, lw.o))
+            pending = lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
+        return h if pending is None else h + pending
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream after the last layer [n, H] -> (logits [n, V], final hidden
