@@ -911,32 +911,38 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
           pairs.push_back(pr);
         }
       const int64_t n = static_cast<int64_t>(pairs.size());
-      // scores of the contiguous keys, a tile of keys at a time for every pair
-      const void* widened = nullptr;  // the cache rows now in `tile` (16-bit caches)
-      int64_t widened_keys = 0;
-      auto scores_of = [&](const auto* k, const float* qs, float* s, int64_t keys) {
+      // every pair's contiguous keys (Pair::kb) or values (Pair::vb), a tile of KEY_TILE at a
+      // time for all pairs: fn(c, t0, keys, rows), rows the tile's cache rows as stored, or
+      // for a 16-bit cache widened into `tile` once for the pairs that share them
+      auto by_tiles = [&](const TC* Pair::*first, auto&& fn) {
+        const TC* widened = nullptr;
+        int64_t widened_keys = 0;
+        for (int64_t t0 = 0; t0 < longest; t0 += KEY_TILE)
+          for (int64_t c = 0; c < n; ++c) {
+            const int64_t keys = std::min(pairs[c].Lp, t0 + KEY_TILE) - t0;
+            if (keys <= 0) continue;
+            const TC* rows = pairs[c].*first + t0 * d;
+            if constexpr (wide_cache) {
+              if (rows != widened || keys > widened_keys) {
+                widen<TC>(rows, keys * d, tile);
+                widened = rows, widened_keys = keys;
+              }
+              fn(c, t0, keys, static_cast<const float*>(tile));
+            } else {
+              fn(c, t0, keys, rows);
+            }
+          }
+      };
+      // scores of the contiguous keys
+      by_tiles(&Pair::kb, [&](int64_t c, int64_t t0, int64_t keys, const auto* k) {
         using TK = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
+        const float* qs = qs_all + c * dd;
+        float* s = pairs[c].s + t0;
         int64_t j = 0;
         for (; j + 8 <= keys; j += 8) dot8<TK>(qs, k + j * d, d, s + j);
         for (; j + 4 <= keys; j += 4) dot4<TK>(qs, k + j * d, d, s + j);
         for (; j < keys; ++j) s[j] = dot<TK>(qs, k + j * d, d);
-      };
-      for (int64_t t0 = 0; t0 < longest; t0 += KEY_TILE)
-        for (int64_t c = 0; c < n; ++c) {
-          const Pair& pr = pairs[c];
-          const int64_t keys = std::min(pr.Lp, t0 + KEY_TILE) - t0;
-          if (keys <= 0) continue;
-          const TC* k = pr.kb + t0 * d;
-          if constexpr (wide_cache) {
-            if (k != widened || keys > widened_keys) {
-              widen<TC>(k, keys * d, tile);
-              widened = k, widened_keys = keys;
-            }
-            scores_of(static_cast<const float*>(tile), qs_all + c * dd, pr.s + t0, keys);
-          } else {
-            scores_of(k, qs_all + c * dd, pr.s + t0, keys);
-          }
-        }
+      });
       // each pair's path keys, its maximum, exponentials and their sum
       for (int64_t c = 0; c < n; ++c) {
         Pair& pr = pairs[c];
@@ -964,23 +970,10 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       }
       // the weighted sums over the contiguous keys in order of j, a tile at a time for
       // every pair, then each pair's path keys (the same FMA per lane)
-      widened = nullptr, widened_keys = 0;
-      for (int64_t t0 = 0; t0 < longest; t0 += KEY_TILE)
-        for (int64_t c = 0; c < n; ++c) {
-          const Pair& pr = pairs[c];
-          const int64_t keys = std::min(pr.Lp, t0 + KEY_TILE) - t0;
-          if (keys <= 0) continue;
-          const TC* v = pr.vb + t0 * d;
-          if constexpr (wide_cache) {
-            if (v != widened || keys > widened_keys) {
-              widen<TC>(v, keys * d, tile);
-              widened = v, widened_keys = keys;
-            }
-            weighted_sum_d<float>(pr.s + t0, tile, d, 0, keys, acc_all + c * dd);
-          } else {
-            weighted_sum_d<TC>(pr.s + t0, v, d, 0, keys, acc_all + c * dd);
-          }
-        }
+      by_tiles(&Pair::vb, [&](int64_t c, int64_t t0, int64_t keys, const auto* v) {
+        using TV = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
+        weighted_sum_d<TV>(pairs[c].s + t0, v, d, 0, keys, acc_all + c * dd);
+      });
       for (int64_t c = 0; c < n; ++c) {
         const Pair& pr = pairs[c];
         float* acc = acc_all + c * dd;

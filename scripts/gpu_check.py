@@ -236,6 +236,21 @@ def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
         print("(no cycle accepted a row off the chain: trees were verified, but no branch was taken)")
 
 
+def ar_replay_ms(engine, program, prompt, replays: int, torch) -> float:
+    """GPU time of one replay of the captured `ar` program (no host work between replays),
+    in ms, after prefilling `prompt` (one warm replay first)."""
+    engine.prefill(prompt)
+    engine.make_meta([len(prompt)])
+    program.graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        program.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / replays
+
+
 def check_fused(model, engine, args, prompts, N, torch, failed) -> None:
     """Section 8: the fused small kernels (Engine.fused_small_ops, kernels/fused.py) on this
     GPU: a fused engine's AR through graphs == its eager AR and its speculative tokens ==
@@ -280,17 +295,7 @@ def check_fused(model, engine, args, prompts, N, torch, failed) -> None:
 
             runner = CudaGraphRunner(e)
         runner.warmup([("ar",)])
-        program = runner.program(("ar",))
-        e.prefill(prompt)
-        e.make_meta([len(prompt)])
-        program.graph.replay()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(N):
-            program.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) / N)
+        times.append(ar_replay_ms(e, runner.program(("ar",)), prompt, N, torch))
     print(f"`ar` graph replay (GPU time): unfused {times[0]:.3f} ms, fused {times[1]:.3f} ms "
           f"({times[0] / times[1]:.2f}x)")
 
@@ -687,18 +692,7 @@ def main(argv=None) -> int:
     def replay_only(prompt) -> float | None:
         """GPU time of one `ar` graph replay (no host work between replays), in ms."""
         program = runner.program(("ar",))
-        if program is None:
-            return None
-        engine.prefill(prompt)
-        engine.make_meta([len(prompt)])
-        program.graph.replay()
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(N):
-            program.graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end) / N
+        return None if program is None else ar_replay_ms(engine, program, prompt, N, torch)
 
     prompt = prompts[0]
     rows = [

@@ -405,8 +405,7 @@ class Engine:
         """h [n, H] (the step's real rows) after `start` layers -> [n, H] after `end`
         layers; writes the KV of layers [start, end) at meta.slots."""
         v = self.view
-        R, Hq, Hkv, d = meta.rows, v.num_heads, v.num_kv_heads, v.head_dim
-        n = h.shape[0]
+        R, n = meta.rows, h.shape[0]
         if self._fused_layers is not None:  # kernel layout: one C++ call per layer, no padding
             layer, slots, limits = self.layout.kernel_layer, meta.slots[:n], meta.key_limit[:n]
             # rows_layer computes in float32 (bf16/fp16 weights and caches widened in registers)
@@ -432,12 +431,7 @@ class Engine:
         for li in range(start, end):
             lw = v.layers[li]
             x = rms_norm(h, lw.input_norm, v.eps)
-            q = lin(x, lw.q).view(R, Hq, d)
-            k = lin(x, lw.k).view(R, Hkv, d)
-            val = lin(x, lw.v).view(R, Hkv, d)
-            if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, v.eps)
-                k = rms_norm(k, lw.k_norm, v.eps)
+            q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
             q = q * cos + rotate_half(q) * sin
@@ -447,8 +441,24 @@ class Engine:
             o = attend(q, li)  # [R, Hq*d] in h's dtype
             h = h + lin(o, lw.o)
             x = rms_norm(h, lw.post_norm, v.eps)
-            h = h + lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
+            h = h + self._mlp(x, lw)
         return h[:n]
+
+    def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
+        (Qwen3's per-head q/k norms applied)."""
+        v, lin = self.view, self.layout.linear
+        q = lin(x, lw.q).view(rows, v.num_heads, v.head_dim)
+        k = lin(x, lw.k).view(rows, v.num_kv_heads, v.head_dim)
+        val = lin(x, lw.v).view(rows, v.num_kv_heads, v.head_dim)
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, v.eps)
+            k = rms_norm(k, lw.k_norm, v.eps)
+        return q, k, val
+
+    def _mlp(self, x: torch.Tensor, lw) -> torch.Tensor:
+        lin = self.layout.linear
+        return lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
         """`run_layers`' PyTorch-ops branch with the fused Triton kernels (fused_small_ops):
@@ -458,22 +468,17 @@ class Engine:
         from hf_selfspec.kernels.fused import add_rms_norm, rope_kv_write
 
         v, lin = self.view, self.layout.linear
-        R, Hq, Hkv, d = meta.rows, v.num_heads, v.num_kv_heads, v.head_dim
+        R = meta.rows
         cos, sin, slots = meta.cos[:R], meta.sin[:R], meta.slots[:R]
         pending = None  # the previous layer's MLP output, not yet added to h
         for li in range(start, end):
             lw = v.layers[li]
             h, x = add_rms_norm(h, lw.input_norm, v.eps, pending)
-            q = lin(x, lw.q).view(R, Hq, d)
-            k = lin(x, lw.k).view(R, Hkv, d)
-            val = lin(x, lw.v).view(R, Hkv, d)
-            if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, v.eps)
-                k = rms_norm(k, lw.k_norm, v.eps)
+            q, k, val = self._qkv(x, lw, R)
             q = rope_kv_write(q, k, val, cos, sin, slots, self.k_cache[li], self.v_cache[li])  # [R, Hq, d]
             o = attend(q.transpose(0, 1), li)  # [R, Hq*d]
             h, x = add_rms_norm(h, lw.post_norm, v.eps, lin(o, lw.o))
-            pending = lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
+            pending = self._mlp(x, lw)
         return h if pending is None else h + pending
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
