@@ -15,7 +15,6 @@ result.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import json
@@ -78,18 +77,31 @@ HF_DRAFT_OPTIONS = ("num_assistant_tokens", "assistant_confidence_threshold", "p
                     "max_matching_ngram_size", "num_assistant_tokens_schedule")
 
 
-def _draft_options(explicit: dict, generation_config) -> dict:
-    """The HF drafting options of one call: explicit keywords, else GenerationConfig values
-    that differ from HF's defaults."""
-    options = {}
-    for name in HF_DRAFT_OPTIONS:
-        if name in explicit:
-            options[name] = explicit[name]
-        elif generation_config is not None:
-            value = getattr(generation_config, name, None)
-            if value is not None and value != _hf_default(name):
-                options[name] = value
-    return options
+@dataclass
+class SelfSpecCall:
+    """What one generate(assistant="self") call hands its decoding loop besides the request
+    HF prepares: the streamer and draft model (kept from HF, which would run its own
+    streaming and assisted decoding with them), the HF drafting options, and stop strings
+    with their tokenizer (HF hands a custom loop no tokenizer, so the loop builds their
+    StopStringCriteria itself)."""
+
+    streamer: Any = None
+    draft_model: Any = None
+    options: dict = field(default_factory=dict)  # HF drafting options: keywords first
+    tokenizer: Any = None
+    stop_strings: Any = None
+
+    def take_from(self, config) -> None:
+        """Move the stop strings and HF drafting options out of HF's merged GenerationConfig
+        (the call's keywords and config, then model.generation_config, then HF's defaults),
+        so that HF neither asks for a tokenizer nor switches to its own prompt lookup; values
+        equal to HF's defaults are no request."""
+        self.stop_strings, config.stop_strings = config.stop_strings, None
+        for name in HF_DRAFT_OPTIONS:
+            value, default = getattr(config, name, None), _hf_default(name)
+            if name not in self.options and value is not None and value != default:
+                self.options[name] = value
+            setattr(config, name, default)
 
 
 def _per_call_config(config: DecodeConfig, options: dict, width: int, draft_model: bool) -> DecodeConfig:
@@ -166,13 +178,15 @@ class SelfSpecState:
     draft_model: Any = None  # the last assistant_model and its engine (own KV cache)
     draft_engine: Engine | None = None
     owner: int | None = None  # thread ident of the call that holds `lock`
+    pending: SelfSpecCall | None = None  # the holder's call, until HF has merged its config
 
     @contextlib.contextmanager
-    def serving(self):
+    def serving(self, call: SelfSpecCall | None = None):
         """One call at a time per model (one engine, one KV cache). Another thread waits
         its turn; the thread that already holds the model (a streamer or stopping
         criterion calling generate(assistant="self") on the same model from inside) gets
-        a RuntimeError, where waiting on itself would deadlock."""
+        a RuntimeError, where waiting on itself would deadlock. `call` waits in `pending`
+        for HF's merged GenerationConfig (take_pending)."""
         me = threading.get_ident()
         if self.owner == me:  # only the holder ever writes its own ident here
             raise RuntimeError(
@@ -182,15 +196,15 @@ class SelfSpecState:
                 "call after the first returns, or on another model (copy.deepcopy(model))"
             )
         with self.lock:
-            self.owner = me
+            self.owner, self.pending = me, call
             try:
                 yield
             finally:
-                self.owner = None
+                self.owner = self.pending = None
 
     # A copy or pickle of the model carries the heads and configs; the lock is new and the
     # engines (KV caches that view the original's weights) are rebuilt lazily on first use.
-    _NOT_COPIED = ("lock", "owner", "engine", "draft_model", "draft_engine")
+    _NOT_COPIED = ("lock", "owner", "pending", "engine", "draft_model", "draft_engine")
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
@@ -198,7 +212,15 @@ class SelfSpecState:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.lock = threading.Lock()
-        self.owner = self.engine = self.draft_model = self.draft_engine = None
+        self.owner = self.pending = self.engine = self.draft_model = self.draft_engine = None
+
+    def take_pending(self) -> SelfSpecCall | None:
+        """The call of the thread that holds the model, once (HF merges one GenerationConfig
+        per generate()); None for any other thread, e.g. a plain generate() beside it."""
+        if self.owner != threading.get_ident():
+            return None
+        call, self.pending = self.pending, None
+        return call
 
     def draft_engine_for(self, draft_model, capacity: int) -> Engine:
         """The draft model's engine, with at least as many KV slots as the main engine."""
@@ -273,7 +295,8 @@ def _selfspec_class(base: type) -> type:
     if base not in _SUBCLASSES:
         # same __name__ so save_pretrained writes the base architecture name
         _SUBCLASSES[base] = type(base.__name__, (base,), {
-            "generate": _generate, "_is_selfspec_class": True, "__module__": base.__module__,
+            "generate": _generate, "_prepare_generation_config": _prepare_generation_config,
+            "_is_selfspec_class": True, "__module__": base.__module__,
             "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_attached,
         })
     return _SUBCLASSES[base]
@@ -465,7 +488,17 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
         return base_generate(inputs, generation_config, *args, **kwargs)
     if assistant != ASSISTANT_SELF:
         raise ValueError(f"assistant must be 'self', False or left out, got {assistant!r}")
-    state: SelfSpecState | None = self.__dict__.get("_selfspec")
+    streamer = kwargs.pop("streamer", None)
+    try:
+        return _generate_self(self, base_generate, inputs, generation_config, args, streamer, kwargs)
+    finally:
+        if streamer is not None:  # after an error too: a consumer iterating it (a
+            streamer.end()        # TextIteratorStreamer in another thread) would wait forever
+
+
+def _generate_self(model, base_generate, inputs, generation_config, args, streamer, kwargs):
+    """generate(assistant="self"): the call checked, then HF's generate() with our loop."""
+    state: SelfSpecState | None = model.__dict__.get("_selfspec")
     if state is None:
         raise ValueError(ATTACH_FIRST)
     if args:
@@ -474,31 +507,34 @@ def _generate(self, inputs=None, generation_config=None, *args, assistant=None, 
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with assistant='self': pass input_ids")
-    ids = inputs if inputs is not None else kwargs.get("input_ids")
-    if isinstance(ids, torch.Tensor) and (ids.dim() != 2 or ids.shape[1] == 0):
-        # HF would fail deep inside its input preparation (an IndexError) for these
-        raise ValueError(f"input_ids must be a 2-D tensor [batch, length >= 1], got shape {tuple(ids.shape)}"
-                         + (": add the batch dimension (ids[None])" if ids.dim() == 1 else ""))
+    _check_input_ids(inputs if inputs is not None else kwargs.get("input_ids"))
     if kwargs.get("cache_implementation") == "paged":
         # HF would switch to continuous batching before our loop is reached
         raise ValueError("cache_implementation='paged' (continuous batching) is not supported with "
                          "assistant='self'; drop it")
-    draft_model = kwargs.pop("assistant_model", None)
-    if draft_model is not None:
-        check_draft_model(self, draft_model)
-    streamer = kwargs.pop("streamer", None)
-    options = _draft_options({name: kwargs.pop(name) for name in HF_DRAFT_OPTIONS if name in kwargs},
-                             generation_config if generation_config is not None else self.generation_config)
-    if generation_config is not None and any(getattr(generation_config, n, None) is not None for n in options):
-        # our loop reads them from `options`; HF must not see a prompt-lookup request
-        generation_config = copy.deepcopy(generation_config)
-        for name in options:
-            setattr(generation_config, name, _hf_default(name))
-    generation_config, kwargs = _stop_strings_as_criteria(self, generation_config, kwargs)
-    with state.serving():  # one engine (one KV cache) per model: serialise concurrent calls
-        return base_generate(inputs, generation_config, custom_generate=_decode_loop,
-                             selfspec_streamer=streamer, selfspec_draft_model=draft_model,
-                             selfspec_options=options, **kwargs)
+    call = SelfSpecCall(streamer=streamer, draft_model=kwargs.pop("assistant_model", None),
+                        options={name: kwargs.pop(name) for name in HF_DRAFT_OPTIONS if name in kwargs},
+                        tokenizer=kwargs.pop("tokenizer", None))
+    if call.draft_model is not None:
+        check_draft_model(model, call.draft_model)
+    with state.serving(call):  # one engine (one KV cache) per model: serialise concurrent calls
+        return base_generate(inputs, generation_config, custom_generate=_decode_loop, selfspec_call=call, **kwargs)
+
+
+def _check_input_ids(ids) -> None:
+    """input_ids as HF's forward takes them: a 2-D tensor of int64 (or int32) ids. HF fails
+    deep inside (an AttributeError, an IndexError, an embedding's dtype error) for the rest."""
+    if ids is None:
+        return  # HF starts from the BOS token
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch tensor [batch, length], got a {type(ids).__name__}: pass "
+                         "tokenizer(text, return_tensors='pt').input_ids or torch.tensor([ids])")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must be integer token ids of dtype torch.long (or torch.int32), got "
+                         f"{ids.dtype}: pass input_ids.long()")
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a 2-D tensor [batch, length >= 1], got shape {tuple(ids.shape)}"
+                         + (": add the batch dimension (ids[None])" if ids.dim() == 1 else ""))
 
 
 def _configured_assistant(model, generation_config):
@@ -538,28 +574,33 @@ def _install_attach_first_check() -> None:
 
 
 
-def _stop_strings_as_criteria(model, generation_config, kwargs):
-    """HF drops `tokenizer` for custom decoding loops, so stop strings become an explicit
-    StopStringCriteria here (same class HF would build, same stopping token)."""
-
+def _with_stop_strings(stopping_criteria, call: SelfSpecCall):
+    """HF's stopping criteria plus the StopStringCriteria HF would have built for the call's
+    stop strings (same class, same stopping token): HF hands a custom loop no tokenizer."""
     from transformers import StoppingCriteriaList
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    tokenizer = kwargs.pop("tokenizer", None)
-    stop_strings = kwargs.pop("stop_strings", None)
-    config = generation_config if generation_config is not None else model.generation_config
-    if stop_strings is None and getattr(config, "stop_strings", None):
-        stop_strings = config.stop_strings
-        generation_config = copy.deepcopy(config)
-        generation_config.stop_strings = None
-    if stop_strings is None:
-        return generation_config, kwargs
-    if tokenizer is None:
-        raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate()")
-    criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
-    kwargs["stopping_criteria"] = criteria
-    return generation_config, kwargs
+    if not call.stop_strings:
+        return stopping_criteria
+    if call.tokenizer is None:
+        raise ValueError("stop_strings (passed, or set in the model's generation_config) need the model's "
+                         "tokenizer: pass tokenizer=... to generate()")
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    criteria.append(StopStringCriteria(tokenizer=call.tokenizer, stop_strings=call.stop_strings))
+    return criteria
+
+
+def _prepare_generation_config(self, generation_config, *args, **kwargs):
+    """HF's GenerationConfig merge; for the generate(assistant="self") call this thread is
+    serving, the merged config's stop strings and drafting options then move to that call
+    (SelfSpecCall.take_from). After HF's merge, because it fills every field a call leaves
+    unset from model.generation_config, which is where these may sit too."""
+    config, model_kwargs = super(type(self), self)._prepare_generation_config(generation_config, *args, **kwargs)
+    state = self.__dict__.get("_selfspec")
+    call = state.take_pending() if state is not None else None
+    if call is not None:
+        call.take_from(config)
+    return config, model_kwargs
 
 
 def _check_request(generation_config, logits_processor) -> bool:
@@ -591,8 +632,6 @@ def _check_request(generation_config, logits_processor) -> bool:
 def _check_token_ids(model, input_ids: torch.Tensor, eos: list[int], pad) -> None:
     """Every id the request names must be a token of the model: an id outside [0, V) would
     fail deep in an embedding lookup or a logits index (HF itself fails there too)."""
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
     vocab = model.get_input_embeddings().weight.shape[0]
     head = model.get_output_embeddings()
     out_vocab = head.weight.shape[0] if head is not None else vocab
@@ -634,8 +673,10 @@ def _row_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
                 first = int(mask.nonzero()[0])
                 if not bool(mask[first:].all()):
                     raise ValueError(
-                        "attention_mask must be ones after left padding (no right padding or holes) "
-                        "with assistant='self'; pad on the left (tokenizer.padding_side='left')"
+                        f"row {b}: attention_mask must be ones after left padding (no right padding or "
+                        "holes) with assistant='self'; pad on the left (tokenizer.padding_side='left'). "
+                        "Passed no attention_mask? HF masks every token equal to pad_token_id: where "
+                        "the prompt itself holds that id, pass attention_mask (the tokenizer's)"
                     )
                 ids = ids[first:]
             else:
@@ -645,25 +686,27 @@ def _row_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 
 def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None,
-                 generation_config=None, selfspec_streamer=None, selfspec_draft_model=None,
-                 selfspec_options=None, **model_kwargs):
+                 generation_config=None, selfspec_call: SelfSpecCall | None = None, **model_kwargs):
     """The custom_generate callable HF's generate() calls with the prepared request."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     gc = generation_config
+    call = selfspec_call if selfspec_call is not None else SelfSpecCall()
+    selfspec_draft_model = call.draft_model
     logits_processor = logits_processor if logits_processor is not None else []
     # every check first, then the engine: a bad request costs no work
     row_processing = _check_request(gc, logits_processor)
+    stopping_criteria = _with_stop_strings(stopping_criteria, call)
     state: SelfSpecState = model._selfspec
     # this call's drafting options (bad values refused here, before any work)
-    config = _per_call_config(state.decode_config, selfspec_options or {}, state.engine_config.width,
+    config = _per_call_config(state.decode_config, call.options, state.engine_config.width,
                               selfspec_draft_model is not None)
     prompt_len = input_ids.shape[1]
     max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - prompt_len
     min_new = gc.min_new_tokens or max(0, (gc.min_length or 0) - prompt_len)
     eos = _eos_ids(gc)
     _check_token_ids(model, input_ids, eos, gc.pad_token_id)
-    streamer = selfspec_streamer
+    streamer = call.streamer
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("streamers support batch size 1 only (as in HF generate)")
     want_logits = bool(gc.output_logits or gc.output_scores) and gc.return_dict_in_generate
@@ -735,17 +778,24 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
                              collect_logits=want_logits, stats=r.stats, scorer=r.scorer,
                              do_sample=bool(gc.do_sample))
             for r in requests]
-    wall = time.perf_counter() - wall
     for r, live in zip(results, stats):
         r.stats.build_time = live.build_time
-    if streamer is not None:
-        streamer.end()
+    if len(results) > 1 and not _pads_stopped_rows(stopping_criteria):
+        def decode_more(b, tokens, n):  # row b on from its prompt and `tokens`, for n tokens
+            scorer = (RowScorer(logits_processor, input_ids[b].tolist() + tokens, engine.view.vocab_size,
+                                engine.view.device) if row_processing else None)
+            return decoder.generate(prompts[b] + tokens, n, eos, collect_logits=want_logits, scorer=scorer,
+                                    do_sample=bool(gc.do_sample))
+        results = _decode_stopped_rows_on(results, decode_more)
+    wall = time.perf_counter() - wall
 
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
     longest = max(len(r.tokens) for r in results)
-    new = torch.full((len(results), longest), int(pad), dtype=input_ids.dtype, device=input_ids.device)
+    # new tokens as int64 whatever the prompt's integer dtype: HF's argmax tokens are, and
+    # its torch.cat promotes an int32 prompt to them
+    new = torch.full((len(results), longest), int(pad), dtype=torch.long, device=input_ids.device)
     for b, r in enumerate(results):
-        new[b, : len(r.tokens)] = torch.tensor(r.tokens, dtype=input_ids.dtype)
+        new[b, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
     sequences = torch.cat([input_ids, new], dim=1)
     model.selfspec_stats = results[0].stats if len(results) == 1 else _merge_stats(results, wall)
     if not gc.return_dict_in_generate:
@@ -757,6 +807,31 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         scores=scores if gc.output_scores else None,
         logits=logits if gc.output_logits else None,
     )
+
+
+def _pads_stopped_rows(stopping_criteria) -> bool:
+    """HF's rule: a row of a batch that its stopping criteria ended is padded only where one
+    of the criteria is an EOS criterion (has `eos_token_id`); otherwise HF decodes that row on
+    with the batch until every row has stopped."""
+    return any(hasattr(c, "eos_token_id") for c in stopping_criteria or ())
+
+
+def _decode_stopped_rows_on(results: list[DecodeResult], decode_more) -> list[DecodeResult]:
+    """Each row shorter than the batch's longest (its stopping criteria ended it) decoded on
+    to that length without stopping, as HF decodes it where nothing pads it.
+    decode_more(b, tokens, n): row b's next n tokens after its prompt and `tokens`."""
+    longest = max(len(r.tokens) for r in results)
+    out = []
+    for b, r in enumerate(results):
+        if len(r.tokens) < longest:
+            more = decode_more(b, r.tokens, longest - len(r.tokens))
+            stats = _merge_stats([r, more], r.stats.total_time + more.stats.total_time)
+            stats.prompt_tokens = r.stats.prompt_tokens
+            r = DecodeResult(r.tokens + more.tokens, stats,
+                             None if r.logits is None else r.logits + more.logits,
+                             None if r.scores is None else r.scores + more.scores)
+        out.append(r)
+    return out
 
 
 def _per_step(rows: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...]:

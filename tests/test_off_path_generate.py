@@ -1,0 +1,147 @@
+"""generate(..., assistant="self") off the happy path: what a transformers user may pass
+besides the documented options. Each case either gives HF's own output (same ids, shape,
+dtype and return type) or is refused up front with an error that says what to do; a
+consumer of the call's streamer never waits forever.
+
+Cases found broken once, each checked here against HF on a tiny random model without heads
+(exact prompt lookup in the engine): a batch stopped row by row by stopping criteria with no
+EOS (HF decodes a stopped row on), stop strings and prompt lookup set in
+`model.generation_config`, int32 / list / int8 input_ids, a prompt holding the pad id with no
+attention mask, a TextIteratorStreamer after a refused call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import (
+    GenerationConfig,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TextIteratorStreamer,
+)
+
+from hf_selfspec import attach_heads
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+def prompt(seed=0, length=20, batch=1, alphabet=12):
+    return torch.randint(3, alphabet, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(stock HF model, the same weights attached without heads)."""
+    ref = tiny_model("llama", seed=1, layers=2, hidden=64)
+    model = tiny_model("llama", seed=1, layers=2, hidden=64)
+    attach_heads(model, heads=False)
+    return ref, model
+
+
+def both(pair, ids, **kw):
+    """(HF's output, ours) for the same call."""
+    ref, model = pair
+    return ref.generate(ids, **GREEDY, **kw), model.generate(ids, assistant="self", **GREEDY, **kw)
+
+
+def char_tokenizer():
+    """A tokenizer of the tiny models' 256 ids, one character each (stop strings need one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = Tokenizer(models.WordLevel({chr(0x30 + i): i for i in range(256)}, unk_token="0"))
+    tokens.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokens.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokens)
+
+
+class StopAtToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_batch_rows_stopped_without_eos_decode_on_as_in_hf(pair, monkeypatch):
+    """HF pads a row its stopping criteria ended only where an EOS criterion exists; with
+    no EOS it decodes that row on until every row has stopped."""
+    ref = pair[0]
+    ids = prompt(3, 12, batch=3)
+    free = ref.generate(ids, max_new_tokens=20, **GREEDY)[:, 12:]
+    stop = StoppingCriteriaList([StopAtToken(int(free[0, 3]))])  # rows 0 and 2 stop early, row 1 never
+    for m in pair:
+        monkeypatch.setattr(m.generation_config, "eos_token_id", None)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=20, stopping_criteria=stop,
+              return_dict_in_generate=True, output_logits=True)
+    expected, got = both(pair, ids, **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.logits) == len(expected.logits) == 20
+    for a, b in zip(expected.logits, got.logits):
+        assert torch.allclose(a, b, atol=1e-4)
+    # with an EOS the stopped rows are padded, as HF pads them
+    expected, got = both(pair, ids, eos_token_id=5, **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_stop_strings_and_prompt_lookup_set_in_model_generation_config(pair, monkeypatch):
+    """HF fills what a call leaves unset from model.generation_config: stop strings and
+    HF's prompt-lookup knob there work as they do as keywords."""
+    ref, model = pair
+    ids = prompt(0)
+    tokenizer = char_tokenizer()
+    free = ref.generate(ids, max_new_tokens=20, **GREEDY)[0, 20:].tolist()
+    for m in pair:
+        monkeypatch.setattr(m.generation_config, "stop_strings", [tokenizer.decode(free[5:7])])
+    expected, got = both(pair, ids, max_new_tokens=20, tokenizer=tokenizer)
+    assert torch.equal(got, expected) and got.shape[1] < 40
+    with pytest.raises(ValueError, match="tokenizer"):
+        model.generate(ids, max_new_tokens=20, assistant="self", **GREEDY)
+    for m in pair:
+        monkeypatch.setattr(m.generation_config, "stop_strings", None)
+        monkeypatch.setattr(m.generation_config, "prompt_lookup_num_tokens", 3)
+    expected, got = both(pair, ids, max_new_tokens=20)
+    assert torch.equal(got, expected)
+    config = GenerationConfig(max_new_tokens=20, **GREEDY)
+    assert torch.equal(model.generate(ids, generation_config=config, assistant="self"), expected)
+
+
+def test_input_ids_hf_takes_give_its_output_others_are_refused(pair):
+    model = pair[1]
+    ids = prompt(0)
+    expected, got = both(pair, ids.int(), max_new_tokens=6)
+    assert got.dtype == expected.dtype == torch.long and torch.equal(got, expected)
+    for bad, error, words in ((ids.tolist(), TypeError, "torch tensor"), (ids.to(torch.int8), ValueError, "torch.long"),
+                              (ids.to(torch.uint8), ValueError, "torch.long")):
+        with pytest.raises(error, match=words):
+            model.generate(bad, max_new_tokens=6, assistant="self", **GREEDY)
+    # the pad id inside a prompt with no attention mask: HF infers a mask with a hole there
+    holed = ids.clone()
+    holed[0, 5] = GREEDY["pad_token_id"]
+    with pytest.raises(ValueError, match="pad_token_id"):
+        model.generate(holed, max_new_tokens=6, assistant="self", **GREEDY)
+    expected, got = both(pair, holed, attention_mask=torch.ones_like(holed), max_new_tokens=6)
+    assert torch.equal(got, expected)
+
+
+class Raise(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        raise KeyError("a stopping criterion failed")
+
+
+def test_a_failed_call_ends_its_streamer(pair):
+    """A consumer iterating a TextIteratorStreamer in another thread would wait forever on
+    a call that raised before its end()."""
+    model = pair[1]
+    ids = prompt(0)
+    refused = TextIteratorStreamer(None, timeout=5)  # nothing is decoded: no tokenizer needed
+    with pytest.raises(ValueError, match="beam search"):
+        model.generate(ids, max_new_tokens=6, num_beams=2, streamer=refused, assistant="self", **GREEDY)
+    assert "".join(refused) == ""  # without end(): queue.Empty after the timeout
+    failed = TextIteratorStreamer(char_tokenizer(), timeout=5)
+    with pytest.raises(KeyError):
+        model.generate(ids, max_new_tokens=6, stopping_criteria=StoppingCriteriaList([Raise()]),
+                       streamer=failed, assistant="self", **GREEDY)
+    assert isinstance("".join(failed), str)
