@@ -152,7 +152,6 @@ _UNSUPPORTED = {
     "dola_layers": (_is_set, "DoLa decoding (dola_layers) is not supported with assistant='self'; drop dola_layers"),
     "watermarking_config": (_is_set, ("watermarking is not supported with assistant='self'; "
                                      "drop watermarking_config")),
-    "num_return_sequences": (_above_one, "num_return_sequences > 1 is not supported with assistant='self'"),
     "output_attentions": (bool, "output_attentions is not supported with assistant='self'"),
     "output_hidden_states": (bool, "output_hidden_states is not supported with assistant='self'"),
     "assistant_early_exit": (_is_set, ("assistant_early_exit and assistant='self' are two different drafters; "
@@ -507,7 +506,9 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with assistant='self': pass input_ids")
-    _check_input_ids(inputs if inputs is not None else kwargs.get("input_ids"))
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    _check_passed_cache(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
+    _check_input_ids(ids, kwargs.get("attention_mask"))
     if kwargs.get("cache_implementation") == "paged":
         # HF would switch to continuous batching before our loop is reached
         raise ValueError("cache_implementation='paged' (continuous batching) is not supported with "
@@ -521,9 +522,27 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
         return base_generate(inputs, generation_config, custom_generate=_decode_loop, selfspec_call=call, **kwargs)
 
 
-def _check_input_ids(ids) -> None:
-    """input_ids as HF's forward takes them: a 2-D tensor of int64 (or int32) ids. HF fails
-    deep inside (an AttributeError, an IndexError, an embedding's dtype error) for the rest."""
+def _check_passed_cache(ids, attention_mask, cache) -> None:
+    """The loop decodes from input_ids alone, in its engine's own KV cache: a passed cache
+    (past_key_values) is not read. That is HF's output where the ids hold the whole sequence
+    (HF's rule: the attention mask as long as the ids) and the cache a prefix of them; where
+    the cache holds tokens the ids do not repeat (only the new tokens passed), it is not."""
+    seen = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+    if not seen or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return
+    mask_length = attention_mask.shape[-1] if isinstance(attention_mask, torch.Tensor) else ids.shape[1]
+    if mask_length != ids.shape[1] or seen >= ids.shape[1]:
+        raise ValueError(
+            f"the past_key_values passed hold {seen} tokens that input_ids ({ids.shape[1]} tokens) do not "
+            "repeat: generate(assistant='self') decodes from input_ids alone, in its own KV cache. Pass "
+            "the whole sequence as input_ids (with its attention_mask), and past_key_values may be dropped")
+
+
+def _check_input_ids(ids, attention_mask) -> None:
+    """input_ids as HF's forward takes them: a 2-D tensor of int64 (or int32) ids, and an
+    attention mask of the same shape. HF fails deep inside (an AttributeError, an
+    IndexError, an embedding's dtype error, a shape mismatch in the forward) for the rest;
+    the loop would cut the rows' prompts at the wrong places with a mask of another shape."""
     if ids is None:
         return  # HF starts from the BOS token
     if not isinstance(ids, torch.Tensor):
@@ -535,6 +554,9 @@ def _check_input_ids(ids) -> None:
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be a 2-D tensor [batch, length >= 1], got shape {tuple(ids.shape)}"
                          + (": add the batch dimension (ids[None])" if ids.dim() == 1 else ""))
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape != ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} and input_ids "
+                         f"{tuple(ids.shape)}: pass the attention_mask the tokenizer returned with these ids")
 
 
 def _configured_assistant(model, generation_config):
@@ -744,6 +766,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    # HF passes its criteria the scores so far where it keeps them, else None
+    scores_for_criteria = NoScores() if gc.return_dict_in_generate and gc.output_scores else None
     requests, stats = [], []
     for b, p in enumerate(prompts):
         padded = input_ids[b].tolist()
@@ -752,7 +776,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
             if stopping_criteria is None or not len(stopping_criteria):
                 return False
             seq = torch.tensor([padded + out], device=input_ids.device)
-            return bool(stopping_criteria(seq, None)[0])
+            return bool(stopping_criteria(seq, scores_for_criteria)[0])
 
         on_commit = None
         if streamer is not None:
@@ -807,6 +831,21 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         scores=scores if gc.output_scores else None,
         logits=logits if gc.output_logits else None,
     )
+
+
+class NoScores:
+    """The `scores` a stopping criterion gets where HF would pass the scores so far
+    (return_dict_in_generate with output_scores): the loop checks the criteria token by
+    token as it commits several verified tokens, without a scores tuple to hand them. A
+    criterion that reads it gets this error rather than a deep TypeError or another stop."""
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            "a stopping criterion read `scores`, which generate(assistant='self') does not pass to "
+            "stopping criteria (HF's own criteria do not read them): decide from input_ids, or "
+            "drop assistant='self' for this call")
+
+    __getitem__ = __len__ = __iter__ = __bool__ = __getattr__ = _refuse
 
 
 def _pads_stopped_rows(stopping_criteria) -> bool:

@@ -80,7 +80,7 @@ BAD_CASES = [
     ("constrained beam search", dict(num_beams=2, force_words_ids=[[7]]), ValueError, "beam search"),
     ("watermarking", dict(watermarking_config={"bias": 2.0, "seeding_scheme": "lefthash"}), ValueError,
      "watermark"),
-    ("several sequences", dict(num_return_sequences=2, do_sample=True), ValueError, "num_return_sequences"),
+    ("several greedy sequences (HF's refusal)", dict(num_return_sequences=2), ValueError, "num_return_sequences"),
     ("attentions", dict(output_attentions=True, return_dict_in_generate=True), ValueError, "output_attentions"),
     ("HF prompt lookup, no tokens", dict(prompt_lookup_num_tokens=0), ValueError,
      "prompt_lookup_num_tokens must be an int >= 1"),

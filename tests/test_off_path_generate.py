@@ -7,7 +7,9 @@ Cases found broken once, each checked here against HF on a tiny random model wit
 (exact prompt lookup in the engine): a batch stopped row by row by stopping criteria with no
 EOS (HF decodes a stopped row on), stop strings and prompt lookup set in
 `model.generation_config`, int32 / list / int8 input_ids, a prompt holding the pad id with no
-attention mask, a TextIteratorStreamer after a refused call.
+attention mask, a TextIteratorStreamer after a refused call, an attention mask of another
+shape, a passed cache holding tokens the ids do not repeat, a stopping criterion reading
+`scores`. num_return_sequences with sampling, refused once, decodes HF's expanded batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from transformers import (
+    DynamicCache,
     GenerationConfig,
     StoppingCriteria,
     StoppingCriteriaList,
@@ -145,3 +148,49 @@ def test_a_failed_call_ends_its_streamer(pair):
         model.generate(ids, max_new_tokens=6, stopping_criteria=StoppingCriteriaList([Raise()]),
                        streamer=failed, assistant="self", **GREEDY)
     assert isinstance("".join(failed), str)
+
+
+def test_num_return_sequences_when_sampling(pair):
+    """HF expands the batch before our loop: each prompt's sequences are sampled apart."""
+    ref, model = pair
+    ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), prompt(1, 15)], dim=1)
+    ids = torch.cat([ids, prompt(2)])
+    kw = dict(attention_mask=(ids != 0).long(), num_return_sequences=3, max_new_tokens=8, do_sample=True,
+              pad_token_id=0)
+    expected = ref.generate(ids, top_k=1, **kw)  # sampling from one token: comparable with HF
+    got = model.generate(ids, top_k=1, assistant="self", **kw)
+    assert got.shape == (6, 28) and torch.equal(got, expected)
+    runs = []
+    for seed in (1, 1):
+        torch.manual_seed(seed)
+        runs.append(model.generate(ids, temperature=1.5, assistant="self", **kw))
+    assert torch.equal(runs[0], runs[1]) and len({tuple(r) for r in runs[0][:, 20:].tolist()}) > 1
+
+
+class ReadScores(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return scores[-1].argmax(-1) == 5
+
+
+def test_what_the_loop_cannot_read_is_refused_clearly(pair):
+    """A mask of another shape than the ids, a passed cache holding tokens the ids do not
+    repeat (HF decodes on from it), a stopping criterion that reads the scores."""
+    ref, model = pair
+    ids = prompt(0)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        model.generate(ids, attention_mask=torch.ones(1, 10, dtype=torch.long), max_new_tokens=4,
+                       assistant="self", **GREEDY)
+
+    def cache_of(m, n):  # a DynamicCache holding the first n prompt tokens
+        cache = DynamicCache()
+        m(ids[:, :n], past_key_values=cache, use_cache=True)
+        return cache
+
+    with pytest.raises(ValueError, match="do not repeat"):
+        model.generate(ids[:, 10:], past_key_values=cache_of(model, 10), max_new_tokens=4, assistant="self", **GREEDY)
+    expected = ref.generate(ids, past_key_values=cache_of(ref, 10), max_new_tokens=4, **GREEDY)
+    got = model.generate(ids, past_key_values=cache_of(model, 10), max_new_tokens=4, assistant="self", **GREEDY)
+    assert torch.equal(got, expected)  # the whole sequence passed: the cache is a prefix of it
+    with pytest.raises(NotImplementedError, match="read `scores`"):
+        model.generate(ids, max_new_tokens=4, stopping_criteria=StoppingCriteriaList([ReadScores()]),
+                       return_dict_in_generate=True, output_scores=True, assistant="self", **GREEDY)
