@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from ..engine.programs import Engine
+from ..heads.device_drafting import draft_chain_on_device, draft_trees_on_device
 from .candidates import Candidate, DraftContext, Proposal, Source
 from .lookup import PromptLookup
 from .sampling import sample
@@ -54,6 +55,10 @@ class TopHeadsDrafter:
         self.children = children
         self.beam = beam
         self.min_prob = min_prob
+        # On an accelerator each head step decided on the host is a sync that stalls the
+        # launch queue: draft there with every step on the device and one transfer
+        # (device_drafting.py, the same drafts). On a CPU, stopping early saves real work.
+        self.one_sync = heads.out_norm.device.type != "cpu"
 
     def start(self, prompt: Sequence[int]) -> None:
         pass
@@ -66,11 +71,10 @@ class TopHeadsDrafter:
         if ctx.scorer is not None:
             candidates = self._sampled_chain(ctx, budget)
         elif ctx.tree:
-            nodes = self.heads.draft_tree(ctx.final_before, root, budget, self.thresholds, self.children,
-                                          self.beam, self.min_prob, ctx.eos)
+            nodes = self._trees(ctx.final_before.reshape(1, -1), [root], [budget], [ctx.eos])[0]
             candidates = [Candidate(n.parent, n.token, Source.HEAD, n.step, n.prob, n.on_chain) for n in nodes]
         else:
-            chain = self.heads.draft(ctx.final_before, root, budget, self.thresholds)
+            chain = self._chain(ctx.final_before, root, budget)
             candidates = [Candidate(j - 1, token, Source.HEAD, step, conf)
                           for j, (token, conf, step) in enumerate(chain)]
         return Proposal(self.key, candidates, evaluations=1)
@@ -79,11 +83,22 @@ class TopHeadsDrafter:
         """`propose` for several sequences' tree cycles at once (a batch): their head steps
         run together (heads.draft_trees); each proposal is the one `propose` gives alone."""
         finals = torch.stack([ctx.final_before for ctx, _ in requests])
-        trees = self.heads.draft_trees(finals, [ctx.committed[-1] for ctx, _ in requests],
-                                       [budget for _, budget in requests], self.thresholds, self.children,
-                                       self.beam, self.min_prob, [ctx.eos for ctx, _ in requests])
+        trees = self._trees(finals, [ctx.committed[-1] for ctx, _ in requests],
+                            [budget for _, budget in requests], [ctx.eos for ctx, _ in requests])
         return [Proposal(self.key, [Candidate(n.parent, n.token, Source.HEAD, n.step, n.prob, n.on_chain)
                                     for n in nodes], evaluations=1) for nodes in trees]
+
+    def _chain(self, final: torch.Tensor, root: int, budget: int) -> list[tuple[int, float, int]]:
+        if self.one_sync:
+            return draft_chain_on_device(self.heads, final, root, budget, self.thresholds)
+        return self.heads.draft(final, root, budget, self.thresholds)
+
+    def _trees(self, finals: torch.Tensor, roots: list[int], depths: list[int], stops: list) -> list:
+        if self.one_sync:
+            return draft_trees_on_device(self.heads, finals, roots, depths, self.thresholds, self.children,
+                                         self.beam, self.min_prob, stops)
+        return self.heads.draft_trees(finals, roots, depths, self.thresholds, self.children, self.beam,
+                                      self.min_prob, stops)
 
     def _sampled_chain(self, ctx: DraftContext, budget: int) -> list[Candidate]:
         heads, scorer = self.heads, ctx.scorer
