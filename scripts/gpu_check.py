@@ -232,6 +232,19 @@ def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
             failed.append(f"prompt {i}: graph tree tokens != AR tokens")
     if graph_engine.graphs.eager:
         failed.append(f"tree engine's capture fell back: {graph_engine.graphs.fallback_reason}")
+    # the heads' drafting: one host sync per cycle (the default on CUDA) against a decision
+    # on the host after every head step
+    print("\n| heads' drafting | draft ms / cycle | == AR |")
+    print("|---|---|---|")
+    for one_sync in (True, False):
+        decoder = SelfSpecDecoder(graph_engine, top, config)
+        decoder.drafter.one_sync = one_sync
+        runs = [decoder.generate(prompt, N) for prompt in prompts]
+        same = all(r.tokens == engine.generate_ar(p, N) for r, p in zip(runs, prompts))
+        per_cycle = 1e3 * sum(r.stats.draft_time for r in runs) / max(1, sum(r.stats.cycles for r in runs))
+        print(f"| {'one sync' if one_sync else 'sync per step'} | {per_cycle:.3f} | {same} |")
+        if not same:
+            failed.append(f"trees with {'one-sync' if one_sync else 'per-step'} drafting != AR tokens")
     if off_chain == 0:
         print("(no cycle accepted a row off the chain: trees were verified, but no branch was taken)")
 
