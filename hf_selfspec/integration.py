@@ -35,6 +35,7 @@ from .decoding.sampling import (
     RowScorer,
     unsupported_processors,
 )
+from .engine import costs
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .logs import logger
 from .stats import DecodeStats
@@ -745,7 +746,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     limit = getattr(model.config, "max_position_embeddings", None) or need + state.engine_config.width
     engine = state.engine_for(model, min(need + state.engine_config.width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
-    getattr(engine, "attention_seconds", None)
+    if need > costs.cost_context(engine):  # only rows past the measured context need it
+        getattr(engine, "attention_seconds", None)
     draft_engine = None
     if selfspec_draft_model is not None:
         draft_engine = state.draft_engine_for(selfspec_draft_model, engine.capacity)

@@ -149,7 +149,7 @@ def test_auto_layout_prefers_the_kernel_at_equal_product_cost(monkeypatch):
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
-    monkeypatch.setattr(costs, "gemm_seconds", lambda layout, linears, width, reps=3, give_up=None: 1.0)
+    monkeypatch.setattr(costs, "gemm_seconds", lambda layout, linears, width, reps=3, give_up=None, per_rows=None: 1.0)
     assert Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256)).layout.name == "kernel"
 
 
@@ -165,7 +165,7 @@ def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micr
         pytest.skip("the C++ row kernel cannot be built on this machine")
     calls = []
 
-    def fake(layout, linears, width, reps=3, give_up=float("inf")):
+    def fake(layout, linears, width, reps=3, give_up=float("inf"), per_rows=None):
         seconds = {"kernel": 1.0, "micro": micro_seconds}[layout.name]
         calls.append((layout.name, give_up))
         return float("inf") if seconds > give_up else seconds
@@ -365,3 +365,48 @@ def test_step_costs_at_a_longer_context_weigh_each_rows_attention():
     engine.verify = verify
     far = engine.step_costs_at(2000)
     assert far[4] >= engine.step_costs[4] and engine.step_costs_at(10) == engine.step_costs
+
+
+def test_step_costs_of_a_big_model_come_from_the_layout_choices_product_timings(monkeypatch):
+    """Where a round of step timing would take over ESTIMATE_ABOVE_SECONDS (every 1..W-row
+    step of a model of gigabytes streams all its weights), the curve is the products' of 1
+    and W rows that choosing the layout has just timed, linear in between, and no step is
+    timed; below it, or with products unknown (a cached layout), the steps are timed."""
+    assert costs.step_costs_from_products(8, {1: 0.02, 8: 0.03}) is None  # a small model: timed
+    assert costs.step_costs_from_products(8, {}) is None
+    curve, one = costs.step_costs_from_products(8, {1: 0.12, 8: 0.19})
+    assert one == 0.12 and len(curve) == 9 and curve[:2] == (1.0, 1.0)
+    assert curve[8] == pytest.approx(0.19 / 0.12) and curve[4] == pytest.approx(1 + (0.19 / 0.12 - 1) * 3 / 7)
+    assert costs.step_costs_from_products(4, {1: 0.2, 4: 0.1})[0] == (1.0,) * 5  # never cheaper with rows
+
+    def big_products(layout, linears, width, reps=3, give_up=float("inf"), per_rows=None):
+        per_rows.update({1: 0.12, width: 0.19})
+        return 0.31 if layout.name == "micro" else 0.3
+
+    def refuse(engine):
+        raise AssertionError("steps timed")
+
+    monkeypatch.setattr(costs, "gemm_seconds", big_products)
+    monkeypatch.setattr(costs, "measure_step_costs", refuse)
+    engine = engine_or_skip(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256,
+                                                                      measurement_cache=False))
+    assert engine.step_costs[8] == pytest.approx(0.19 / 0.12) and engine.one_row_seconds == 0.12
+
+
+def test_a_request_within_the_measured_context_does_not_time_the_attention(monkeypatch):
+    """generate(assistant="self") measures the attention cost per row and key only for a
+    request whose rows see more keys than the step costs were measured at."""
+    from hf_selfspec import attach_heads
+
+    calls = []
+    real = costs.measure_attention_seconds
+    monkeypatch.setattr(costs, "measure_attention_seconds", lambda engine: calls.append(1) or real(engine))
+    model = tiny_model("llama", seed=0, layers=2)
+    attach_heads(model, heads=False, engine=EngineConfig(width=4, capacity=2048, measurement_cache=False))
+    ids = torch.randint(3, 200, (1, 20), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, assistant="self", max_new_tokens=8, do_sample=False)
+    assert calls == []
+    engine = model._selfspec.engine
+    long_ids = torch.randint(3, 200, (1, costs.cost_context(engine) + 10), generator=torch.Generator().manual_seed(1))
+    model.generate(long_ids, assistant="self", max_new_tokens=8, do_sample=False)
+    assert calls == [1]

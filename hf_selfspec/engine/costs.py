@@ -43,11 +43,13 @@ LONG_GEMM_SECONDS = 0.25
 
 @torch.no_grad()
 def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: int,
-                 reps: int = GEMM_REPS, give_up: float = math.inf) -> float:
+                 reps: int = GEMM_REPS, give_up: float = math.inf,
+                 per_rows: dict[int, float] | None = None) -> float:
     """Best-of-`reps` seconds of every weight's product for a `width`-row step and an AR
     step (what a decoder takes: the widest verification, and AR where drafts do not pay).
     math.inf as soon as the total passes `give_up` (a candidate that has already lost: on a
-    big model each pass reads gigabytes, and the first call waits for it)."""
+    big model each pass reads gigabytes, and the first call waits for it). `per_rows`, if
+    given, receives each row count's seconds (see step_costs_from_products)."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's RNG (sampling seeds)
     total = 0.0
     for n in sorted({1, width}, reverse=True):  # the wide step first: where layouts differ most
@@ -68,7 +70,32 @@ def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: i
             if best > LONG_GEMM_SECONDS:  # a big model: one pass is a steady measurement
                 break
         total += best
+        if per_rows is not None:
+            per_rows[n] = best
     return total
+
+
+# A step-cost round estimated longer than this (a model of gigabytes: each of its 1..W-row
+# steps streams every weight) is not timed: the curve comes from the products the layout
+# choice has just timed (step_costs_from_products), which on such a model are nearly all of
+# a step. A 0.82B fp32 model's round took ~1.1 s of its first call.
+ESTIMATE_ABOVE_SECONDS = 0.5
+
+
+def step_costs_from_products(width: int, products: dict[int, float]) -> tuple[tuple[float, ...], float] | None:
+    """`measure_step_costs`' result estimated from the products of a 1-row and a `width`-row
+    step (gemm_seconds' per_rows; linear in between), where timing the steps themselves
+    would take over ESTIMATE_ABOVE_SECONDS; None where it would not (or the products are
+    unknown). Attention, norms and the rest of a step, a few percent of a big model's step,
+    are left out of the curve; the 1-row seconds are the products'."""
+    one, wide = products.get(1), products.get(width)
+    if one is None or wide is None or not 0.0 < one < math.inf or not wide < math.inf:
+        return None
+    if width * (one + wide) / 2 <= ESTIMATE_ABOVE_SECONDS:
+        return None
+    wide = max(wide, one)  # more rows never cost less (timing noise flattened out)
+    curve = [1.0 + (wide / one - 1.0) * (n - 1) / max(1, width - 1) for n in range(1, width + 1)]
+    return tuple([1.0] + curve), one
 
 
 def cost_context(engine: Engine) -> int:

@@ -191,10 +191,15 @@ class Engine:
         wanted, v = self.config.row_layout, self.view
         linears = self._all_linears()
         cached = self._measured.layout if wanted == "auto" else None
-        layout = choose_layout(
-            wanted, self.width, v.device, linears, cached=cached,
-            measure=lambda candidate, give_up: costs.gemm_seconds(candidate, linears, self.width,
-                                                                give_up=give_up))
+        timed: dict[str, dict[int, float]] = {}  # each timed layout's products per row count
+
+        def measure(candidate: RowLayout, give_up: float) -> float:
+            timed[candidate.name] = {}
+            return costs.gemm_seconds(candidate, linears, self.width, give_up=give_up,
+                                      per_rows=timed[candidate.name])
+
+        layout = choose_layout(wanted, self.width, v.device, linears, cached=cached, measure=measure)
+        self._products_seconds = timed.get(layout.name, {})
         if wanted == "auto" and v.device.type == "cpu" and layout.name in AUTO_ORDER and layout.name != cached:
             self._measured.store_layout(layout.name)
         if v.device.type == "cpu" and layout.name != "kernel":
@@ -512,7 +517,8 @@ class Engine:
     @property
     def step_costs(self) -> tuple[float, ...]:
         """Verify cost of n rows (index n = 1..W; index 0 = 1 row) in units of a 1-row step:
-        measured once per model, machine and software (costs.measure_step_costs), cached on
+        measured once per model, machine and software (costs.measure_step_costs; on a model
+        of gigabytes, estimated from the layout choice's product timings), cached on
         disk (cache.py; measured again when a step now is several times faster than the
         cached one, i.e. the cache was measured on a busy machine) and kept when the KV cache
         grows."""
@@ -522,7 +528,8 @@ class Engine:
             if found is not None and costs.measured_while_busy(self, found[1]):
                 found = None  # measured on a busy machine: measure again and store
             if found is None:
-                found = costs.measure_step_costs(self)
+                found = (costs.step_costs_from_products(self.width, self._products_seconds)
+                         or costs.measure_step_costs(self))
                 self._measured.store_step_costs(self.layout.name, context, *found)
             self._step_costs, self._one_row_seconds = found
         return self._step_costs
