@@ -122,6 +122,28 @@ def test_the_storage_check_finds_a_copy():
 # ---- KV cache: sized to the request, grown and shrunk by copying -------------------------
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_fresh_cache_is_zeros_that_take_no_memory_until_written(dtype):
+    """The KV cache's buffers (programs.zeroed) hold zeros, start on a cache line, and on
+    the CPU take no resident memory before they are written (the OS maps zero pages on
+    first touch, as a request's steps write their slots)."""
+    from hf_selfspec.engine.programs import zeroed
+
+    before = _resident_bytes()
+    cache = zeroed((16, 8, 2304, 64), dtype, torch.device("cpu"))  # 151 / 75 MB
+    grown = _resident_bytes() - before
+    assert cache.shape == (16, 8, 2304, 64) and cache.dtype == dtype and cache.is_contiguous()
+    assert cache.data_ptr() % 64 == 0
+    assert grown < 16 * 2**20, f"{grown / 2**20:.0f} MB resident before any write"
+    cache[:, :, :16] = 1.0
+    assert int((cache != 0).sum()) == 16 * 8 * 16 * 64 and not cache[:, :, 16:].any()
+
+
 @pytest.mark.parametrize("layout", ["micro", "kernel"])
 def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch, layout):
     """A cache too short for the rest of a generation grows mid-way (the used prefix

@@ -27,6 +27,8 @@ owns is the KV cache (sized to the request, grown and shrunk by copying) and sma
 from __future__ import annotations
 
 import inspect
+import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -118,6 +120,21 @@ def weight_signature(model: torch.nn.Module) -> tuple:
 
 def _whole_blocks(slots: int) -> int:
     return -(-slots // KEY_BLOCK) * KEY_BLOCK
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape, dtype, device); on the CPU in an anonymous memory map, whose pages
+    the OS maps as zeros on first touch: nothing is written up front, and the slots a
+    request never reaches take no resident memory. Writing zeros into a fresh cache faults
+    in every page at once, and right after a model of gigabytes was built each fault can be
+    slow; numpy.zeros (calloc) asks for huge pages, whose faults then wait for memory
+    compaction (docs/benchmarks_2026-12-05.md, session 4). The map is page-aligned and
+    lives as long as the tensor."""
+    count = math.prod(shape)
+    if device.type != "cpu" or count == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    item = torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, count * item), dtype=dtype).view(shape)
 
 
 class Engine:
@@ -221,8 +238,8 @@ class Engine:
         shape = (v.num_layers, v.num_kv_heads, num_slots, v.head_dim)
         old_k, old_v = self.k_cache, self.v_cache
         self.k_cache = self.v_cache = None  # the caller's references keep the old ones alive
-        k_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
-        v_cache = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        k_cache = zeroed(shape, v.dtype, v.device)
+        v_cache = zeroed(shape, v.dtype, v.device)
         if keep and old_k is not None:
             k_cache[:, :, :keep] = old_k[:, :, :keep]
             v_cache[:, :, :keep] = old_v[:, :, :keep]
