@@ -35,7 +35,7 @@ def random_heads(model, layers, seed=0):
     return heads
 
 
-def random_top_heads(model, depth=2, seed=0):
+def random_top_heads(model, depth=2, seed=0, adapter=16):
     """Top-layer draft heads with random chain steps (confident, mostly wrong)."""
     from hf_selfspec.heads.repo import fingerprint
     from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
@@ -43,7 +43,7 @@ def random_top_heads(model, depth=2, seed=0):
     cfg = model.config
     config = TopHeadsConfig(base_model="tiny", base_fingerprint=fingerprint(model),
                             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=16,
+                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=adapter,
                             reduced_vocab=cfg.vocab_size)
     heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
     gen = torch.Generator().manual_seed(seed)

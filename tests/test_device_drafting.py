@@ -11,28 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from test_decoding import random_top_heads
 
 from hf_selfspec.decoding.config import DecodeConfig
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
 from hf_selfspec.engine.programs import Engine, EngineConfig
 from hf_selfspec.heads.device_drafting import draft_chain_on_device, draft_trees_on_device
-from hf_selfspec.heads.repo import fingerprint
-from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
-
-
-def random_heads(model, depth: int, seed: int) -> TopDraftHeads:
-    cfg = model.config
-    config = TopHeadsConfig(base_model="tiny", base_fingerprint=fingerprint(model),
-                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=32,
-                            reduced_vocab=cfg.vocab_size)
-    heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for step in heads.steps[1:]:  # step 0 stays the logit lens of the final state
-            for p in (step.down.weight, step.up.weight):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return heads
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +39,7 @@ def test_one_sync_trees_and_chains_equal_the_host_drafting(model):
     roots = [6, 9, 200, 31]
     branched = 0
     for seed in (0, 2):
-        heads = random_heads(model, 4, seed)
+        heads = random_top_heads(model, 4, seed, adapter=32)
         finals = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)) * 3
         for depths, children, beam, min_prob, thresholds in CASES:
             first = heads.draft_tree(finals[1], roots[1], depths[1], thresholds, children, beam, min_prob)
@@ -77,7 +61,7 @@ def test_decoding_with_one_sync_drafting_is_the_engines_ar(model, tree):
     """The decoder's heads drafter forced to the one-sync path (as on CUDA): the output is
     the engine's AR output and the drafting (same drafts) accepts exactly as much."""
     engine = Engine(model, EngineConfig(width=8, capacity=200, row_layout="kernel"))
-    heads = random_heads(model, 3, 0)
+    heads = random_top_heads(model, 3, 0, adapter=32)
     prompt = [5, 17, 99, 5, 17, 42, 7, 7, 7, 120]
     config = DecodeConfig(thresholds=0.0, lookup="off", tree=tree, siblings=2, sibling_min_prob=0.0,
                           adaptive=False)

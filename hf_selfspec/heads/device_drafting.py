@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .top import DraftNode, TopDraftHeads
+from .top import DraftNode, TopDraftHeads, likeliest_first
 
 
 def _stop_table(stop_tokens, device) -> torch.Tensor:
@@ -135,9 +135,4 @@ def _nodes_from_records(records: list[list[list[float]]], n_seq: int, k: int) ->
                                           parent_on_chain and c == 0))
                 cells[r * k + c] = len(nodes[b]) - 1
         index_of_cell = cells
-    trees = []
-    for found in nodes:
-        order = sorted(range(len(found)), key=lambda i: (-found[i].prob, found[i].step))
-        position = {old: new for new, old in enumerate(order)}
-        trees.append([found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order])
-    return trees
+    return [likeliest_first(found) for found in nodes]

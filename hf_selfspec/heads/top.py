@@ -113,6 +113,14 @@ class TopHeadsConfig:
 REQUIRED_FIELDS = checks.IDENTITY_FIELDS + ("depth", "adapter_dim", "reduced_vocab")
 
 
+def likeliest_first(found: list[DraftNode]) -> list[DraftNode]:
+    """A tree's nodes in the order they were found (parents first), reordered most likely
+    first (ties: shallower, then found earlier), parents renumbered: any prefix is a tree."""
+    order = sorted(range(len(found)), key=lambda i: (-found[i].prob, found[i].step))
+    position = {old: new for new, old in enumerate(order)}
+    return [found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order]
+
+
 def _fast_linear(weight: torch.Tensor):
     """x [n, K] @ w[O, K]^T through the C++ row kernel for float32 CPU weights, where it
     builds (kernels/cpu_rows.py); None otherwise (F.linear is used)."""
@@ -314,9 +322,4 @@ class TopDraftHeads(nn.Module):
             h = h[torch.tensor(keep_rows, device=h.device)]
             step_tokens = torch.tensor(keep_tokens, device=h.device)
             owner = keep_owner
-        trees = []
-        for found in nodes:
-            order = sorted(range(len(found)), key=lambda i: (-found[i].prob, found[i].step))
-            position = {old: new for new, old in enumerate(order)}
-            trees.append([found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order])
-        return trees
+        return [likeliest_first(found) for found in nodes]
