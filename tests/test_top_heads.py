@@ -133,3 +133,44 @@ def test_float16_storage_round_trip(tmp_path):
         TopHeadsConfig.from_dict({**heads.config.to_dict(), "storage_dtype": "int8"})
 
 
+
+
+def test_drafting_reads_16bit_copies_kept_current():
+    """On the CPU row kernel, drafting reads float16 copies of the step weights and LM-head
+    rows: bit-identical to float32 arithmetic on those weights rounded to float16 (exact for
+    the shipped float16-stored heads), made again after an in-place change of a weight;
+    with autograd on (training) the float32 weights are used as before."""
+    import torch.nn.functional as F
+
+    from hf_selfspec.heads.base import rms_norm
+    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
+
+    kernel = load_rows_linear()
+    if kernel is None:
+        pytest.skip(f"the C++ row kernel does not build here: {build_error()}")
+    model = tiny_model("llama", seed=0, layers=4)
+    heads = random_top_heads(model)
+    assert heads._fast_linear is not None
+
+    def expected(step, h, tokens, rounded):
+        def w(t):
+            return t.detach().half().float() if rounded else t.detach()
+        s = heads.steps[step]
+        linear = (lambda x, t: kernel(x.contiguous(), w(t))) if rounded else (lambda x, t: F.linear(x, t))
+        x = torch.cat([rms_norm(h, s.h_norm, s.eps), rms_norm(F.embedding(tokens, heads.embed), s.e_norm, s.eps)], -1)
+        h = h + linear(F.silu(linear(x, s.down.weight)), s.up.weight)
+        return h, linear(rms_norm(h, heads.out_norm, heads.config.rms_norm_eps), heads.lm_rows)
+
+    h = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor([5, 9, 11])
+    for step in range(2):
+        with torch.no_grad():
+            got, want = heads.step_logits(step, h, tokens), expected(step, h, tokens, True)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with torch.no_grad():
+        heads.steps[1].up.weight.mul_(-0.5)  # in place: the copy must follow
+        got, want = heads.step_logits(1, h, tokens), expected(1, h, tokens, True)
+    assert torch.equal(got[1], want[1])
+    with torch.enable_grad():  # training: float32 weights, F.linear
+        got, want = heads.step_logits(1, h, tokens), expected(1, h, tokens, False)
+    assert torch.equal(got[1], want[1])

@@ -121,9 +121,14 @@ def likeliest_first(found: list[DraftNode]) -> list[DraftNode]:
     return [found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order]
 
 
+# largest magnitude a float16 holds: weights beyond it are drafted from bfloat16 copies
+FLOAT16_MAX = 65504.0
+
+
 def _fast_linear(weight: torch.Tensor):
     """x [n, K] @ w[O, K]^T through the C++ row kernel for float32 CPU weights, where it
-    builds (kernels/cpu_rows.py); None otherwise (F.linear is used)."""
+    builds (kernels/cpu_rows.py); None otherwise (F.linear is used). The kernel also takes
+    16-bit weights with float32 x (widened exactly in registers, float32 arithmetic)."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
     from hf_selfspec.kernels.cpu_rows import load_rows_linear
@@ -172,6 +177,8 @@ class TopDraftHeads(nn.Module):
         self.register_buffer("embed", None, persistent=False)  # [vocab, H], the model's
         self.calibration = None
         self.heads = []  # no exit heads: the decoder drafts with `draft`
+        # 16-bit copies drafting reads on the row kernel: {name: ((data_ptr, version), copy)}
+        self._draft_copies: dict[str, tuple[tuple[int, int], torch.Tensor]] = {}
 
     # ---- binding ---------------------------------------------------------------------
 
@@ -185,12 +192,18 @@ class TopDraftHeads(nn.Module):
         if int(self.vocab_ids.max()) >= lm.shape[0]:
             raise ValueError("heads propose token ids outside the model's vocabulary")
         self.to(device=lm.device, dtype=lm.dtype)
+        self._draft_copies.clear()
         self.lm_rows = lm.detach()[self.vocab_ids.to(lm.device)].contiguous()
         self.embed = emb.detach()
         if self.out_norm.device != lm.device:
             self.to(lm.device)
         self._fast_linear = _fast_linear(lm)
         return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .half() / ... give the weights new storage: drafting copies start again
+        self._draft_copies.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     def init_from_model(self, model) -> TopDraftHeads:
         """Start the output norm from the model's final norm, then bind. Heads made for this
@@ -226,12 +239,37 @@ class TopDraftHeads(nn.Module):
         """Step i: state h [n, H], previous tokens [n] -> (next state, logits [n, V]).
         Drafting (no autograd) on a float32 CPU model runs the products through the C++
         row kernel, which is faster than F.linear there for the LM-head product, most of
-        a draft's cost (docs/head_study.md)."""
+        a draft's cost (docs/head_study.md), and reads 16-bit copies of the step weights
+        and LM-head rows (`_draft_weight`): drafting streams these bytes every step, and
+        a draft is only a proposal (the model verifies it), so their rounding can change
+        which tokens are proposed, never the output."""
         fast = getattr(self, "_fast_linear", None)
-        linear = fast if fast is not None and not torch.is_grad_enabled() else F.linear
-        h = self.steps[i](h, F.embedding(tokens, self.embed), linear)
-        logits = linear(rms_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
-        return h, logits
+        step = self.steps[i]
+        if fast is None or torch.is_grad_enabled():
+            h = step(h, F.embedding(tokens, self.embed))
+            return h, F.linear(rms_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
+        x = torch.cat([rms_norm(h, step.h_norm, step.eps),
+                       rms_norm(F.embedding(tokens, self.embed), step.e_norm, step.eps)], dim=-1)
+        down = self._draft_weight(f"steps.{i}.down", step.down.weight)
+        up = self._draft_weight(f"steps.{i}.up", step.up.weight)
+        h = h + fast(F.silu(fast(x, down)), up)
+        normed = rms_norm(h, self.out_norm, self.config.rms_norm_eps)
+        return h, fast(normed, self._draft_weight("lm_rows", self.lm_rows))
+
+    def _draft_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` as drafting reads it: a float16 copy (exact for heads stored in float16,
+        the shipped heads' storage), bfloat16 where a magnitude exceeds float16's range.
+        The copy is made again whenever the weight changes (new storage, or an in-place
+        update such as a training step bumps its version)."""
+        key = (weight.data_ptr(), weight._version)
+        found = self._draft_copies.get(name)
+        if found is not None and found[0] == key:
+            return found[1]
+        w = weight.detach()
+        dtype = torch.float16 if float(w.abs().max()) <= FLOAT16_MAX else torch.bfloat16
+        copy = w.to(dtype).contiguous()
+        self._draft_copies[name] = (key, copy)
+        return copy
 
     @torch.no_grad()
     def draft(self, final_hidden: torch.Tensor, token: int, max_tokens: int,
