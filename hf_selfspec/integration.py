@@ -285,6 +285,21 @@ def _check_positions(model, need: int, whose: str) -> None:
         )
 
 
+def _check_engine_prefill(model, config: EngineConfig, prompt_len: int) -> None:
+    """"longrope" RoPE rotates a prompt longer than original_max_position_embeddings with its
+    long factors at every position, which only HF's own prefill (EngineConfig.prefill='hf',
+    the default) gives: the engine's RoPE table has one rotation per position (layered.py)."""
+    from .engine.layered import longrope_short_positions
+
+    short = longrope_short_positions(model.config)
+    if config.prefill == "engine" and short and prompt_len > short:
+        raise ValueError(
+            f"this prompt ({prompt_len} tokens) is longer than the model's longrope "
+            f"original_max_position_embeddings ({short}), which HF rotates with the long factors "
+            "at every position; EngineConfig(prefill='engine') cannot reproduce that: use "
+            "prefill='hf' (the default) or a shorter prompt")
+
+
 _SUBCLASSES: dict[type, type] = {}
 
 
@@ -335,8 +350,9 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     from .engine.layered import LayeredModel
 
     _install_attach_first_check()
-    _check_sliding_window(model)
+    # the architecture first: a window is worth mentioning only on a model the engine runs
     LayeredModel.check_supported(model)  # unsupported features or layers fail here, early
+    _check_sliding_window(model)
     if "generate" in model.__dict__:
         raise ValueError(
             "this model instance has its own generate attribute (loaded with a custom_generate "
@@ -362,13 +378,13 @@ def _check_sliding_window(model) -> None:
     """Refuse, at attach time, a model whose attention window is shorter than its context:
     the engine computes full attention, which equals sliding-window attention only while a
     request fits in the window."""
+    from .engine.layered import attention_window
+
     config = model.config
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    sliding = "sliding_attention" in layer_types or bool(getattr(config, "use_sliding_window", True))
+    window = attention_window(config)
     limit = getattr(config, "max_position_embeddings", None)
-    if window is None or not sliding or (limit is not None and window >= limit):
-        return  # no window, or one no request can exceed
+    if window is None or (limit is not None and window >= limit):
+        return  # no layer slides, or no request can exceed the window
     knob = "use_sliding_window=False" if hasattr(config, "use_sliding_window") else "sliding_window=None"
     raise ValueError(
         f"{type(model).__name__} uses sliding-window attention (each token sees the last {window} "
@@ -739,6 +755,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
             raise ValueError("a row of input_ids is empty (all padding): give every row at least one token")
     need = max(len(p) for p in prompts) + max_new  # positions plain greedy needs
     _check_positions(model, need, "the model's")
+    _check_engine_prefill(model, state.engine_config, max(len(p) for p in prompts))
 
     # the engine (built on the first call, or rebuilt for a larger request): its build time
     # and step-cost measurement are reported as stats.build_time, not as decoding time

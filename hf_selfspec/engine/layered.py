@@ -3,7 +3,9 @@
 The view holds references to the HF model's own parameters (never copies) and the
 maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
 so the engine can run any row range through any layer range. Supported: Llama, Mistral,
-Qwen2, Qwen3 (q/k norm), SmolLM (a Llama); GQA and MHA; tied or untied LM head.
+Qwen2, Qwen3 (q/k norm), SmolLM (a Llama); GQA, MQA and MHA; tied or untied LM head; linear
+biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
+dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# HF's ACT2FN names of the gated MLP's activation that are SiLU
+SILU_NAMES = ("silu", "swish")
 
 
 class UnsupportedModelError(ValueError):
@@ -56,6 +60,36 @@ def _check_plain_linear(name: str, module) -> None:
             "Quantized or wrapped layers are not supported: use plain model.generate().")
 
 
+def attention_window(config) -> int | None:
+    """The sliding window HF applies in at least one layer, or None (full attention in all).
+    Where the config lists layer_types (Qwen2, Qwen3: only layers from max_window_layers on
+    slide, and only with use_sliding_window) they decide; otherwise (Mistral) a set
+    sliding_window slides every layer."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def rope_type(config) -> str:
+    """The RoPE variant of the config ("default", "linear", "dynamic", "longrope", ...)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def longrope_short_positions(config) -> int | None:
+    """For "longrope" RoPE, the longest forward HF computes with the short factors
+    (original_max_position_embeddings); None for any other RoPE."""
+    if rope_type(config) != "longrope":
+        return None
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("original_max_position_embeddings") \
+        or getattr(config, "original_max_position_embeddings", None)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics)."""
     dtype = x.dtype
@@ -92,8 +126,8 @@ class LayeredModel:
         self.device = self.embed.device
         self.scaling = self.head_dim**-0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
-        self.max_positions = max_positions
-        self.cos, self.sin = self._rope_tables(inner, max_positions)  # [P, d] each
+        self.max_positions = self._table_positions(config, max_positions)
+        self.cos, self.sin = self._rope_tables(inner, self.max_positions)  # [P, d] each
 
     @classmethod
     def check_supported(cls, model: torch.nn.Module, max_positions: int = 1) -> None:
@@ -108,14 +142,20 @@ class LayeredModel:
                 f"got model_type={model_type!r} ({type(model).__name__}). "
                 "Use plain model.generate() for this model."
             )
-        cls._check_features(config, max_positions)
+        inner = getattr(model, "model", None)
+        if not isinstance(getattr(model, "lm_head", None), torch.nn.Module) \
+                or not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not a causal LM with an LM head (model.model.layers and "
+                "model.lm_head); load the ...ForCausalLM class, e.g. with "
+                "AutoModelForCausalLM.from_pretrained(name)")
+        cls._check_features(config, cls._table_positions(config, max_positions))
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:
             raise UnsupportedModelError(
                 f"this model is quantized ({type(quantizer).__name__}); the engine runs float "
                 "weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
-        inner = model.model
         projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name))
                        for i, layer in enumerate(inner.layers)
                        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -125,16 +165,24 @@ class LayeredModel:
             _check_plain_linear(name, module)
 
     def set_max_positions(self, max_positions: int) -> None:
-        """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank)."""
+        """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank),
+        at most max_position_embeddings."""
+        max_positions = self._table_positions(self.config, max_positions)
         self._check_features(self.config, max_positions)
         self.max_positions = max_positions
         self.cos, self.sin = self._rope_tables(self.model.model, max_positions)
 
     @staticmethod
+    def _table_positions(config, max_positions: int) -> int:
+        """At most max_position_embeddings positions: no request reaches past them (generate()
+        refuses such a request), and there "dynamic" RoPE would rescale HF's rotary module."""
+        limit = getattr(config, "max_position_embeddings", None)
+        return min(max_positions, limit) if limit else max_positions
+
+    @staticmethod
     def _check_features(config, max_positions: int) -> None:
-        window = getattr(config, "sliding_window", None)
-        uses_window = getattr(config, "use_sliding_window", True)
-        if window is not None and uses_window and window < max_positions:
+        window = attention_window(config)
+        if window is not None and window < max_positions:
             raise UnsupportedModelError(
                 f"sliding-window attention (window {window}) is not implemented by the engine; "
                 f"use a capacity <= {window} or plain model.generate()."
@@ -148,8 +196,10 @@ class LayeredModel:
                 "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
         act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu').")
+        if act not in SILU_NAMES:
+            raise UnsupportedModelError(
+                f"hidden_act={act!r}: the engine implements the SiLU-gated MLP only (hidden_act "
+                f"{' or '.join(repr(a) for a in SILU_NAMES)}); use plain model.generate() for this model")
 
     def _layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -171,11 +221,30 @@ class LayeredModel:
 
     def _rope_tables(self, inner, max_positions: int):
         """cos/sin for positions [0, max_positions) from the HF rotary module itself, so
-        every RoPE variant the HF model supports gives the same tables."""
+        every RoPE variant the HF model supports gives the same tables.
+
+        Two variants make HF's tables depend on the length of the forward pass, not only on
+        the position; the tables below are the ones HF's greedy generate() uses for a
+        request of up to max_position_embeddings positions:
+        - "dynamic" rescales past max_position_embeddings (never served here) and keeps the
+          rescaled frequencies until a shorter forward resets them: one 1-position call
+          resets a module that an earlier long HF call left rescaled.
+        - "longrope" uses its short factors while a forward's length is at most
+          original_max_position_embeddings and its long factors for all positions of a longer
+          one. Its decode steps rotate position p with the long factors exactly when
+          p >= original_max_position_embeddings: so short factors below, long from there.
+          A prompt past that length has long factors at every position, which HF's own
+          prefill (EngineConfig.prefill="hf", the default) gives the prompt's keys; generate()
+          refuses such a prompt with prefill="engine"."""
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         with torch.no_grad():
+            if rope_type(self.config) == "dynamic":
+                inner.rotary_emb(probe, positions[:, :1])
             cos, sin = inner.rotary_emb(probe, positions)
+            short = longrope_short_positions(self.config)
+            if short is not None and short < max_positions:
+                cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])
         return cos[0].contiguous(), sin[0].contiguous()
 
     # ---- maths on a block of rows -------------------------------------------------------

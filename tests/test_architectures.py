@@ -1,0 +1,198 @@
+"""The models a transformers user brings: the configuration variants of the supported
+architectures give HF's greedy tokens (fp32; a left-padded batch row for row), and what the
+engine cannot run is refused by attach_heads / generate() up front, leaving the model as it
+was.
+
+The models are random 2-layer ones with weights at 1/sqrt(fan_in) and q/k projections
+doubled, so attention is sharp and a wrong RoPE rotation changes the tokens (HF's default
+std 0.02 gives near-uniform attention, where it would not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from hf_selfspec import attach_heads
+from hf_selfspec.engine.layered import UnsupportedModelError
+from hf_selfspec.engine.programs import EngineConfig
+
+NEW = 20  # new tokens per request
+
+
+@pytest.fixture(autouse=True)
+def _measurement_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "selfspec_cache"))
+
+
+def build(arch: str = "Llama", dtype=torch.float32, **overrides):
+    """A random `{arch}ForCausalLM` (Llama, Mistral, Qwen2, Qwen3, ...) from its config class."""
+    torch.manual_seed(0)
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config.update(overrides)
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**config))
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                sharp = 2.0 if name.endswith(("q_proj", "k_proj")) else 1.0
+                module.weight.normal_(0.0, sharp * module.in_features**-0.5)
+                if module.bias is not None:  # HF initialises biases to zero: that would hide them
+                    module.bias.normal_(0.0, 0.5)
+    return model.to(dtype).eval()
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 300, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt: list[int], **kw) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=NEW, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def self_greedy(model, rows: list[list[int]]) -> list[list[int]]:
+    """assistant='self' on the rows as one left-padded batch; each row's new tokens up to
+    its first EOS (included)."""
+    width = max(len(p) for p in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(rows):
+        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
+    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW,
+                         pad_token_id=0, assistant="self")
+    new = [row[width:].tolist() for row in out]
+    return [r[:r.index(2) + 1] if 2 in r else r for r in new]
+
+
+def rope(kind: str, **params) -> dict:
+    return {"rope_parameters": {"rope_type": kind, "rope_theta": 10000.0, **params}}
+
+
+SUPPORTED = {
+    "llama-tied": dict(tie_word_embeddings=True),
+    "llama-biases": dict(attention_bias=True, mlp_bias=True),
+    "llama-head_dim": dict(head_dim=24),  # != hidden / heads
+    "llama-mqa-odd-dims": dict(hidden_size=100, num_attention_heads=5, num_key_value_heads=1,
+                               intermediate_size=130),  # head_dim 20: kernel tails
+    "llama-mha-swish": dict(num_key_value_heads=4, hidden_act="swish"),
+    "llama-linear": rope("linear", factor=4.0),
+    "llama-llama3": rope("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                         original_max_position_embeddings=64),
+    "llama-yarn": rope("yarn", factor=4.0, original_max_position_embeddings=128),
+    "llama-dynamic": dict(max_position_embeddings=64, **rope("dynamic", factor=4.0)),
+    "qwen2": dict(arch="Qwen2"),  # q/k/v biases
+    # use_sliding_window, but max_window_layers leaves every layer full attention
+    "qwen3-window-unused": dict(arch="Qwen3", head_dim=20, use_sliding_window=True, sliding_window=8),
+    "mistral-no-window": dict(arch="Mistral", sliding_window=None),
+}
+
+
+@pytest.mark.parametrize("case", list(SUPPORTED))
+def test_supported_variant_gives_hf_greedy(case):
+    """Row for row HF's batch-1 greedy output, alone and as a left-padded batch."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch", "Llama"), **overrides)
+    rows = prompts(11, 30)
+    expected = [hf_greedy(model, p) for p in rows]
+    attach_heads(model, heads=False)
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    assert self_greedy(model, rows) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_odd_dims_give_the_engines_ar_tokens(dtype):
+    model = build(hidden_size=100, num_attention_heads=5, num_key_value_heads=1,
+                  intermediate_size=130, dtype=dtype)
+    attach_heads(model, heads=False)
+    rows = prompts(11, 30)
+    got = self_greedy(model, rows)
+    engine = model._selfspec.engine
+    assert got == [engine.generate_ar(p, NEW, eos_token_ids=[2]) for p in rows]
+
+
+LONGROPE = dict(max_position_embeddings=512, **rope(
+    "longrope", original_max_position_embeddings=128,
+    short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.3 * i for i in range(8)]))
+
+
+@pytest.mark.parametrize("length", [20, 115, 140])  # short, crossing 128 while decoding, long
+def test_longrope_short_and_long_factors_as_hf(length):
+    """HF's longrope takes its long factors for a whole forward longer than
+    original_max_position_embeddings (128): short factors below position 128, long from there
+    (the engine once took the long ones everywhere: its table had 512 positions)."""
+    model = build(**LONGROPE)
+    prompt = prompts(length)[0]
+    expected = hf_greedy(model, prompt)
+    attach_heads(model, heads=False)
+    assert self_greedy(model, [prompt]) == [expected]
+
+
+def test_longrope_long_prompt_refused_with_engine_prefill():
+    model = build(**LONGROPE)
+    attach_heads(model, heads=False, engine=EngineConfig(prefill="engine"))
+    assert self_greedy(model, prompts(40)) == [hf_greedy(model, prompts(40)[0])]
+    with pytest.raises(ValueError, match="original_max_position_embeddings .128.*prefill='hf'"):
+        self_greedy(model, prompts(140))
+
+
+def test_dynamic_rope_after_a_long_hf_call():
+    """An HF call past max_position_embeddings leaves "dynamic" RoPE's frequencies rescaled
+    until a shorter call; the engine's tables are those of a request that fits."""
+    model = build(max_position_embeddings=64, **rope("dynamic", factor=4.0))
+    rows = prompts(11, 20)
+    expected = [hf_greedy(model, p) for p in rows]
+    hf_greedy(model, prompts(60)[0])  # 80 positions: rescales HF's rotary module
+    attach_heads(model, heads=False)
+    assert self_greedy(model, rows) == expected  # an engine of 64 positions, built now
+
+
+def test_a_window_in_some_layers_refused_at_attach():
+    """Qwen2 slides from layer max_window_layers on (layer 1 here): refused, naming its knob
+    (test_integration.py: the Mistral case and the advice that works)."""
+    model = build("Qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding-window attention.*use_sliding_window=False"):
+        attach_heads(model, heads=False)
+    assert "_selfspec" not in model.__dict__
+
+
+@pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
+    ("Gemma", dict(head_dim=16), "gemma"),
+    # a window shorter than the context: the architecture is named, not the window
+    ("Gemma2", dict(head_dim=16, sliding_window=16), "gemma2"),
+    ("Phi3", {}, "phi3"),
+    ("Granite", {}, "granite"),
+    ("Olmo2", {}, "olmo2"),
+    ("SmolLM3", {}, "smollm3"),
+    ("Mixtral", dict(sliding_window=16), "mixtral"),
+]])
+def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
+    model = build(arch, **overrides)
+    prompt = prompts(9)[0]
+    expected = hf_greedy(model, prompt)
+    cls = type(model)
+    with pytest.raises(UnsupportedModelError, match=f"model_type='{name}'.*plain model.generate"):
+        attach_heads(model, heads=False)
+    assert type(model) is cls and "_selfspec" not in model.__dict__
+    assert hf_greedy(model, prompt) == expected
+    with pytest.raises(ValueError, match="attach_heads"):
+        hf_greedy(model, prompt, assistant="self")
+
+
+@pytest.mark.parametrize("cls", ["LlamaForSequenceClassification", "LlamaModel"])
+def test_a_model_without_an_lm_head_is_refused(cls):
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="not a causal LM.*AutoModelForCausalLM"):
+        attach_heads(model, heads=False)
+
+
+def test_other_activation_refused():
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*SiLU.*plain model.generate"):
+        attach_heads(build(hidden_act="gelu"), heads=False)
