@@ -383,9 +383,8 @@ void run_blocks(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, i
 // halves, and the two rows' x blocks come pre-packed side by side. Each lane still runs
 // fma(w[k + j], x[k + j], acc_j) over k in order, and each half ends in the same `hsum` and
 // scalar tail, so every dot product is bit-identical to the 8-lane tiles above
-// (tests/test_kernels_cpu.py compares the two paths bit for bit). Measured on a 2-core Xeon
-// (one 512-bit FMA per cycle: no more FMA throughput than two 256-bit ones), A/B in one
-// process: bf16 SmolLM2 step products at 8 / 12 / 16 / 64 rows 1.10 / 1.25 / 1.17 / 1.10x
+// (tests/test_kernels_cpu.py compares the two paths bit for bit). Measured on a 2-core Xeon,
+// A/B in one process: bf16 SmolLM2 step products at 8 / 12 / 16 / 64 rows 1.10 / 1.25 / 1.17 / 1.10x
 // faster (fewer widenings and x loads), a 0.82B model's at 8 rows 1.37x; slower at 3-4 rows
 // and for float32 weights at every row count (0.65-0.98x), which keep the 8-lane tiles.
 std::atomic<bool> g_wide_on{true};  // rows_isa(): false = the 8-lane tiles everywhere

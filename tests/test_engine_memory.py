@@ -76,8 +76,10 @@ def _model_storages(model):
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
-# what the engine owns besides references to the model: KV cache, metadata, RoPE tables
-OWNED = ("k_cache", "v_cache", "_meta", "_meta_host", "view.cos", "view.sin")
+# what the engine owns besides references to the model: KV cache, metadata, RoPE tables,
+# and on the kernel layout the float16 copy of a float32 LM head its argmax screen reads
+# (engine/screen.py: the one copy, half the LM head's bytes)
+OWNED = ("k_cache", "v_cache", "_meta", "_meta_host", "view.cos", "view.sin", "screen.half")
 
 
 def _weights_the_engine_reads(engine):
@@ -101,10 +103,14 @@ def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, tie):
     assert len(read) >= 9 * 4  # at least every projection and norm of every layer
     for path, t in read:
         assert t.untyped_storage().data_ptr() in storages, f"{path} is not the model's storage"
-    # what the engine owns besides: the KV cache dominates; the rest is small
-    kv = engine.k_cache.numel() + engine.v_cache.numel()
-    owned = sum(t.numel() for path, t in _tensors(engine) if path in {f"engine.{n}" for n in OWNED})
-    assert owned - kv < 0.1 * sum(p.numel() for p in model.parameters())
+    # what the engine owns besides: the KV cache and the screen's copy dominate; the rest is small
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    kv = nbytes(engine.k_cache) + nbytes(engine.v_cache)
+    screen = 0 if engine.screen is None else nbytes(engine.screen.half)
+    assert (engine.screen is not None) == (layout == "kernel")
+    assert screen <= nbytes(model.lm_head.weight) // 2
+    owned = sum(nbytes(t) for path, t in _tensors(engine) if path in {f"engine.{n}" for n in OWNED})
+    assert owned - kv - screen < 0.1 * sum(nbytes(p) for p in model.parameters())
 
 
 def test_the_storage_check_finds_a_copy():

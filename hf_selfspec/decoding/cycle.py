@@ -242,7 +242,8 @@ class SelfSpecDecoder:
             cycle = self.draft_cycle(run)
             hidden, depth, rows = self.step_input(cycle)
             t0 = time.perf_counter()
-            logits, argmax, finals = engine.verify(hidden, depth, engine.rows_meta(rows))
+            logits, argmax, finals = engine.verify(hidden, depth, engine.rows_meta(rows),
+                                                   logits=self.needs_logits(run))
             seconds = time.perf_counter() - t0
             if depth == 0:
                 engine.observe_step(len(rows), seconds, cycle.ctx.position)
@@ -331,7 +332,14 @@ class SelfSpecDecoder:
         positions, slots, paths = tree.layout(position)
         return hidden, depth, engine.step_rows(positions, slots, paths)
 
-    def finish_cycle(self, run: SequenceRun, cycle: Cycle, logits: torch.Tensor, argmax: torch.Tensor,
+    def needs_logits(self, run: SequenceRun) -> bool:
+        """Whether this cycle reads the model's logits, not only each row's argmax: sampling,
+        logits processors, kept logits, lossy acceptance (top-k), or an EOS still masked by
+        min_new_tokens."""
+        return (run.do_sample or run.scorer is not None or run.kept_logits is not None
+                or self.config.lossy_top_k > 1 or (len(run.out) < run.min_new_tokens and bool(run.eos)))
+
+    def finish_cycle(self, run: SequenceRun, cycle: Cycle, logits: torch.Tensor | None, argmax: torch.Tensor,
                      finals: torch.Tensor, verify_seconds: float) -> None:
         """The model's view of the cycle's rows (logits, argmax, final hidden states [n, ...]
         from the engine step): accept, feed back, commit."""

@@ -20,8 +20,11 @@ Programs (all share `run_layers`):
   verify[c,n] n rows from layer c to the end, LM head, argmax per row
 The metadata of a step (positions, KV slots, key limits) lives in one device buffer
 written by one copy, so the CUDA-graph executor (runner.py) replays a captured program at
-any position. The engine reads the model's own weights, never a copy of them; what it
-owns is the KV cache (sized to the request, grown and shrunk by copying) and small buffers.
+any position. The engine reads the model's own weights, never a copy of them, with one
+exception: on the kernel layout a float32 LM head (up to 512 MB) gets a float16 copy from
+which a step that needs only its argmax reads half the LM head's bytes, exactly
+(screen.py). Besides, it owns the KV cache (sized to the request, grown and shrunk by
+copying) and small buffers.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, rms_norm, rotate_half
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
+from .screen import ScreenedArgmax, screen_refusal
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
            "StepRows", "row_chunks", "weight_signature"]
@@ -159,6 +163,7 @@ class Engine:
         # kernel layout: each decoder layer in one C++ call (cpu_rows.cpp rows_layer), unless
         # a layer has biases (then the PyTorch ops below, with the same C++ products)
         self._fused_layers = self._fused_layer_weights()
+        self.screen = self._make_screen()
         # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
         params = inspect.signature(model.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -198,6 +203,14 @@ class Engine:
                 w += [lw.q_norm, lw.k_norm]
             fused.append([t.detach() for t in w])
         return fused
+
+    def _make_screen(self) -> ScreenedArgmax | None:
+        """The LM head's argmax screen (screen.py) on the kernel layout, where it applies."""
+        product = getattr(self.layout, "_product", None)
+        head = self.view.lm_head
+        if product is None or screen_refusal(head.weight, head.bias) is not None:
+            return None
+        return ScreenedArgmax(head.weight, product)
 
     def _all_linears(self) -> list[torch.nn.Linear]:
         v = self.view
@@ -511,6 +524,19 @@ class Engine:
         x = rms_norm(self._pad(h, self.layout.rows(n)), v.final_norm, v.eps)
         return self.layout.linear(x, v.lm_head)[:n], x[:n]
 
+    def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """`logits` for a step that needs only each row's argmax: -> (None, argmax [n],
+        final hidden [n, H]) from the LM head's screen, or (logits, argmax, final) where
+        there is no screen or it cannot decide. The argmax is the float32 logits' either way."""
+        if self.screen is not None:
+            v = self.view
+            final = rms_norm(h, v.final_norm, v.eps)
+            argmax = self.screen.argmax(final)
+            if argmax is not None:
+                return None, argmax, final
+        logits, final = self.logits(h)
+        return logits, logits.argmax(-1), final
+
     def embed(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Token ids -> hidden [n, H]."""
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.view.device)
@@ -524,12 +550,16 @@ class Engine:
         return self.run_layers(h, start, end, meta)
 
     @torch.no_grad()
-    def verify(self, h: torch.Tensor, start: int, meta: StepMeta):
+    def verify(self, h: torch.Tensor, start: int, meta: StepMeta, logits: bool = True):
         """verify[start, n]: rows from layer `start` to the end.
-        Returns (logits [n, V], argmax [n], final hidden after the final norm [n, H])."""
+        Returns (logits [n, V], argmax [n], final hidden after the final norm [n, H]).
+        logits=False: a caller that reads only the argmax; the logits may then be None
+        (`argmax_only`)."""
         h = self.run_layers(h, start, self.view.num_layers, meta)
-        logits, final = self.logits(h)
-        return logits, logits.argmax(-1), final
+        if not logits:
+            return self.argmax_only(h)
+        out, final = self.logits(h)
+        return out, out.argmax(-1), final
 
     @property
     def step_costs(self) -> tuple[float, ...]:
@@ -654,12 +684,13 @@ class Engine:
         return logits[0], final[0]
 
     @torch.no_grad()
-    def ar_step(self, token: int, position: int):
+    def ar_step(self, token: int, position: int, logits: bool = True):
         """ar: one real row (the last committed token at `position`) through all layers.
-        Returns (logits [V], next token id, final hidden [H])."""
+        Returns (logits [V], next token id, final hidden [H]); logits=False: the logits may
+        be None (`argmax_only`)."""
         meta = self.make_meta([position])
-        logits, argmax, h = self.verify(self.embed([token]), 0, meta)
-        return logits[0], int(argmax[0]), h[0]
+        out, argmax, h = self.verify(self.embed([token]), 0, meta, logits)
+        return None if out is None else out[0], int(argmax[0]), h[0]
 
     @torch.no_grad()
     def generate_ar(
@@ -676,7 +707,7 @@ class Engine:
         out = [token]
         position = len(prompt_ids)
         while len(out) < max_new_tokens and token not in eos:
-            _, token, _ = self.ar_step(token, position)
+            _, token, _ = self.ar_step(token, position, logits=False)
             out.append(token)
             position += 1
         return out

@@ -67,8 +67,8 @@ class KVRegion:
     def embed(self, token_ids: Sequence[int]) -> torch.Tensor:
         return self.engine.embed(token_ids)
 
-    def verify(self, h: torch.Tensor, start: int, meta):
-        return self.engine.verify(h, start, meta)
+    def verify(self, h: torch.Tensor, start: int, meta, logits: bool = True):
+        return self.engine.verify(h, start, meta, logits)
 
     def rows_meta(self, rows: StepRows):
         return self.engine.rows_meta(rows)

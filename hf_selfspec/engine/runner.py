@@ -171,8 +171,9 @@ class CudaGraphRunner:
         n = self._load_hidden(h)
         return self._replay(key, eager, n)[0]
 
-    def verify(self, h: torch.Tensor, start: int, meta: StepMeta):
-        """verify[start]: h [n, H] -> (logits [n, V], argmax [n], final hidden [n, H])."""
+    def verify(self, h: torch.Tensor, start: int, meta: StepMeta, logits: bool = True):
+        """verify[start]: h [n, H] -> (logits [n, V], argmax [n], final hidden [n, H]); the
+        graphs always compute the logits (`logits` is accepted for Engine.verify's callers)."""
         if self.eager:
             return self._engine_verify(h, start, meta)
         key = self._check_key(("verify", start))
@@ -182,8 +183,9 @@ class CudaGraphRunner:
         n = self._load_hidden(h)
         return self._replay(key, eager, n)
 
-    def ar_step(self, token: int, position: int):
-        """ar: -> (logits [V], next token id, final hidden [H]), as `Engine.ar_step`."""
+    def ar_step(self, token: int, position: int, logits: bool = True):
+        """ar: -> (logits [V], next token id, final hidden [H]), as `Engine.ar_step` (the
+        graphs always compute the logits)."""
         if self.eager:
             return self._engine_ar_step(token, position)
         self._load_path(self.engine.make_meta([position]))
