@@ -96,14 +96,16 @@ def run_method(method, model, ids, max_new, state):
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0, stats
 
 
-def verify_ms(engine, prompt, rows, reps):
-    """Median ms of a verify step of `rows` rows over all layers, after the prefilled `prompt`."""
+def verify_ms(engine, prompt, rows, reps, logits=False):
+    """Median ms of a verify step of `rows` rows over all layers, after the prefilled `prompt`:
+    as greedy decoding runs it (each row's argmax only: the LM head's float16 screen where
+    the engine has one), or with the float32 logits (logits=True: sampling, processors)."""
     times = []
     for _ in range(reps):
         meta = engine.make_meta(range(len(prompt), len(prompt) + rows))
         h = engine.embed(prompt[:rows])
         t0 = time.perf_counter()
-        engine.verify(h, 0, meta)
+        engine.verify(h, 0, meta, logits=logits)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
@@ -149,12 +151,15 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
 
     def step():
         meta = engine.make_meta(range(context, context + n))
-        engine.verify(engine.embed(prompt[:n]), 0, meta)
+        engine.verify(engine.embed(prompt[:n]), 0, meta, logits=False)
 
     def products():
         for lin in linears:
             layout.linear(xs[lin.weight.shape[1]], lin)
-        layout.linear(xs[v.lm_head.weight.shape[1]], v.lm_head)
+        if engine.screen is not None:  # the LM head as a greedy step reads it
+            layout._product(xs[v.lm_head.weight.shape[1]], engine.screen.half)
+        else:
+            layout.linear(xs[v.lm_head.weight.shape[1]], v.lm_head)
 
     def attention():
         attend = engine.attention.bind(engine, engine.make_meta(range(context, context + n)))
@@ -188,24 +193,33 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * embed.element_size()
     gbs = bandwidth_gbs()
     bound_ms = (weight_bytes + kv_bytes) / (gbs * 1e9) * 1e3
+    # a greedy step reads the LM head through its float16 screen (engine/screen.py): half its bytes
+    head = model.get_output_embeddings().weight
+    screened = weight_bytes - (head.numel() * head.element_size() // 2 if engine.screen is not None else 0)
+    screened_ms = (screened + kv_bytes) / (gbs * 1e9) * 1e3
     prompt = [100 + i % 200 for i in range(context)]
     engine.prefill(prompt)
     rows = []
     for n in widths:
         if n <= engine.width:
             ms = verify_ms(engine, prompt, n, reps)
+            with_logits = verify_ms(engine, prompt, n, reps, logits=True)
             split = step_split(engine, prompt, n, reps)
-            rows.append({"rows": n, "ms": ms, "bound_ms": bound_ms, "of_bound": bound_ms / ms, "split": split})
+            rows.append({"rows": n, "ms": ms, "ms_with_logits": with_logits, "bound_ms": bound_ms,
+                         "of_bound": bound_ms / ms, "read_bound_ms": screened_ms, "split": split})
     print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
           f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
-          f"({1e3 / bound_ms:.0f} AR steps/s)")
-    print(f"{'rows':>5} {'ms':>8} {'bound ms':>9} {'% of bound':>11}   split of a step, timed apart: "
-          "products / attention / rest (norms, RoPE, KV write, adds, argmax, host)")
+          f"({1e3 / bound_ms:.0f} AR steps/s); a greedy step reads {screened / 1e6:.0f} MB of weights "
+          f"(the LM head's float16 screen: {engine.screen is not None}) -> {screened_ms:.1f} ms")
+    print(f"{'rows':>5} {'ms':>8} {'w/ logits':>10} {'bound ms':>9} {'% of bound':>11}   split of a greedy step, "
+          "timed apart: products / attention / rest (norms, RoPE, KV write, adds, argmax, host)")
     for r in rows:
         sp = r["split"]
         parts = f"{sp['products']:.1f} / {sp['attention']:.1f} / {sp['rest']:.1f} ms of {sp['step']:.1f}"
-        print(f"{r['rows']:>5} {r['ms']:>8.1f} {r['bound_ms']:>9.1f} {r['of_bound']:>10.0%}   {parts}")
-    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "bandwidth_gbs": gbs, "steps": rows}
+        print(f"{r['rows']:>5} {r['ms']:>8.1f} {r['ms_with_logits']:>10.1f} {r['bound_ms']:>9.1f} "
+              f"{r['of_bound']:>10.0%}   {parts}")
+    return {"weight_bytes": weight_bytes, "greedy_step_weight_bytes": screened, "kv_bytes": kv_bytes,
+            "bandwidth_gbs": gbs, "steps": rows}
 
 
 def main(argv=None):

@@ -196,3 +196,20 @@ def test_a_model_without_an_lm_head_is_refused(cls):
 def test_other_activation_refused():
     with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*SiLU.*plain model.generate"):
         attach_heads(build(hidden_act="gelu"), heads=False)
+
+
+def test_direct_engine_guards_positions_and_longrope_prefill():
+    """An Engine used directly: a request past the positions its RoPE table can rotate is
+    refused before any work (it was an IndexError), and its own prefill refuses a longrope
+    prompt past original_max_position_embeddings (only HF's prefill rotates it as HF does)."""
+    from hf_selfspec.engine.programs import Engine
+
+    model = build(max_position_embeddings=64)
+    engine = Engine(model, EngineConfig(width=4, capacity=128))
+    with pytest.raises(ValueError, match="positions this engine can rotate .64"):
+        engine.generate_ar(prompts(50)[0], 30)
+    model = build(**LONGROPE)
+    engine = Engine(model, EngineConfig(width=4, capacity=256, prefill="engine"))
+    with pytest.raises(ValueError, match="original_max_position_embeddings .128.*prefill='hf'"):
+        engine.generate_ar(prompts(140)[0], 4)
+    assert engine.generate_ar(prompts(40)[0], 4)

@@ -182,13 +182,14 @@ class BatchDecoder:
         hidden = torch.cat([h for h, _, _ in inputs])
         rows = StepRows.concat([r for _, _, r in inputs])
         t0 = time.perf_counter()
-        logits, argmax, finals = engine.verify(hidden, 0, engine.rows_meta(rows))
+        logits, argmax, finals = engine.verify(
+            hidden, 0, engine.rows_meta(rows), logits=any(decoders[b].needs_logits(runs[b]) for b in live))
         engine.observe_step(len(rows), time.perf_counter() - t0, sum(runs[b].position for b in live) // len(live))
         seconds = (time.perf_counter() - t0) / len(live)
         lo = 0
         for b, cycle, n in zip(live, cycles, kept):
-            decoders[b].finish_cycle(runs[b], cycle, logits[lo:lo + n], argmax[lo:lo + n], finals[lo:lo + n],
-                                     seconds)
+            decoders[b].finish_cycle(runs[b], cycle, None if logits is None else logits[lo:lo + n],
+                                     argmax[lo:lo + n], finals[lo:lo + n], seconds)
             lo += n
 
 
