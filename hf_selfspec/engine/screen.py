@@ -9,7 +9,9 @@ arithmetic in the kernel's fixed order) and a bound b on |z32 - z16| for every t
                     <= ||x|| ||w_v - w16_v|| + gamma_K (||x|| ||w_v|| + ||x|| ||w16_v||)
 
 (Cauchy-Schwarz; gamma_K = K u / (1 - K u) bounds the rounding of any K-term float32 sum
-of products, whatever its order, u = 2^-24). The true argmax v* then has z16_v* >=
+of products, whatever its order, u = 2^-24), and rounding to float16 moves each weight by
+at most 2^-11 |w| (normal range) or 2^-25 (subnormal), so ||w_v - w16_v|| <= 2^-11 ||w_v||
++ 2^-25 sqrt(K): b needs only the largest row norm. The true argmax v* then has z16_v* >=
 max(z16) - 2b, so only the tokens within 2b of the best z16 can be it; their float32
 logits, computed by the same kernel from the float32 rows (a dot product does not depend on
 which other rows are computed), decide, ties to the lowest id as torch.argmax does. The
@@ -20,6 +22,7 @@ logits as before.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -33,7 +36,6 @@ SAFETY = 1.001
 RELATIVE_SLACK = 1e-6
 # the float16 copy is made only up to this size (it is memory beyond the model's own)
 MAX_COPY_BYTES = 256 * 2 ** 20
-CHUNK_ROWS = 8192  # rows per chunk of the one-time bound computation (temporaries)
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,22 +75,21 @@ class ScreenedArgmax:
         w = self.weight.detach()
         self._version = self.weight._version
         self.half = None
-        peak = float(w.abs().max())
-        if not peak <= FLOAT16_MAX * (1 - 2.0 ** -12):  # rounds to inf (or NaN / inf in w)
+        low, high = (float(t) for t in torch.aminmax(w))
+        if not (math.isfinite(low) and math.isfinite(high)) or max(-low, high) > FLOAT16_MAX * (1 - 2.0 ** -12):
+            # NaN / inf in w, or a weight float16 rounds to inf
             return False
         half = w.to(torch.float16)
-        gamma = w.shape[1] * UNIT_ROUNDOFF / (1 - w.shape[1] * UNIT_ROUNDOFF)
-        worst = 0.0
-        for lo in range(0, w.shape[0], CHUNK_ROWS):
-            rows = w[lo:lo + CHUNK_ROWS]
-            widened = half[lo:lo + CHUNK_ROWS].float()
-            # w - w16 is exact in float32 (the two are within a factor of 2: Sterbenz); each
-            # float32 norm is within a factor (1 + gamma) of the exact one, hence the factor
-            c = (rows - widened).norm(dim=1) + gamma * (rows.norm(dim=1) + widened.norm(dim=1))
-            worst = max(worst, float(c.max()) * (1 + 2 * gamma))
+        k = w.shape[1]
+        gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
+        # the largest row norm, computed in float32: within a factor (1 + gamma) of the exact one
+        norm = float(torch.linalg.vector_norm(w, dim=1).max()) * (1 + 2 * gamma)
+        rounding = 2.0 ** -11 * norm + 2.0 ** -25 * math.sqrt(k)  # >= ||w_v - w16_v||
+        # ||w16_v|| <= ||w_v|| + ||w_v - w16_v||
+        worst = rounding + gamma * (2 * norm + rounding)
         self.half = half
         # twice the bound per unit of ||x||: the distance to the best z16 a token may lie at
-        self.coefficient = 2.0 * worst * SAFETY
+        self.coefficient = 2.0 * worst * (1 + 2 * gamma) * SAFETY  # (1 + 2 gamma): ||x|| in float32
         return True
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
