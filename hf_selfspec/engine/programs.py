@@ -21,7 +21,7 @@ Programs (all share `run_layers`):
 The metadata of a step (positions, KV slots, key limits) lives in one device buffer
 written by one copy, so the CUDA-graph executor (runner.py) replays a captured program at
 any position. The engine reads the model's own weights, never a copy of them, with one
-exception: on the kernel layout a float32 LM head (up to 512 MB) gets a float16 copy from
+exception: on the kernel layout a float32 LM head (up to 128 MiB) gets a float16 copy from
 which a step that needs only its argmax reads half the LM head's bytes, exactly
 (screen.py). Besides, it owns the KV cache (sized to the request, grown and shrunk by
 copying) and small buffers.
