@@ -11,9 +11,8 @@ arithmetic in the kernel's fixed order) and a bound b on |z32 - z16| for every t
 (Cauchy-Schwarz; gamma_K = K u / (1 - K u) bounds the rounding of any K-term float32 sum
 of products, whatever its order, u = 2^-24), and rounding to float16 moves each weight by
 at most 2^-11 |w| (normal range) or 2^-25 (subnormal), so ||w_v - w16_v|| <= 2^-11 ||w_v||
-+ 2^-25 sqrt(K): b needs only the largest row norm. (The copy holds the weights times a
-power of two, so that few of them fall below float16's normal range; z16 and b scale
-alike.) The true argmax v* then has z16_v* >= max(z16) - 2b, so only the tokens within 2b of the best z16 can be it; their float32
++ 2^-25 sqrt(K): b needs only the largest row norm. The true argmax v* then has z16_v* >=
+max(z16) - 2b, so only the tokens within 2b of the best z16 can be it; their float32
 logits, computed by the same kernel from the float32 rows (a dot product does not depend on
 which other rows are computed), decide, ties to the lowest id as torch.argmax does. The
 result is torch.argmax of the float32 logits, always: where the screen cannot say (a
@@ -24,7 +23,6 @@ logits as before.
 from __future__ import annotations
 
 import math
-import mmap
 from typing import Callable
 
 import torch
@@ -37,11 +35,11 @@ MAX_CANDIDATES = 64
 SAFETY = 1.001
 RELATIVE_SLACK = 1e-6
 # the float16 copy is made only up to this size: it is memory beyond the model's own, and
-# making it writes fresh pages, which right after a big model was built were slow to fault
-# in on the 2-core CI VMs (a 0.82B Llama's 201 MB copy: ~1 s of a ~10 s first call, for a
-# step 6% faster); SmolLM2-135M's is 57 MB
+# making it writes fresh pages, which on the 2-core CI VMs fault in slowly the first time
+# (a random 0.82B Llama's 201 MB copy right after the model was built: ~1 s of its ~10 s
+# first call, for a step 6% faster; into touched memory the conversion takes 0.02 s);
+# SmolLM2-135M's copy is 57 MB
 MAX_COPY_BYTES = 64 * 2 ** 20
-CHUNK_ROWS = 8192  # rows scaled at a time while the copy is made (bounded temporaries)
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,15 +57,6 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
     return None
 
 
-def _fresh(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in an anonymous memory map (programs.zeroed's reasoning:
-    right after a model of gigabytes was built, a fresh allocation from torch's allocator
-    faulted in slowly; a random 0.82B Llama's LM-head copy took ~0.9 s that way)."""
-    count = shape[0] * shape[1]
-    item = torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, count * item), dtype=dtype).view(shape)
-
-
 class ScreenedArgmax:
     """argmax(x @ weight.T) for float32 rows x [n, K], reading a float16 copy of `weight`
     [V, K] and the float32 rows of the few tokens the bound cannot rule out. `product` is
@@ -80,7 +69,6 @@ class ScreenedArgmax:
         self.weight = weight
         self.product = product
         self.half: torch.Tensor | None = None
-        self.scale = 1.0  # the copy holds weight * scale (a power of two)
         self.coefficient = 0.0
         self._version = -1
         self._refresh()
@@ -95,22 +83,11 @@ class ScreenedArgmax:
         if not (math.isfinite(low) and math.isfinite(high)) or max(-low, high) > FLOAT16_MAX * (1 - 2.0 ** -12):
             # NaN / inf in w, or a weight float16 rounds to inf
             return False
-        # the copy holds w * 2^e, the largest power of two keeping every weight finite: float16
-        # subnormals (|w| < 2^-14) cost a microcode assist each to make (a random 0.82B Llama's
-        # LM head took ~1 s to convert, 0.05 s scaled), and scaling by 2^e changes no ranking
-        peak = max(-low, high)
-        self.scale = 2.0 ** (math.floor(math.log2(FLOAT16_MAX / 2 / peak)) if peak > 0 else 0)
-        half = _fresh((w.shape[0], w.shape[1]), torch.float16)
-        scaled = torch.empty(min(CHUNK_ROWS, w.shape[0]), w.shape[1], dtype=w.dtype)
-        for lo in range(0, w.shape[0], CHUNK_ROWS):
-            rows = w[lo:lo + CHUNK_ROWS]
-            torch.mul(rows, self.scale, out=scaled[:rows.shape[0]])
-            half[lo:lo + CHUNK_ROWS].copy_(scaled[:rows.shape[0]])
+        half = w.to(torch.float16)
         k = w.shape[1]
         gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
-        # the largest row norm of the scaled weights, computed in float32: within a factor
-        # (1 + gamma) of the exact one; everything below is in the scaled units
-        norm = float(torch.linalg.vector_norm(w, dim=1).max()) * self.scale * (1 + 2 * gamma)
+        # the largest row norm, computed in float32: within a factor (1 + gamma) of the exact one
+        norm = float(torch.linalg.vector_norm(w, dim=1).max()) * (1 + 2 * gamma)
         rounding = 2.0 ** -11 * norm + 2.0 ** -25 * math.sqrt(k)  # >= ||w_v - w16_v||
         # ||w16_v|| <= ||w_v|| + ||w_v - w16_v||
         worst = rounding + gamma * (2 * norm + rounding)
