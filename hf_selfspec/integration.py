@@ -763,7 +763,9 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     limit = getattr(model.config, "max_position_embeddings", None) or need + state.engine_config.width
     engine = state.engine_for(model, min(need + state.engine_config.width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
-    if need > costs.cost_context(engine):  # only rows past the measured context need it
+    # the attention per row-key: for rows past the measured context, or for any request
+    # where it is cheap to measure (then a short one plans with its rows' cheaper attention)
+    if need > costs.cost_context(engine) or getattr(engine, "times_steps_cheaply", False):
         getattr(engine, "attention_seconds", None)
     draft_engine = None
     if selfspec_draft_model is not None:

@@ -356,6 +356,12 @@ def test_step_costs_at_a_longer_context_weigh_each_rows_attention():
     assert longer[:2] == (1.0, 1.0)
     assert longer[2] == pytest.approx((1.1 * 0.02 + 2e-3) / 0.021)
     assert longer[3] == pytest.approx((1.2 * 0.02 + 3e-3) / 0.021) and longer[3] > curve[3]
+    shorter = costs.costs_at(curve, 0.02, 1e-6, -1000)  # 1 ms less per row
+    assert shorter[2] == pytest.approx((1.1 * 0.02 - 2e-3) / 0.019) and shorter[2] < curve[2]
+    assert shorter[3] == pytest.approx((1.2 * 0.02 - 3e-3) / 0.019) and shorter[3] < curve[3]
+    flat = costs.costs_at((1.0, 1.0, 1.0, 1.2), 0.02, 1e-6, -1000)
+    assert flat[:3] == (1.0, 1.0, 1.0)  # (0.02 - 2e-3) / 0.019 < 1: never below fewer rows
+    assert costs.costs_at(curve, 0.02, 1e-6, -10 ** 6)[1] == 1.0  # at most half a step saved
     model = tiny_model("llama", seed=0, layers=2)
     engine = engine_or_skip(model, EngineConfig(width=4, capacity=2048, row_layout="kernel",
                                                 measurement_cache=False))
@@ -364,7 +370,11 @@ def test_step_costs_at_a_longer_context_weigh_each_rows_attention():
     assert engine.attention_seconds > 0  # a 4x longer context measurably costs more
     engine.verify = verify
     far = engine.step_costs_at(2000)
-    assert far[4] >= engine.step_costs[4] and engine.step_costs_at(10) == engine.step_costs
+    assert far[4] >= engine.step_costs[4]
+    near = engine.step_costs_at(10)  # a tiny model: steps timed cheaply, short contexts weighed
+    assert engine.times_steps_cheaply and near[4] <= engine.step_costs[4]
+    assert near == costs.costs_at(engine.step_costs, engine.one_row_seconds, engine.attention_seconds,
+                                  10 - costs.cost_context(engine))
 
 
 def test_step_costs_of_a_big_model_come_from_the_layout_choices_product_timings(monkeypatch):
@@ -394,9 +404,14 @@ def test_step_costs_of_a_big_model_come_from_the_layout_choices_product_timings(
 
 
 def test_a_request_within_the_measured_context_does_not_time_the_attention(monkeypatch):
-    """generate(assistant="self") measures the attention cost per row and key only for a
-    request whose rows see more keys than the step costs were measured at."""
+    """On a model whose step timing is not cheap (a model of gigabytes),
+    generate(assistant="self") measures the attention cost per row and key only for a
+    request whose rows see more keys than the step costs were measured at, and a short
+    request plans with the measured curve as is."""
     from hf_selfspec import attach_heads
+    from hf_selfspec.engine.programs import Engine
+
+    monkeypatch.setattr(Engine, "times_steps_cheaply", property(lambda self: False))
 
     calls = []
     real = costs.measure_attention_seconds
@@ -407,6 +422,7 @@ def test_a_request_within_the_measured_context_does_not_time_the_attention(monke
     model.generate(ids, assistant="self", max_new_tokens=8, do_sample=False)
     assert calls == []
     engine = model._selfspec.engine
+    assert engine.step_costs_at(20) == engine.step_costs
     long_ids = torch.randint(3, 200, (1, costs.cost_context(engine) + 10), generator=torch.Generator().manual_seed(1))
     model.generate(long_ids, assistant="self", max_new_tokens=8, do_sample=False)
     assert calls == [1]

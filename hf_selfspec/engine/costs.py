@@ -220,13 +220,18 @@ def measure_attention_seconds(engine: Engine) -> float:
 
 def costs_at(curve: Sequence[float], one_row_seconds: float, per_row_key: float, extra_keys: int) -> tuple[float, ...]:
     """A cost curve (index n: n rows, in 1-row steps, measured at the key limit
-    `cost_context`) for steps whose rows see `extra_keys` more keys: each row's attention
-    adds `per_row_key` seconds per key, so n rows cost more relative to one."""
-    extra = max(0, extra_keys) * per_row_key
-    if extra <= 0.0:
+    `cost_context`) for steps whose rows see `extra_keys` more keys (fewer where negative):
+    each row's attention adds `per_row_key` seconds per key, so n rows cost more relative to
+    one at a longer context and less at a shorter one (never below the cost of fewer rows;
+    fewer keys save at most half a step)."""
+    extra = max(extra_keys * per_row_key, -0.5 * one_row_seconds)
+    if extra == 0.0:
         return tuple(curve)
     one = one_row_seconds + extra
-    return (1.0, *((c * one_row_seconds + n * extra) / one for n, c in enumerate(curve[1:], start=1)))
+    out = [1.0]
+    for n, c in enumerate(curve[1:], start=1):
+        out.append(max(out[-1], (c * one_row_seconds + n * extra) / one))
+    return tuple(out)
 
 
 # Interleaved rounds of `measure_attention_seconds` (milliseconds each on a CPU).

@@ -623,13 +623,22 @@ class Engine:
             self._attention_seconds = found
         return self._attention_seconds
 
+    @property
+    def times_steps_cheaply(self) -> bool:
+        """Whether a round of step timing is cheap on this model (under
+        costs.ESTIMATE_ABOVE_SECONDS): then the attention per row and key is measured for any
+        request (once; cached on disk), not only for long ones, and a short request plans with
+        its rows' cheaper attention. On a model of gigabytes the first call does without it."""
+        return self.one_row_seconds * self.width <= costs.ESTIMATE_ABOVE_SECONDS
+
     def step_costs_at(self, context: int, batched: bool = False) -> tuple[float, ...]:
-        """`step_costs` (or `batch_costs`) for rows that see about `context` keys: beyond the
-        context they were measured at, every row's attention grows with the keys, so at a
-        long context more rows cost relatively more than the measured curve says."""
+        """`step_costs` (or `batch_costs`) for rows that see about `context` keys: every row's
+        attention grows with the keys, so more rows cost relatively more than the measured
+        curve says beyond the context it was measured at, and less before it (where the
+        attention cost is measured cheaply: `times_steps_cheaply`)."""
         curve = self.batch_costs if batched else self.step_costs
         extra = context - costs.cost_context(self)
-        if extra <= 0:
+        if extra == 0 or (extra < 0 and not self.times_steps_cheaply):
             return curve
         return costs.costs_at(curve, self.one_row_seconds, self.attention_seconds, extra)
 
