@@ -35,10 +35,8 @@ MAX_CANDIDATES = 64
 SAFETY = 1.001
 RELATIVE_SLACK = 1e-6
 # the float16 copy is made only up to this size: it is memory beyond the model's own, and
-# making it writes fresh pages, which on the 2-core CI VMs fault in slowly the first time
-# (a random 0.82B Llama's 201 MB copy right after the model was built: ~1 s of its ~10 s
-# first call, for a step 6% faster; into touched memory the conversion takes 0.02 s);
-# SmolLM2-135M's copy is 57 MB
+# making a big one writes fresh pages, whose first touch can cost a big model's first call
+# more than its faster steps win back soon (docs/benchmarks_2026-12-05.md, session 5)
 MAX_COPY_BYTES = 64 * 2 ** 20
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
