@@ -84,10 +84,10 @@ def test_draft_model_branches_are_reached(models):
                               engine_of(main))
     original = Engine.verify
 
-    def spy(self, h, start, meta):
+    def spy(self, h, start, meta, logits=True):
         if self is decoder.draft_engine:
             seen_rows.append(h.shape[0])
-        return original(self, h, start, meta)
+        return original(self, h, start, meta, logits)
 
     Engine.verify = spy
     try:
