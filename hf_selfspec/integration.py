@@ -286,18 +286,11 @@ def _check_positions(model, need: int, whose: str) -> None:
 
 
 def _check_engine_prefill(model, config: EngineConfig, prompt_len: int) -> None:
-    """"longrope" RoPE rotates a prompt longer than original_max_position_embeddings with its
-    long factors at every position, which only HF's own prefill (EngineConfig.prefill='hf',
-    the default) gives: the engine's RoPE table has one rotation per position (layered.py)."""
-    from .engine.layered import longrope_short_positions
+    """Up front, before any work: layered.check_engine_prefill where the engine prefills."""
+    from .engine.layered import check_engine_prefill
 
-    short = longrope_short_positions(model.config)
-    if config.prefill == "engine" and short and prompt_len > short:
-        raise ValueError(
-            f"this prompt ({prompt_len} tokens) is longer than the model's longrope "
-            f"original_max_position_embeddings ({short}), which HF rotates with the long factors "
-            "at every position; EngineConfig(prefill='engine') cannot reproduce that: use "
-            "prefill='hf' (the default) or a shorter prompt")
+    if config.prefill == "engine":
+        check_engine_prefill(model.config, prompt_len)
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
 
 from hf_selfspec.engine import screen as screen_module
 from hf_selfspec.engine.programs import Engine, EngineConfig
 from hf_selfspec.engine.screen import ScreenedArgmax, screen_refusal
-from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_engine_argmax_steps_equal_the_logits_argmax(monkeypatch, product):
     h = engine.embed([7, 8, 9])
     logits, argmax, final = engine.verify(h, 0, engine.make_meta([27, 28, 29]), logits=False)
     assert logits is None
-    full, full_argmax_, full_final = engine.verify(h, 0, engine.make_meta([27, 28, 29]))
+    _, full_argmax_, full_final = engine.verify(h, 0, engine.make_meta([27, 28, 29]))
     assert torch.equal(argmax, full_argmax_) and torch.equal(final, full_final)
     monkeypatch.setattr(engine.screen, "argmax", lambda x: None)  # cannot say: float32 logits
     assert engine.verify(h, 0, engine.make_meta([27, 28, 29]), logits=False)[0] is not None

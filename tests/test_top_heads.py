@@ -141,9 +141,9 @@ def test_drafting_reads_16bit_copies_kept_current():
     the shipped float16-stored heads), made again after an in-place change of a weight;
     with autograd on (training) the float32 weights are used as before."""
     import torch.nn.functional as F
+    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
 
     from hf_selfspec.heads.base import rms_norm
-    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
 
     kernel = load_rows_linear()
     if kernel is None:

@@ -90,6 +90,20 @@ def longrope_short_positions(config) -> int | None:
         or getattr(config, "original_max_position_embeddings", None)
 
 
+def check_engine_prefill(config, prompt_len: int) -> None:
+    """Refuse a prompt the engine's own prefill (EngineConfig.prefill='engine') cannot rotate
+    as HF does: "longrope" RoPE rotates a prompt longer than original_max_position_embeddings
+    with its long factors at every position, which only HF's own prefill gives (the engine's
+    RoPE table has one rotation per position)."""
+    short = longrope_short_positions(config)
+    if short and prompt_len > short:
+        raise ValueError(
+            f"this prompt ({prompt_len} tokens) is longer than the model's longrope "
+            f"original_max_position_embeddings ({short}), which HF rotates with the long factors "
+            "at every position; EngineConfig(prefill='engine') cannot reproduce that: use "
+            "prefill='hf' (the default) or a shorter prompt")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics)."""
     dtype = x.dtype

@@ -45,7 +45,7 @@ from ..logs import logger
 from . import costs
 from .attention import KEY_BLOCK, select_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import LayeredModel, longrope_short_positions, rms_norm, rotate_half
+from .layered import LayeredModel, check_engine_prefill, rms_norm, rotate_half
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -690,13 +690,7 @@ class Engine:
 
     def _prefill_engine(self, prompt_ids: Sequence[int], base: int = 0):
         n = len(prompt_ids)
-        short = longrope_short_positions(self.view.config)
-        if short and n > short:  # HF rotates such a prompt with the long factors everywhere
-            raise ValueError(
-                f"this prompt ({n} tokens) is longer than the model's longrope "
-                f"original_max_position_embeddings ({short}), which HF rotates with the long factors "
-                "at every position; EngineConfig(prefill='engine') cannot reproduce that: use "
-                "prefill='hf' (the default) or a shorter prompt")
+        check_engine_prefill(self.view.config, n)
         for lo in range(0, n, self.width):
             chunk = list(prompt_ids[lo : lo + self.width])
             positions = list(range(lo, lo + len(chunk)))

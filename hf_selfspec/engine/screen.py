@@ -23,7 +23,7 @@ logits as before.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
