@@ -339,8 +339,13 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
 
     Greedy output is the model's own greedy output token for token, sampled output follows
     the model's own sampling distribution; the drafters only change the speed.
+
+    Weights mapped from the checkpoint file (how transformers loads safetensors on the CPU)
+    are copied once into the process's own memory, which the engine streams faster: the
+    same Parameter objects and values, new storage (engine/residence.py).
     """
     from .engine.layered import LayeredModel
+    from .engine.residence import move_file_mapped_weights
 
     _install_attach_first_check()
     # the architecture first: a window is worth mentioning only on a model the engine runs
@@ -351,6 +356,8 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
             "this model instance has its own generate attribute (loaded with a custom_generate "
             "repo?); load it without custom_generate to attach heads"
         )
+    # before the heads bind to the model's embedding: they keep a reference to it
+    move_file_mapped_weights(model)
     loaded = _default_or_no_heads(model, revision) if heads is None else _load_heads(model, heads, revision)
     if decode is None:
         decode = DecodeConfig(lookup="first" if loaded is not None else "only")
