@@ -142,7 +142,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_attention", "rows_layer", "rows_pool", "rows_isa"],
+                functions=["rows_linear", "rows_attention", "rows_layer", "rows_draft_step", "rows_pool", "rows_isa"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
             _error = (f"the kernel build lock {lock} went stale while this process waited on it "
@@ -211,6 +211,15 @@ def load_rows_layer():
     this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_layer
+
+
+def load_rows_draft_step():
+    """The compiled `rows_draft_step(h [n, H], e [n, H], h_norm, e_norm, down, up, out_norm,
+    lm, eps, out_eps, k) -> [h', probs [n, k], ids [n, k]]`: one step of a top-layer draft
+    head and its k likeliest tokens (see cpu_rows.cpp), or None when this machine cannot
+    build or run it (`build_error()` says why)."""
+    module = _load_module()
+    return None if module is None else module.rows_draft_step
 
 
 # `path` argument of rows_attention / rows_layer for steps without a tree

@@ -174,3 +174,44 @@ def test_drafting_reads_16bit_copies_kept_current():
     with torch.enable_grad():  # training: float32 weights, F.linear
         got, want = heads.step_logits(1, h, tokens), expected(1, h, tokens, False)
     assert torch.equal(got[1], want[1])
+
+
+def test_fused_draft_step_proposes_what_the_pytorch_step_proposes():
+    """step_top on a float32 CPU model is one C++ call (rows_draft_step) with its own
+    rounding: the same k likeliest tokens as the PyTorch step where they are not near-tied,
+    probabilities and states within float32 rounding, each row independent of the others,
+    and ties to the lower index."""
+    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_draft_step
+
+    fused = load_rows_draft_step()
+    if fused is None:
+        pytest.skip(f"the C++ row kernel does not build here: {build_error()}")
+    model = tiny_model("llama", seed=0, layers=4)
+    heads = random_top_heads(model)
+    assert heads._fused_step is not None
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(5, model.config.hidden_size, generator=gen) * 2
+    tokens = torch.tensor([5, 9, 11, 200, 7])
+    with torch.no_grad():
+        for step in range(heads.config.depth):
+            got = heads.step_top(step, h, tokens, 4)
+            heads._fused_step = None
+            want = heads.step_top(step, h, tokens, 4)
+            heads._fused_step = fused
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-6)
+            gaps = want[1][:, :-1] - want[1][:, 1:]
+            assert torch.equal(got[2][gaps.min(dim=1).values > 1e-4], want[2][gaps.min(dim=1).values > 1e-4])
+            assert (gaps.min(dim=1).values > 1e-4).any()
+            alone = heads.step_top(step, h[2:3], tokens[2:3], 4)
+            assert all(torch.equal(a[0], g[2]) for a, g in zip(alone, got))
+    # equal logits: the lower index first, as a row of zeros everywhere shows
+    H = model.config.hidden_size
+    zero_lm = torch.zeros(16, H)
+    out = fused(torch.ones(1, H), torch.ones(1, H), torch.ones(H), torch.ones(H), torch.zeros(8, 2 * H),
+                torch.zeros(H, 8), torch.ones(H), zero_lm, 1e-6, 1e-6, 3)
+    assert out[2].tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(out[1], torch.full((1, 3), 1 / 16))
+    with pytest.raises(RuntimeError, match="k must be in"):
+        fused(torch.ones(1, H), torch.ones(1, H), torch.ones(H), torch.ones(H), torch.zeros(8, 2 * H),
+              torch.zeros(H, 8), torch.ones(H), zero_lm, 1e-6, 1e-6, 17)

@@ -122,6 +122,16 @@ def likeliest_first(found: list[DraftNode]) -> list[DraftNode]:
     return [found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order]
 
 
+def _fused_step(weight: torch.Tensor):
+    """The C++ row kernel's whole draft step (kernels/cpu_rows.py `rows_draft_step`) for
+    float32 CPU weights, where it builds; None otherwise."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    from hf_selfspec.kernels.cpu_rows import load_rows_draft_step
+
+    return load_rows_draft_step()
+
+
 def _fast_linear(weight: torch.Tensor):
     """x [n, K] @ w[O, K]^T through the C++ row kernel for float32 CPU weights, where it
     builds (kernels/cpu_rows.py); None otherwise (F.linear is used). The kernel also takes
@@ -195,6 +205,7 @@ class TopDraftHeads(nn.Module):
         if self.out_norm.device != lm.device:
             self.to(lm.device)
         self._fast_linear = _fast_linear(lm)
+        self._fused_step = _fused_step(lm)
         return self
 
     def _apply(self, fn, *args, **kwargs):
@@ -228,6 +239,7 @@ class TopDraftHeads(nn.Module):
         deeper.load_state_dict(state, strict=True)
         deeper.lm_rows, deeper.embed = self.lm_rows, self.embed
         deeper._fast_linear = getattr(self, "_fast_linear", None)
+        deeper._fused_step = getattr(self, "_fused_step", None)
         return deeper
 
     # ---- maths -----------------------------------------------------------------------
@@ -252,6 +264,24 @@ class TopDraftHeads(nn.Module):
         h = h + fast(F.silu(fast(x, down)), up)
         normed = rms_norm(h, self.out_norm, self.config.rms_norm_eps)
         return h, fast(normed, self._draft_weight("lm_rows", self.lm_rows))
+
+    def step_top(self, i: int, h: torch.Tensor, tokens: torch.Tensor, k: int):
+        """Step i's next state and its k likeliest tokens: state h [n, H], previous tokens
+        [n] -> (next state [n, H], probabilities [n, k] (softmax over the reduced
+        vocabulary, float32), indices [n, k] into it, likeliest first). Drafting on a float32
+        CPU model runs the whole step as one C++ call on the 16-bit copies `step_logits`
+        reads (its own rounding: a draft is a proposal); elsewhere `step_logits`."""
+        fused = getattr(self, "_fused_step", None)
+        if fused is None or torch.is_grad_enabled():
+            h, logits = self.step_logits(i, h, tokens)
+            probs, index = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            return h, probs, index
+        step = self.steps[i]
+        h, probs, index = fused(
+            h.contiguous(), F.embedding(tokens, self.embed).contiguous(), step.h_norm, step.e_norm,
+            self._draft_weight(f"steps.{i}.down", step.down.weight), self._draft_weight(f"steps.{i}.up", step.up.weight),
+            self.out_norm, self._draft_weight("lm_rows", self.lm_rows), step.eps, self.config.rms_norm_eps, k)
+        return h, probs, index
 
     def _draft_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         """`weight` as drafting reads it: a float16 copy (exact for heads stored in float16,
@@ -279,8 +309,7 @@ class TopDraftHeads(nn.Module):
         h = final_hidden.reshape(1, -1)
         prev = torch.tensor([token], device=h.device)
         for i in range(min(max_tokens, len(self.steps))):
-            h, logits = self.step_logits(i, h, prev)
-            conf, index = torch.softmax(logits.float(), dim=-1)[0].max(dim=-1)
+            h, conf, index = self.step_top(i, h, prev, 1)
             conf_value = float(conf)
             if conf_value < thresholds[i]:
                 break
@@ -322,8 +351,7 @@ class TopDraftHeads(nn.Module):
         for step in range(max(depths, default=0)):
             if not owner:
                 break
-            h, logits = self.step_logits(step, h, step_tokens)
-            top_p, top_i = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            h, top_p, top_i = self.step_top(step, h, step_tokens, k)
             top_tokens = self.vocab_ids[top_i].tolist()
             top_p = top_p.tolist()
             keep_rows, keep_tokens, keep_owner = [], [], []
