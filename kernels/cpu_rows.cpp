@@ -1302,3 +1302,65 @@ std::vector<torch::Tensor> rows_draft_step(torch::Tensor h, torch::Tensor e, tor
     softmax_top(z.data_ptr<float>() + r * V, V, k, probs.data_ptr<float>() + r * k, ids.data_ptr<int64_t>() + r * k);
   return {next, probs, ids};
 }
+
+// ---- the LM head's argmax screen (hf_selfspec/engine/screen.py) -------------------------
+//
+// z = x . half (rows_linear), then per row the tokens the screen's bound cannot rule out:
+// those with z_v >= best - (coefficient ||x|| + slack |best|), best = max_v z_v, everything
+// in float32. out[r, 0] = their number c (ascending ids in out[r, 1 .. c]), or -1 where the
+// row cannot be screened (a non-finite z or ||x||, or more than max_candidates tokens): then
+// the caller computes the float32 logits. The bound's slack covers the float32 rounding of
+// ||x|| and of the threshold, whatever order they are computed in (screen.py).
+torch::Tensor rows_screen(torch::Tensor x, torch::Tensor half, double coefficient, double slack,
+                          int64_t max_candidates);
+torch::Tensor rows_screen(torch::Tensor x, torch::Tensor half, double coefficient, double slack,
+                          int64_t max_candidates) {
+  check_matrix(x, "rows_screen", "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "rows_screen: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(max_candidates >= 1, "rows_screen: max_candidates must be >= 1, got ", max_candidates);
+  auto z = rows_linear(x, half);  // checks half and the shapes
+  const int64_t n = z.size(0), V = z.size(1), K = x.size(1);
+  auto out = torch::zeros({n, max_candidates + 1}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* zr = z.data_ptr<float>() + r * V;
+    const float* xr = x.data_ptr<float>() + r * K;
+    int64_t* row = op + r * (max_candidates + 1);
+    float ss = 0.f;
+    for (int64_t i = 0; i < K; ++i) ss = std::fma(xr[i], xr[i], ss);
+    // the best z, and 0 * z summed: NaN iff some z is NaN or infinite
+    const int64_t V8 = V - V % 8;
+    __m256 most = _mm256_set1_ps(-INFINITY), poison = _mm256_setzero_ps();
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t v = 0; v < V8; v += 8) {
+      const __m256 zv = _mm256_loadu_ps(zr + v);
+      most = _mm256_max_ps(most, zv);
+      poison = _mm256_add_ps(poison, _mm256_mul_ps(zv, zero));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, most);
+    float best = -INFINITY, bad = hsum(poison) + ss * 0.f;
+    for (int i = 0; i < 8; ++i) best = std::max(best, lanes[i]);
+    for (int64_t v = V8; v < V; ++v) best = std::max(best, zr[v]), bad += zr[v] * 0.f;
+    if (bad != 0.f || !std::isfinite(best)) {
+      row[0] = -1;
+      continue;
+    }
+    const float threshold = best - (static_cast<float>(coefficient) * std::sqrt(ss) +
+                                     static_cast<float>(slack) * std::fabs(best));
+    const __m256 tv = _mm256_set1_ps(threshold);
+    int64_t count = 0;
+    auto keep = [&](int64_t v) {
+      if (count < max_candidates) row[1 + count] = v;
+      ++count;
+    };
+    for (int64_t v = 0; v < V8 && count <= max_candidates; v += 8) {
+      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(zr + v), tv, _CMP_GE_OQ));
+      for (; mask; mask &= mask - 1) keep(v + __builtin_ctz(mask));
+    }
+    for (int64_t v = V8; v < V && count <= max_candidates; ++v)
+      if (zr[v] >= threshold) keep(v);
+    row[0] = count > max_candidates ? -1 : count;
+  }
+  return out;
+}

@@ -142,7 +142,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_attention", "rows_layer", "rows_draft_step", "rows_pool", "rows_isa"],
+                functions=["rows_linear", "rows_attention", "rows_layer", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
             _error = (f"the kernel build lock {lock} went stale while this process waited on it "
@@ -220,6 +220,15 @@ def load_rows_draft_step():
     build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_draft_step
+
+
+def load_rows_screen():
+    """The compiled `rows_screen(x [n, K] float32, half [V, K], coefficient, slack,
+    max_candidates) -> int64 [n, max_candidates + 1]`: each row's count and ids of the tokens
+    the LM head's argmax screen cannot rule out (-1: not screenable; engine/screen.py,
+    cpu_rows.cpp), or None when this machine cannot build or run it."""
+    module = _load_module()
+    return None if module is None else module.rows_screen
 
 
 # `path` argument of rows_attention / rows_layer for steps without a tree

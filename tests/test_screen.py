@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
+from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear, load_rows_screen
 
 from hf_selfspec.engine import screen as screen_module
 from hf_selfspec.engine.programs import Engine, EngineConfig
@@ -21,14 +21,22 @@ def product():
     return lambda x, w: kernel(x.contiguous(), w)
 
 
+@pytest.fixture(params=["pytorch", "kernel"])
+def screen_of(request, product):
+    """ScreenedArgmax(w, product) finding the candidates with PyTorch operations, or in the
+    row kernel's rows_screen (the engine's)."""
+    candidates = load_rows_screen() if request.param == "kernel" else None
+    return lambda w: ScreenedArgmax(w, product, candidates)
+
+
 def full_argmax(product, x, w):
     return product(x, w).argmax(-1)
 
 
-def test_screen_equals_the_float32_argmax_at_every_scale(product):
+def test_screen_equals_the_float32_argmax_at_every_scale(product, screen_of):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3000, 72, generator=gen) * 0.05
-    screen = ScreenedArgmax(w, product)
+    screen = screen_of(w)
     answered = 0
     for scale in (0.01, 1.0, 30.0, 300.0):
         x = torch.randn(8, 72, generator=gen) * scale
@@ -39,7 +47,7 @@ def test_screen_equals_the_float32_argmax_at_every_scale(product):
     assert answered >= 3
 
 
-def test_near_ties_are_decided_by_the_float32_rows(product):
+def test_near_ties_are_decided_by_the_float32_rows(product, screen_of):
     """Rows that round to the same float16 weights but differ in float32: their float16
     logits tie, their float32 ones do not, and the higher id wins (the float16 argmax would
     give the lower id); rows equal in float32 tie to the lowest id, as torch.argmax does."""
@@ -50,39 +58,39 @@ def test_near_ties_are_decided_by_the_float32_rows(product):
     w[50] = 1.0  # an exact float32 tie with row 10
     w[40] = 1.0 + 1e-5  # float16: the same as row 10; float32: better for any positive x
     assert torch.equal(w[40].half(), w[10].half())
-    assert ScreenedArgmax(w, product).argmax(x).tolist() == full_argmax(product, x, w).tolist() == [40, 40]
+    assert screen_of(w).argmax(x).tolist() == full_argmax(product, x, w).tolist() == [40, 40]
     w[40] = 0.0
-    assert ScreenedArgmax(w, product).argmax(x).tolist() == full_argmax(product, x, w).tolist() == [10, 10]
+    assert screen_of(w).argmax(x).tolist() == full_argmax(product, x, w).tolist() == [10, 10]
 
 
-def test_the_bound_keeps_a_token_the_float16_logits_rank_lower(product):
+def test_the_bound_keeps_a_token_the_float16_logits_rank_lower(product, screen_of):
     """float16 logits rank token 0 first (its weight rounds up), float32 logits token 1:
     the bound keeps token 1 a candidate and the float32 rows decide."""
     w = torch.tensor([[1.00049, 0.0], [1.0, 0.0006], [0.5, 0.0]])
     x = torch.ones(1, 2)
     assert float((x @ w.half().float().T)[0].argmax()) == 0
-    assert ScreenedArgmax(w, product).argmax(x).tolist() == full_argmax(product, x, w).tolist() == [1]
+    assert screen_of(w).argmax(x).tolist() == full_argmax(product, x, w).tolist() == [1]
 
 
-def test_no_answer_where_the_screen_cannot_say(product):
+def test_no_answer_where_the_screen_cannot_say(product, screen_of):
     w = torch.randn(500, 16, generator=torch.Generator().manual_seed(2))
-    screen = ScreenedArgmax(w, product)
+    screen = screen_of(w)
     x = torch.randn(3, 16)
     x[1, 4] = float("nan")
     assert screen.argmax(x) is None
     same = torch.zeros(5, 16)
     same[:, 0] = 1.0
-    flat = ScreenedArgmax(same.repeat(20, 1), product)  # 100 equal logits: too many to screen
+    flat = screen_of(same.repeat(20, 1))  # 100 equal logits: too many to screen
     assert flat.argmax(torch.ones(1, 16)) is None
     huge = w.clone()
     huge[3, 0] = 1e6  # beyond float16: no copy, no answer
-    assert ScreenedArgmax(huge, product).argmax(x) is None
+    assert screen_of(huge).argmax(x) is None
 
 
-def test_an_in_place_change_of_the_weights_is_followed(product):
+def test_an_in_place_change_of_the_weights_is_followed(product, screen_of):
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(400, 24, generator=gen)
-    screen = ScreenedArgmax(w, product)
+    screen = screen_of(w)
     x = torch.randn(4, 24, generator=gen)
     assert torch.equal(screen.argmax(x), full_argmax(product, x, w))
     with torch.no_grad():
@@ -119,3 +127,22 @@ def test_engine_argmax_steps_equal_the_logits_argmax(monkeypatch, product):
     assert engine.generate_ar(prompt, 24) == screened
     monkeypatch.setattr(screen_module, "MAX_COPY_BYTES", 1024)
     assert Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel")).screen is None
+
+
+def test_kernel_candidates_are_the_pytorch_candidates(product):
+    """rows_screen finds, row by row, the tokens the PyTorch operations find."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(5000, 72, generator=gen) * 0.05
+    by_kernel = ScreenedArgmax(w, product, load_rows_screen())
+    by_torch = ScreenedArgmax(w, product)
+    for scale in (0.01, 1.0, 30.0, 300.0):
+        x = torch.randn(6, 72, generator=gen) * scale
+        assert by_kernel._candidates(x) == by_torch._candidates(x)
+    near = w.clone()
+    near[100:110] = near[99] + 1e-6 * torch.randn(10, 72, generator=gen)  # near ties with row 99
+    x = near[99:100].repeat(3, 1) * 50.0 + 0.01 * torch.randn(3, 72, generator=gen)
+    by_kernel, by_torch = ScreenedArgmax(near, product, load_rows_screen()), ScreenedArgmax(near, product)
+    many = by_kernel._candidates(x)
+    assert many == by_torch._candidates(x)
+    assert min(len(c) for c in many) > 1  # several tokens per row: the float32 rows decide
+    assert torch.equal(by_kernel.argmax(x), full_argmax(product, x, near))

@@ -210,7 +210,9 @@ class Engine:
         head = self.view.lm_head
         if product is None or screen_refusal(head.weight, head.bias) is not None:
             return None
-        return ScreenedArgmax(head.weight, product)
+        from hf_selfspec.kernels.cpu_rows import load_rows_screen
+
+        return ScreenedArgmax(head.weight, product, load_rows_screen())
 
     def _all_linears(self) -> list[torch.nn.Linear]:
         v = self.view

@@ -40,6 +40,9 @@ RELATIVE_SLACK = 1e-6
 MAX_COPY_BYTES = 64 * 2 ** 20
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# the row kernel's rows_screen(x, half, coefficient, slack, max_candidates): the product and
+# each row's candidates in one call (count, then ids; -1: not screenable)
+Candidates = Callable[[torch.Tensor, torch.Tensor, float, float, int], torch.Tensor]
 
 
 def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -58,14 +61,17 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
 class ScreenedArgmax:
     """argmax(x @ weight.T) for float32 rows x [n, K], reading a float16 copy of `weight`
     [V, K] and the float32 rows of the few tokens the bound cannot rule out. `product` is
-    the row kernel's rows_linear (float32 / float16 weights, float32 x)."""
+    the row kernel's rows_linear (float32 / float16 weights, float32 x); `candidates` its
+    rows_screen, which finds each row's candidates in C++ (without it, PyTorch operations on
+    the product's logits do; the same tokens either way)."""
 
-    def __init__(self, weight: torch.Tensor, product: Product):
+    def __init__(self, weight: torch.Tensor, product: Product, candidates: Candidates | None = None):
         refusal = screen_refusal(weight, None)
         if refusal is not None:
             raise ValueError(refusal)
         self.weight = weight
         self.product = product
+        self.candidates = candidates
         self.half: torch.Tensor | None = None
         self.coefficient = 0.0
         self._version = -1
@@ -102,15 +108,8 @@ class ScreenedArgmax:
         if self.half is None:
             return None
         x = x.contiguous()
-        z = self.product(x, self.half)  # [n, V]
-        best = z.amax(dim=1)
-        threshold = best - (self.coefficient * x.norm(dim=1) + RELATIVE_SLACK * best.abs())
-        hits = (z >= threshold[:, None]).nonzero().tolist()  # NaN anywhere: no hit in its row
-        n = x.shape[0]
-        per_row: list[list[int]] = [[] for _ in range(n)]
-        for r, v in hits:
-            per_row[r].append(v)
-        if any(not c or len(c) > MAX_CANDIDATES for c in per_row):
+        per_row = self._candidates(x)
+        if per_row is None or any(not c or len(c) > MAX_CANDIDATES for c in per_row):
             return None
         if all(len(c) == 1 for c in per_row):
             return torch.tensor([c[0] for c in per_row], dtype=torch.long)
@@ -123,3 +122,23 @@ class ScreenedArgmax:
             # ascending ids: the first of equal maxima is the lowest id, as torch.argmax
             out.append(max(candidates, key=lambda v: (values[column[v]], -v)))
         return torch.tensor(out, dtype=torch.long)
+
+    def _candidates(self, x: torch.Tensor) -> list[list[int]] | None:
+        """Each row's tokens within the bound of its best float16 logit, ascending (None:
+        a row cannot be screened)."""
+        if self.candidates is not None:
+            found = self.candidates(x, self.half, self.coefficient, RELATIVE_SLACK, MAX_CANDIDATES)
+            counts = found[:, 0].tolist()
+            if min(counts) < 1:
+                return None
+            if max(counts) == 1:
+                return [[v] for v in found[:, 1].tolist()]
+            return [row[1:1 + c] for row, c in zip(found.tolist(), counts)]
+        z = self.product(x, self.half)  # [n, V]
+        best = z.amax(dim=1)
+        threshold = best - (self.coefficient * x.norm(dim=1) + RELATIVE_SLACK * best.abs())
+        hits = (z >= threshold[:, None]).nonzero().tolist()  # NaN anywhere: no hit in its row
+        per_row: list[list[int]] = [[] for _ in range(x.shape[0])]
+        for r, v in hits:
+            per_row[r].append(v)
+        return per_row
