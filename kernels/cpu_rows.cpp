@@ -1364,3 +1364,36 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor half, double coefficien
   }
   return out;
 }
+
+// ---- all layers of a step in one call -----------------------------------------------------
+//
+// rows_layer for layers [start, end) in turn: weights holds each layer's `per_layer` tensors
+// (rows_layer's 9 or 11) one layer after another, k_cache / v_cache [L, Hkv, S, d] every
+// layer's cache. With 16-bit projections the residual stream is rounded to their dtype
+// after every layer (as the PyTorch layers in that dtype do), so a row's bits do not depend
+// on how a step's layers are split between calls. One call per step instead of one per
+// layer keeps the Python loop and 30 argument conversions out of the step.
+torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
+                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor slots, torch::Tensor limit, double eps, double scale, torch::Tensor path,
+                          torch::Tensor base, int64_t start, int64_t end);
+torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
+                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
+                          torch::Tensor slots, torch::Tensor limit, double eps, double scale, torch::Tensor path,
+                          torch::Tensor base, int64_t start, int64_t end) {
+  TORCH_CHECK(per_layer == 9 || per_layer == 11, "rows_layers: 9 or 11 weights per layer, got ", per_layer);
+  const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
+  TORCH_CHECK(layers * per_layer == static_cast<int64_t>(weights.size()),
+              "rows_layers: the weights must be whole layers of ", per_layer, ", got ", weights.size());
+  TORCH_CHECK(0 <= start && start <= end && end <= layers, "rows_layers: layers [", start, ", ", end,
+              ") outside the ", layers, " given");
+  TORCH_CHECK(k_cache.defined() && v_cache.defined() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(0) == layers, "rows_layers: k_cache / v_cache must be [L, Hkv, S, d] with L = ", layers);
+  const auto wtype = weights[1].scalar_type();
+  for (int64_t li = start; li < end; ++li) {
+    std::vector<torch::Tensor> w(weights.begin() + li * per_layer, weights.begin() + (li + 1) * per_layer);
+    h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, path, base);
+    if (wtype != at::kFloat) h = h.to(wtype).to(at::kFloat);
+  }
+  return h;
+}

@@ -142,7 +142,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_attention", "rows_layer", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa"],
+                functions=["rows_linear", "rows_attention", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
             _error = (f"the kernel build lock {lock} went stale while this process waited on it "
@@ -211,6 +211,15 @@ def load_rows_layer():
     this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_layer
+
+
+def load_rows_layers():
+    """The compiled `rows_layers(h, weights, per_layer, k_cache [L, Hkv, S, d], v_cache,
+    cos, sin, slots, limit, eps, scale, path, base, start, end)`: `rows_layer` for layers
+    [start, end) in one call (weights: each layer's `per_layer` tensors in turn), or None
+    when this machine cannot build or run it."""
+    module = _load_module()
+    return None if module is None else module.rows_layers
 
 
 def load_rows_draft_step():

@@ -263,27 +263,27 @@ def test_rows_do_not_depend_on_where_segs_split_the_layers(layout, dtype):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2"])
 def test_kernel_layout_fused_layers_match_the_pytorch_layer(kind):
-    """The kernel layout runs each decoder layer in one C++ call (rows_layer) unless a layer
-    has biases: its hidden states, KV and logits agree with the same engine running the
+    """The kernel layout runs a step's decoder layers in one C++ call (rows_layers) unless a
+    layer has biases: its hidden states, KV and logits agree with the same engine running the
     PyTorch layer ops to fp32 rounding, on every row of a step."""
     model = tiny_model(kind, seed=8)
     engine = Engine(model, EngineConfig(width=8, capacity=600, row_layout="kernel"))
-    assert (engine._fused_layers is None) == (kind == "qwen2")
-    if engine._fused_layers is None:
+    assert (engine._fused_weights is None) == (kind == "qwen2")
+    if engine._fused_weights is None:
         return
-    fused = engine._fused_layers
+    fused = engine._fused_weights
     prompt = torch.randint(3, 256, (290,), generator=torch.Generator().manual_seed(3)).tolist()
     engine.prefill(prompt)
     block = list(range(10, 16))
     results = []
     for layers in (fused, None):
-        engine._fused_layers = layers
+        engine._fused_weights = layers
         meta = engine.make_meta(range(len(prompt), len(prompt) + len(block)))
         h = engine.seg(engine.embed(block), 0, 2, meta)
         logits, _, _ = engine.verify(h.clone(), 2, meta)
         kv = engine.k_cache[:, :, len(prompt):len(prompt) + len(block)].clone()
         results.append((h, logits, kv))
-    engine._fused_layers = fused
+    engine._fused_weights = fused
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 

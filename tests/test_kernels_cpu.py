@@ -23,6 +23,7 @@ from hf_selfspec.kernels.cpu_rows import (
     cpu_supports_kernel,
     load_rows_attention,
     load_rows_layer,
+    load_rows_layers,
     load_rows_linear,
     NO_BASE,
     NO_PATH,
@@ -456,6 +457,37 @@ def test_layer_row_is_bit_identical_whatever_the_other_rows(layer, shape, dtype,
                           slots=case["slots"][one], limit=case["limit"][one])
             assert torch.equal(alone[0], out[i]), (n, i)
             assert torch.equal(case["k_cache"], after_k) and torch.equal(case["v_cache"], after_v), (n, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_all_layers_in_one_call_equal_one_call_per_layer(layer, dtype):
+    """rows_layers over layers [start, end) is rows_layer layer after layer, bit for bit (a
+    16-bit model's residual rounded to its dtype after each layer), caches included; it
+    refuses layer ranges and caches that do not fit its weights."""
+    layers = load_rows_layers()
+    gen = torch.Generator().manual_seed(7)
+    cases = [_layer_case(gen, R=4, dtype=dtype, cache_dtype=dtype, qk_norm=True) for _ in range(3)]
+    flat = [t for c in cases for t in c["weights"]]
+    k_all = torch.stack([c["k_cache"] for c in cases])
+    v_all = torch.stack([c["v_cache"] for c in cases])
+    c0 = cases[0]
+    args = (c0["cos"], c0["sin"], c0["slots"], c0["limit"], c0["eps"], c0["scale"], c0["path"], c0["base"])
+    h = c0["h"]
+    k_ref, v_ref = k_all.clone(), v_all.clone()
+    expected = h
+    for li in (1, 2):
+        expected = layer(expected, cases[li]["weights"], k_ref[li], v_ref[li], *args)
+        if dtype != torch.float32:
+            expected = expected.to(dtype).float()
+    got = layers(h, flat, 11, k_all, v_all, *args, 1, 3)
+    assert torch.equal(got, expected)
+    assert torch.equal(k_all, k_ref) and torch.equal(v_all, v_ref)
+    with pytest.raises(RuntimeError, match="outside the 3 given"):
+        layers(h, flat, 11, k_all, v_all, *args, 2, 4)
+    with pytest.raises(RuntimeError, match="whole layers"):
+        layers(h, flat[:-1], 11, k_all, v_all, *args, 0, 1)
+    with pytest.raises(RuntimeError, match=r"\[L, Hkv, S, d\] with L = 3"):
+        layers(h, flat, 11, k_all[:2], v_all[:2], *args, 0, 1)
 
 
 def test_layer_bad_arguments_are_refused_before_any_write(layer):

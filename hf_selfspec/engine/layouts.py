@@ -83,6 +83,7 @@ class RowLayout:
     # C++ kernels the layout brings (kernel layout only): row attention and a fused layer
     kernel_attention = None
     kernel_layer = None
+    kernel_layers = None
 
     def __init__(self, width: int):
         self.width = width
@@ -195,6 +196,7 @@ class KernelLayout(RowLayout):
             build_error,
             load_rows_attention,
             load_rows_layer,
+            load_rows_layers,
             load_rows_linear,
         )
 
@@ -202,6 +204,7 @@ class KernelLayout(RowLayout):
         self._product = load_rows_linear()
         self.kernel_attention = load_rows_attention()
         self.kernel_layer = load_rows_layer()
+        self.kernel_layers = load_rows_layers()
         if self._product is None or self.kernel_attention is None:
             raise ValueError(f"row_layout='kernel' is not available here: {build_error()}; "
                              "use row_layout='auto'")

@@ -162,7 +162,10 @@ class Engine:
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
         # kernel layout: each decoder layer in one C++ call (cpu_rows.cpp rows_layer), unless
         # a layer has biases (then the PyTorch ops below, with the same C++ products)
-        self._fused_layers = self._fused_layer_weights()
+        fused = self._fused_layer_weights()
+        # what rows_layers takes: every layer's weights in turn, and how many per layer
+        self._fused_weights = None if fused is None else [t for layer in fused for t in layer]
+        self._fused_per_layer = 0 if fused is None else len(fused[0])
         self.screen = self._make_screen()
         # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
         params = inspect.signature(model.model.forward).parameters
@@ -187,10 +190,10 @@ class Engine:
             self.graphs.attach()
 
     def _fused_layer_weights(self) -> list[list[torch.Tensor]] | None:
-        """Per layer, the weights `rows_layer` takes (see cpu_rows.cpp), or None when the
+        """Per layer, the weights `rows_layer(s)` takes (see cpu_rows.cpp), or None when the
         layers run as PyTorch ops (another layout, or linear biases). Detached views of the
         model's own parameters: the same storage, no copy."""
-        if self.layout.kernel_layer is None:
+        if self.layout.kernel_layers is None:
             return None
         fused = []
         for lw in self.view.layers:
@@ -450,20 +453,17 @@ class Engine:
         layers; writes the KV of layers [start, end) at meta.slots."""
         v = self.view
         R, n = meta.rows, h.shape[0]
-        if self._fused_layers is not None:  # kernel layout: one C++ call per layer, no padding
-            layer, slots, limits = self.layout.kernel_layer, meta.slots[:n], meta.key_limit[:n]
-            # rows_layer computes in float32 (bf16/fp16 weights and caches widened in registers)
+        if self._fused_weights is not None:  # kernel layout: one C++ call per step, no padding
+            slots, limits = meta.slots[:n], meta.key_limit[:n]
+            # rows_layers computes in float32 (bf16/fp16 weights and caches widened in
+            # registers); the residual stream rounds to the model's dtype at EVERY layer
+            # boundary, so a row's bits never depend on where a seg ends (AR: one run of all
+            # layers; a chain: several segs), as with the PyTorch layers in that dtype
             cos, sin = meta.cos[:n].float().contiguous(), meta.sin[:n].float().contiguous()
             dtype = h.dtype
-            h = h.float().contiguous()
-            for li in range(start, end):
-                h = layer(h, self._fused_layers[li], self.k_cache[li], self.v_cache[li], cos, sin,
-                          slots, limits, v.eps, v.scaling, meta.path, meta.base)
-                if dtype != torch.float32:
-                    # the residual stream rounds to the model's dtype at EVERY layer boundary,
-                    # so a row's bits never depend on where a seg ends (AR: one run of all
-                    # layers; a chain: several segs), as with the PyTorch layers in that dtype
-                    h = h.to(dtype).float()
+            h = self.layout.kernel_layers(h.float().contiguous(), self._fused_weights, self._fused_per_layer,
+                                          self.k_cache, self.v_cache, cos, sin, slots, limits, v.eps, v.scaling,
+                                          meta.path, meta.base, start, end)
             return h.to(dtype)
         lin = self.layout.linear
         h = self._pad(h, R)
