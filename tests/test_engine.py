@@ -426,3 +426,14 @@ def test_a_request_within_the_measured_context_does_not_time_the_attention(monke
     long_ids = torch.randint(3, 200, (1, costs.cost_context(engine) + 10), generator=torch.Generator().manual_seed(1))
     model.generate(long_ids, assistant="self", max_new_tokens=8, do_sample=False)
     assert calls == [1]
+
+
+def test_step_costs_average_out_a_noisy_width():
+    """A width measured dear by noise is pooled with the cheaper widths after it (least-squares
+    non-decreasing fit), not carried into every wider step; nothing costs less than 1 row."""
+    from hf_selfspec.engine.costs import non_decreasing, relative_costs
+
+    assert non_decreasing([1.0, 1.06, 1.14, 1.356, 1.31, 1.38]) == pytest.approx([1.0, 1.06, 1.14, 1.333, 1.333, 1.38])
+    assert non_decreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert relative_costs([10.0, 9.0, 12.0, 11.0]) == pytest.approx([1.0, 1.0, 1.15, 1.15])

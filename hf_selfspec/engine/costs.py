@@ -142,7 +142,7 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     once, as the widest of them; the distinct steps are timed in interleaved rounds and each
     takes its median, so a burst of machine noise cannot make one width look cheap or dear.
     The timing writes KV in the last W slots of the cache, which any later use overwrites
-    before reading; more rows never cost less (timing noise is flattened out)."""
+    before reading; more rows never cost less (relative_costs: timing noise is averaged out)."""
     layout = engine.layout
     key = {n: (layout.rows(n), layout.attention_chunks(n)) for n in range(1, engine.width + 1)}
     widest = {k: max(n for n in key if key[n] == k) for k in set(key.values())}
@@ -153,10 +153,28 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
         k: (lambda n=n: (h[:n], engine.make_meta(range(base, base + n), [limit] * n))) for k, n in widest.items()},
         STEP_COST_ROUNDS)
     seconds = [medians[key[n]] for n in range(1, engine.width + 1)]
-    costs = [s / seconds[0] for s in seconds]
-    for i in range(1, len(costs)):
-        costs[i] = max(costs[i], costs[i - 1])
+    costs = relative_costs(seconds)
     return tuple([1.0] + costs), seconds[0]
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a width
+    measured dear by a burst of noise is averaged with the cheaper widths after it, where a
+    running maximum would carry it into every wider step."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def relative_costs(seconds: Sequence[float]) -> list[float]:
+    """Seconds of steps of increasing size -> their cost in units of the first: more rows
+    never cost less (non_decreasing), and nothing costs less than the first step."""
+    return [1.0] + [max(1.0, c) for c in non_decreasing([s / seconds[0] for s in seconds])[1:]]
 
 
 # A cached 1-row step time this many times what a step takes now means the cache was
@@ -257,11 +275,7 @@ def measure_batch_costs(engine: Engine) -> tuple[tuple[int, ...], tuple[float, .
                                                 bases=[0] * n))) for n in sizes},
         BATCH_COST_ROUNDS)
     seconds = [medians[n] for n in sizes]
-    costs = [s / seconds[0] for s in seconds]
-    for i in range(1, len(costs)):
-        costs[i] = max(costs[i], costs[i - 1])
-    costs[0] = 1.0
-    return tuple(sizes), tuple(costs)
+    return tuple(sizes), tuple(relative_costs(seconds))
 
 
 def batch_cost_curve(step_costs: Sequence[float], width: int, rows: Sequence[int], costs: Sequence[float],
