@@ -83,6 +83,14 @@ struct Elem<c10::Half> {
   static inline float load1(const c10::Half* p) { return static_cast<float>(*p); }
 };
 
+template <>
+struct Elem<int8_t> {  // the LM-head screen's int8 rows (exact small integers as float32)
+  static inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+};
+
 // f(T{}) with T the element type of a float32 / bfloat16 / float16 tensor
 template <typename F>
 inline void by_dtype(at::ScalarType s, const F& f) {
@@ -1305,62 +1313,104 @@ std::vector<torch::Tensor> rows_draft_step(torch::Tensor h, torch::Tensor e, tor
 
 // ---- the LM head's argmax screen (hf_selfspec/engine/screen.py) -------------------------
 //
-// z = x . half (rows_linear), then per row the tokens the screen's bound cannot rule out:
-// those with z_v >= best - (coefficient ||x|| + slack |best|), best = max_v z_v, everything
-// in float32. out[r, 0] = their number c (ascending ids in out[r, 1 .. c]), or -1 where the
-// row cannot be screened (a non-finite z or ||x||, or more than max_candidates tokens): then
-// the caller computes the float32 logits. The bound's slack covers the float32 rounding of
-// ||x|| and of the threshold, whatever order they are computed in (screen.py).
-torch::Tensor rows_screen(torch::Tensor x, torch::Tensor half, double coefficient, double slack,
-                          int64_t max_candidates);
-torch::Tensor rows_screen(torch::Tensor x, torch::Tensor half, double coefficient, double slack,
-                          int64_t max_candidates) {
-  check_matrix(x, "rows_screen", "x");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "rows_screen: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(max_candidates >= 1, "rows_screen: max_candidates must be >= 1, got ", max_candidates);
-  auto z = rows_linear(x, half);  // checks half and the shapes
-  const int64_t n = z.size(0), V = z.size(1), K = x.size(1);
-  auto out = torch::zeros({n, max_candidates + 1}, x.options().dtype(at::kLong));
+// Each row's exact argmax of x . w (float32 LM head w [V, K]) from int8 rows q [V, K] with
+// per-row scales s [V]: z_v = s_v (x . q_v) is within b_v ||x|| of the float32 logit (b [V],
+// the per-row bounds screen.py proves), so only tokens with z_v + b_v ||x|| >= max_u (z_u -
+// b_u ||x||) can be the argmax; their float32 logits, computed by the same tile arithmetic as
+// the full product's (a dot product does not depend on the other rows or outputs), decide,
+// ties to the lowest id as torch.argmax. The comparisons run in float32 with a slack that
+// covers their rounding. out[r] = the argmax, or -1 where the row cannot be screened (a
+// non-finite value, or more than max_candidates candidates): the caller then computes the
+// float32 logits.
+torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bound,
+                          torch::Tensor w, int64_t max_candidates);
+torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor bound,
+                          torch::Tensor w, int64_t max_candidates) {
+  const char* fn = "rows_screen";
+  check_matrix(x, fn, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, fn, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(q.defined() && q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+              fn, ": q must be [V, K] int8 contiguous on the CPU");
+  check_matrix(w, fn, "w");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.sizes() == q.sizes(), fn, ": w must be float32 of q's shape ",
+              q.sizes(), ", got ", w.scalar_type(), " ", w.sizes());
+  const int64_t n = x.size(0), K = x.size(1), V = q.size(0);
+  TORCH_CHECK(n > 0 && K > 0 && V > 0 && q.size(1) == K, fn, ": x [n, K], q [V, K] must share K >= 1, got ",
+              x.sizes(), " and ", q.sizes());
+  for (const auto* t : {&scale, &bound})
+    TORCH_CHECK(t->defined() && t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
+                t->size(0) == V && t->is_contiguous(), fn, ": scale and bound must be [", V, "] float32");
+  TORCH_CHECK(max_candidates >= 1, fn, ": max_candidates must be >= 1, got ", max_candidates);
+  auto d = torch::empty({n, V}, x.options());
+  const float* xp = x.data_ptr<float>();
+  linear_rows<int8_t>(q.data_ptr<int8_t>(), xp, d.data_ptr<float>(), n, K, V);
+  const float* sp = scale.data_ptr<float>();
+  const float* bp = bound.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  auto out = torch::empty({n}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
+  const int64_t V8 = V - V % 8;
+  std::vector<int64_t> found;
   for (int64_t r = 0; r < n; ++r) {
-    const float* zr = z.data_ptr<float>() + r * V;
-    const float* xr = x.data_ptr<float>() + r * K;
-    int64_t* row = op + r * (max_candidates + 1);
+    float* z = d.data_ptr<float>() + r * V;
+    const float* xr = xp + r * K;
     float ss = 0.f;
     for (int64_t i = 0; i < K; ++i) ss = std::fma(xr[i], xr[i], ss);
-    // the best z, and 0 * z summed: NaN iff some z is NaN or infinite
-    const int64_t V8 = V - V % 8;
-    __m256 most = _mm256_set1_ps(-INFINITY), poison = _mm256_setzero_ps();
-    const __m256 zero = _mm256_setzero_ps();
+    const float nx = std::sqrt(ss);
+    const __m256 nv = _mm256_set1_ps(nx), zero = _mm256_setzero_ps(), sign = _mm256_set1_ps(-0.0f);
+    // z_v = s_v d_v in place; lo = max (z - b ||x||); the largest |z| and b ||x||; 0 * z
+    // summed: NaN iff some z is NaN or infinite
+    __m256 lo = _mm256_set1_ps(-INFINITY), big = zero, poison = zero;
     for (int64_t v = 0; v < V8; v += 8) {
-      const __m256 zv = _mm256_loadu_ps(zr + v);
-      most = _mm256_max_ps(most, zv);
+      const __m256 zv = _mm256_mul_ps(_mm256_loadu_ps(z + v), _mm256_loadu_ps(sp + v));
+      const __m256 bv = _mm256_mul_ps(_mm256_loadu_ps(bp + v), nv);
+      _mm256_storeu_ps(z + v, zv);
+      lo = _mm256_max_ps(lo, _mm256_sub_ps(zv, bv));
+      big = _mm256_max_ps(big, _mm256_add_ps(_mm256_andnot_ps(sign, zv), bv));
       poison = _mm256_add_ps(poison, _mm256_mul_ps(zv, zero));
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, most);
-    float best = -INFINITY, bad = hsum(poison) + ss * 0.f;
-    for (int i = 0; i < 8; ++i) best = std::max(best, lanes[i]);
-    for (int64_t v = V8; v < V; ++v) best = std::max(best, zr[v]), bad += zr[v] * 0.f;
-    if (bad != 0.f || !std::isfinite(best)) {
-      row[0] = -1;
+    alignas(32) float a[8], c[8];
+    _mm256_store_ps(a, lo);
+    _mm256_store_ps(c, big);
+    float low = -INFINITY, most = 0.f, bad = hsum(poison) + ss * 0.f;
+    for (int i = 0; i < 8; ++i) low = std::max(low, a[i]), most = std::max(most, c[i]);
+    for (int64_t v = V8; v < V; ++v) {
+      z[v] *= sp[v];
+      low = std::max(low, z[v] - bp[v] * nx);
+      most = std::max(most, std::fabs(z[v]) + bp[v] * nx);
+      bad += z[v] * 0.f;
+    }
+    if (bad != 0.f || !std::isfinite(low) || !std::isfinite(most)) {
+      op[r] = -1;
       continue;
     }
-    const float threshold = best - (static_cast<float>(coefficient) * std::sqrt(ss) +
-                                     static_cast<float>(slack) * std::fabs(best));
+    // every float32 operation above is within 2^-24 of its exact value: 1e-6 of the largest
+    // magnitude covers the few of them on either side of the comparison
+    const float threshold = low - 1e-6f * most;
     const __m256 tv = _mm256_set1_ps(threshold);
-    int64_t count = 0;
-    auto keep = [&](int64_t v) {
-      if (count < max_candidates) row[1 + count] = v;
-      ++count;
-    };
-    for (int64_t v = 0; v < V8 && count <= max_candidates; v += 8) {
-      int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(zr + v), tv, _CMP_GE_OQ));
-      for (; mask; mask &= mask - 1) keep(v + __builtin_ctz(mask));
+    found.clear();
+    const int64_t cap = max_candidates;
+    for (int64_t v = 0; v < V8 && static_cast<int64_t>(found.size()) <= cap; v += 8) {
+      const __m256 up = _mm256_add_ps(_mm256_loadu_ps(z + v), _mm256_mul_ps(_mm256_loadu_ps(bp + v), nv));
+      for (int mask = _mm256_movemask_ps(_mm256_cmp_ps(up, tv, _CMP_GE_OQ)); mask; mask &= mask - 1)
+        found.push_back(v + __builtin_ctz(mask));
     }
-    for (int64_t v = V8; v < V && count <= max_candidates; ++v)
-      if (zr[v] >= threshold) keep(v);
-    row[0] = count > max_candidates ? -1 : count;
+    for (int64_t v = V8; v < V && static_cast<int64_t>(found.size()) <= cap; ++v)
+      if (z[v] + bp[v] * nx >= threshold) found.push_back(v);
+    if (found.empty() || static_cast<int64_t>(found.size()) > cap) {
+      op[r] = -1;
+      continue;
+    }
+    // the candidates' float32 logits, each as the full product computes it (ascending ids:
+    // the first of equal maxima is the lowest id)
+    int64_t best = -1;
+    float best_value = 0.f;
+    for (int64_t v : found) {
+      float value;
+      tile<float, 1, 1>(wp + v * K, xr, K, 1, 0, &value);
+      if (best < 0 || value > best_value) best = v, best_value = value;
+    }
+    op[r] = best;
   }
   return out;
 }

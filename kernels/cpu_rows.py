@@ -232,10 +232,10 @@ def load_rows_draft_step():
 
 
 def load_rows_screen():
-    """The compiled `rows_screen(x [n, K] float32, half [V, K], coefficient, slack,
-    max_candidates) -> int64 [n, max_candidates + 1]`: each row's count and ids of the tokens
-    the LM head's argmax screen cannot rule out (-1: not screenable; engine/screen.py,
-    cpu_rows.cpp), or None when this machine cannot build or run it."""
+    """The compiled `rows_screen(x [n, K] float32, q [V, K] int8, scale [V], bound [V], w [V, K]
+    float32, max_candidates) -> int64 [n]`: each row's exact argmax of x . w from the int8
+    rows and their bounds (-1: not screenable; engine/screen.py, cpu_rows.cpp), or None when
+    this machine cannot build or run it."""
     module = _load_module()
     return None if module is None else module.rows_screen
 

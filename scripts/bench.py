@@ -98,7 +98,7 @@ def run_method(method, model, ids, max_new, state):
 
 def verify_ms(engine, prompt, rows, reps, logits=False):
     """Median ms of a verify step of `rows` rows over all layers, after the prefilled `prompt`:
-    as greedy decoding runs it (each row's argmax only: the LM head's float16 screen where
+    as greedy decoding runs it (each row's argmax only: the LM head's int8 screen where
     the engine has one), or with the float32 logits (logits=True: sampling, processors)."""
     times = []
     for _ in range(reps):
@@ -157,7 +157,7 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
         for lin in linears:
             layout.linear(xs[lin.weight.shape[1]], lin)
         if engine.screen is not None:  # the LM head as a greedy step reads it
-            layout._product(xs[v.lm_head.weight.shape[1]], engine.screen.half)
+            engine.screen.argmax(xs[v.lm_head.weight.shape[1]])
         else:
             layout.linear(xs[v.lm_head.weight.shape[1]], v.lm_head)
 
@@ -193,9 +193,10 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * context * embed.element_size()
     gbs = bandwidth_gbs()
     bound_ms = (weight_bytes + kv_bytes) / (gbs * 1e9) * 1e3
-    # a greedy step reads the LM head through its float16 screen (engine/screen.py): half its bytes
+    # a greedy step reads the LM head through its int8 screen (engine/screen.py): a quarter of its bytes
     head = model.get_output_embeddings().weight
-    screened = weight_bytes - (head.numel() * head.element_size() // 2 if engine.screen is not None else 0)
+    screened = weight_bytes - (head.numel() * head.element_size() - engine.screen.copy_bytes
+                               if engine.screen is not None else 0)
     screened_ms = (screened + kv_bytes) / (gbs * 1e9) * 1e3
     prompt = [100 + i % 200 for i in range(context)]
     engine.prefill(prompt)
@@ -210,7 +211,7 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
           f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
           f"({1e3 / bound_ms:.0f} AR steps/s); a greedy step reads {screened / 1e6:.0f} MB of weights "
-          f"(the LM head's float16 screen: {engine.screen is not None}) -> {screened_ms:.1f} ms")
+          f"(the LM head's int8 screen: {engine.screen is not None}) -> {screened_ms:.1f} ms")
     print(f"{'rows':>5} {'ms':>8} {'w/ logits':>10} {'bound ms':>9} {'% of bound':>11}   split of a greedy step, "
           "timed apart: products / attention / rest (norms, RoPE, KV write, adds, argmax, host)")
     for r in rows:

@@ -209,13 +209,13 @@ class Engine:
 
     def _make_screen(self) -> ScreenedArgmax | None:
         """The LM head's argmax screen (screen.py) on the kernel layout, where it applies."""
-        product = getattr(self.layout, "_product", None)
-        head = self.view.lm_head
-        if product is None or screen_refusal(head.weight, head.bias) is not None:
-            return None
         from hf_selfspec.kernels.cpu_rows import load_rows_screen
 
-        return ScreenedArgmax(head.weight, product, load_rows_screen())
+        head = self.view.lm_head
+        kernel = load_rows_screen() if getattr(self.layout, "_product", None) is not None else None
+        if kernel is None or screen_refusal(head.weight, head.bias) is not None:
+            return None
+        return ScreenedArgmax(head.weight, kernel)
 
     def _all_linears(self) -> list[torch.nn.Linear]:
         v = self.view

@@ -1,23 +1,26 @@
-"""The exact argmax of a float32 LM head from a float16 copy: half its bytes per step.
+"""The exact argmax of a float32 LM head from an int8 copy: a quarter of its bytes per step.
 
 A greedy step needs only each row's argmax over the vocabulary, and on the CPU the LM head
-is a fifth of the bytes a small model's step streams (SmolLM2-135M: 113 of 538 MB). The
-row kernel computes z16 = x . w16 (the weights rounded to float16, widened exactly, float32
-arithmetic in the kernel's fixed order) and a bound b on |z32 - z16| for every token:
+is a fifth of the bytes a small model's step streams (SmolLM2-135M: 113 of 538 MB). Each
+token's row w_v is stored as integers q_v in [-127, 127] and a float32 scale s_v = max|w_v| /
+127; the row kernel computes d_v = x . q_v (float32 arithmetic in the kernel's fixed order)
+and z_v = s_v d_v. For every token
 
-    |z32_v - z16_v| <= |x . (w_v - w16_v)| + err(z32_v) + err(z16_v)
-                    <= ||x|| ||w_v - w16_v|| + gamma_K (||x|| ||w_v|| + ||x|| ||w16_v||)
+    |z32_v - z_v| <= |x . (w_v - s_v q_v)| + s_v |x . q_v - d_v| + |z32_v - x . w_v|
+                  <= ||x|| (e_v + gamma_K (s_v ||q_v|| + ||w_v||)) + u |z_v|
+                   = ||x|| c_v + u |z_v|
 
-(Cauchy-Schwarz; gamma_K = K u / (1 - K u) bounds the rounding of any K-term float32 sum
-of products, whatever its order, u = 2^-24), and rounding to float16 moves each weight by
-at most 2^-11 |w| (normal range) or 2^-25 (subnormal), so ||w_v - w16_v|| <= 2^-11 ||w_v||
-+ 2^-25 sqrt(K): b needs only the largest row norm. The true argmax v* then has z16_v* >=
-max(z16) - 2b, so only the tokens within 2b of the best z16 can be it; their float32
-logits, computed by the same kernel from the float32 rows (a dot product does not depend on
-which other rows are computed), decide, ties to the lowest id as torch.argmax does. The
-result is torch.argmax of the float32 logits, always: where the screen cannot say (a
-non-finite value, or too many tokens within the bound), the caller computes the float32
-logits as before.
+(Cauchy-Schwarz; e_v = ||w_v - s_v q_v|| computed exactly when the copy is made; gamma_K = K u
+/ (1 - K u) bounds the rounding of any K-term float32 sum of products, whatever its order,
+u = 2^-24; the last term is z's own rounding). With b_v = c_v times a small safety factor, the
+true argmax v* has z_v* + b_v* ||x|| >= max_u (z_u - b_u ||x||), so only the tokens passing that
+test can be it: on SmolLM2's hidden states a handful per row (a bound from the worst row for
+every token would keep hundreds). Their float32 logits, computed by the same kernel from the
+float32 rows (a dot product does not depend on which other rows are computed), decide, ties
+to the lowest id as torch.argmax does. The result is torch.argmax of the float32 logits,
+always: where the screen cannot say (a non-finite value, or too many candidates), the caller
+computes the float32 logits as before. The whole screen is one C++ call (cpu_rows.cpp
+`rows_screen`).
 """
 
 from __future__ import annotations
@@ -27,22 +30,19 @@ from collections.abc import Callable
 
 import torch
 
-FLOAT16_MAX = 65504.0
+FLOAT16_MAX = 65504.0  # float16's largest finite value (16-bit draft copies, heads/top.py)
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
-# a row with more tokens within the bound than this is decided by the full float32 logits
-MAX_CANDIDATES = 64
-# slack on the bound for the float32 rounding of ||x|| and of the threshold itself
+# a row with more candidates than this is decided by the full float32 logits
+MAX_CANDIDATES = 128
+# slack on each token's bound for the float32 rounding of ||x||
 SAFETY = 1.001
-RELATIVE_SLACK = 1e-6
-# the float16 copy is made only up to this size: it is memory beyond the model's own, and
+# the int8 copy is made only up to this size: it is memory beyond the model's own, and
 # making a big one writes fresh pages, whose first touch can cost a big model's first call
 # more than its faster steps win back soon (docs/benchmarks_2026-12-05.md, session 5)
 MAX_COPY_BYTES = 64 * 2 ** 20
 
-Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# the row kernel's rows_screen(x, half, coefficient, slack, max_candidates): the product and
-# each row's candidates in one call (count, then ids; -1: not screenable)
-Candidates = Callable[[torch.Tensor, torch.Tensor, float, float, int], torch.Tensor]
+# the row kernel's rows_screen(x, q, scale, bound, w, max_candidates) -> argmax [n] (-1: none)
+ScreenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -53,51 +53,60 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
         return "the LM head has a bias"
     if weight.dim() != 2 or not weight.is_contiguous():
         return "the LM head weight is not a contiguous matrix"
-    if weight.numel() * 2 > MAX_COPY_BYTES:
-        return f"a float16 copy of the LM head would take over {MAX_COPY_BYTES >> 20} MiB"
+    if weight.numel() > MAX_COPY_BYTES:
+        return f"an int8 copy of the LM head would take over {MAX_COPY_BYTES >> 20} MiB"
     return None
 
 
-class ScreenedArgmax:
-    """argmax(x @ weight.T) for float32 rows x [n, K], reading a float16 copy of `weight`
-    [V, K] and the float32 rows of the few tokens the bound cannot rule out. `product` is
-    the row kernel's rows_linear (float32 / float16 weights, float32 x); `candidates` its
-    rows_screen, which finds each row's candidates in C++ (without it, PyTorch operations on
-    the product's logits do; the same tokens either way)."""
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
+    q_v = round(w_v / s_v) with s_v = max|w_v| / 127 (a zero row: q_v = 0), and b_v, the
+    per-unit-||x|| bound of the module docstring, rounded up to float32."""
+    k = w.shape[1]
+    scale = (w.abs().amax(dim=1) / 127.0).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127)
+    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q))
+    w64, q64, s64 = w.double(), q.double(), scale.double()
+    error = (w64 - s64[:, None] * q64).norm(dim=1)  # e_v, exact up to float64 rounding
+    gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
+    c = error + gamma * (s64 * q64.norm(dim=1) + w64.norm(dim=1))
+    # (1 + 2 gamma): ||x|| computed in float32; SAFETY: the float64 arithmetic above
+    bound = (c * (1 + 2 * gamma) * SAFETY).float()
+    bound = torch.where(bound.double() < c, torch.nextafter(bound, torch.full_like(bound, math.inf)), bound)
+    return q.to(torch.int8).contiguous(), scale.contiguous(), bound.contiguous()
 
-    def __init__(self, weight: torch.Tensor, product: Product, candidates: Candidates | None = None):
+
+class ScreenedArgmax:
+    """argmax(x @ weight.T) for float32 rows x [n, K], reading an int8 copy of `weight`
+    [V, K] and the float32 rows of the few tokens the bound cannot rule out; `kernel` is the
+    row kernel's rows_screen."""
+
+    def __init__(self, weight: torch.Tensor, kernel: ScreenKernel):
         refusal = screen_refusal(weight, None)
         if refusal is not None:
             raise ValueError(refusal)
         self.weight = weight
-        self.product = product
-        self.candidates = candidates
-        self.half: torch.Tensor | None = None
-        self.coefficient = 0.0
+        self.kernel = kernel
+        self.rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (q, scale, bound)
         self._version = -1
         self._refresh()
 
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the copy (memory beyond the model's own)."""
+        return 0 if self.rows is None else sum(t.numel() * t.element_size() for t in self.rows)
+
     def _refresh(self) -> bool:
-        """(Re)make the float16 copy and the bound after the weight changed in place
-        (its version counter moved); False where it cannot be screened (then no copy)."""
+        """(Re)make the int8 copy and the bounds after the weight changed in place (its
+        version counter moved); False where it cannot be screened (NaN / inf: no copy)."""
         w = self.weight.detach()
         self._version = self.weight._version
-        self.half = None
+        self.rows = None
         low, high = (float(t) for t in torch.aminmax(w))
-        if not (math.isfinite(low) and math.isfinite(high)) or max(-low, high) > FLOAT16_MAX * (1 - 2.0 ** -12):
-            # NaN / inf in w, or a weight float16 rounds to inf
+        if not (math.isfinite(low) and math.isfinite(high)):
             return False
-        half = w.to(torch.float16)
-        k = w.shape[1]
-        gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
-        # the largest row norm, computed in float32: within a factor (1 + gamma) of the exact one
-        norm = float(torch.linalg.vector_norm(w, dim=1).max()) * (1 + 2 * gamma)
-        rounding = 2.0 ** -11 * norm + 2.0 ** -25 * math.sqrt(k)  # >= ||w_v - w16_v||
-        # ||w16_v|| <= ||w_v|| + ||w_v - w16_v||
-        worst = rounding + gamma * (2 * norm + rounding)
-        self.half = half
-        # twice the bound per unit of ||x||: the distance to the best z16 a token may lie at
-        self.coefficient = 2.0 * worst * (1 + 2 * gamma) * SAFETY  # (1 + 2 gamma): ||x|| in float32
+        self.rows = quantize_rows(w)
         return True
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -105,40 +114,7 @@ class ScreenedArgmax:
         float32 logits (screening not possible now)."""
         if self.weight._version != self._version and not self._refresh():
             return None
-        if self.half is None:
+        if self.rows is None:
             return None
-        x = x.contiguous()
-        per_row = self._candidates(x)
-        if per_row is None or any(not c or len(c) > MAX_CANDIDATES for c in per_row):
-            return None
-        if all(len(c) == 1 for c in per_row):
-            return torch.tensor([c[0] for c in per_row], dtype=torch.long)
-        tokens = sorted({v for c in per_row for v in c})
-        column = {v: i for i, v in enumerate(tokens)}
-        exact = self.product(x, self.weight.detach()[torch.tensor(tokens)]).tolist()  # [n, |tokens|]
-        out = []
-        for r, candidates in enumerate(per_row):
-            values = exact[r]
-            # ascending ids: the first of equal maxima is the lowest id, as torch.argmax
-            out.append(max(candidates, key=lambda v: (values[column[v]], -v)))
-        return torch.tensor(out, dtype=torch.long)
-
-    def _candidates(self, x: torch.Tensor) -> list[list[int]] | None:
-        """Each row's tokens within the bound of its best float16 logit, ascending (None:
-        a row cannot be screened)."""
-        if self.candidates is not None:
-            found = self.candidates(x, self.half, self.coefficient, RELATIVE_SLACK, MAX_CANDIDATES)
-            counts = found[:, 0].tolist()
-            if min(counts) < 1:
-                return None
-            if max(counts) == 1:
-                return [[v] for v in found[:, 1].tolist()]
-            return [row[1:1 + c] for row, c in zip(found.tolist(), counts)]
-        z = self.product(x, self.half)  # [n, V]
-        best = z.amax(dim=1)
-        threshold = best - (self.coefficient * x.norm(dim=1) + RELATIVE_SLACK * best.abs())
-        hits = (z >= threshold[:, None]).nonzero().tolist()  # NaN anywhere: no hit in its row
-        per_row: list[list[int]] = [[] for _ in range(x.shape[0])]
-        for r, v in hits:
-            per_row[r].append(v)
-        return per_row
+        out = self.kernel(x.contiguous(), *self.rows, self.weight.detach(), MAX_CANDIDATES)
+        return None if bool((out < 0).any()) else out
