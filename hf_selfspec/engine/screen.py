@@ -58,15 +58,23 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
     return None
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
-    q_v = round(w_v / s_v) with s_v = max|w_v| / 127 (a zero row: q_v = 0), and b_v, the
-    per-unit-||x|| bound of the module docstring, rounded up to float32."""
-    k = w.shape[1]
-    scale = (w.abs().amax(dim=1) / 127.0).float()
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [V, K] (finite) -> (q [V, K] int8, scale [V] float32): q_v = round(w_v / s_v) with
+    s_v = max|w_v| / 127 (a zero row: q_v = 0, s_v = 0)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / safe[:, None]).clamp_(-127, 127)
     q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q))
+    return q.to(torch.int8).contiguous(), scale.contiguous()
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
+    int8_rows, and b_v, the per-unit-||x|| bound of the module docstring, rounded up to
+    float32."""
+    k = w.shape[1]
+    q, scale = int8_rows(w)
     w64, q64, s64 = w.double(), q.double(), scale.double()
     error = (w64 - s64[:, None] * q64).norm(dim=1)  # e_v, exact up to float64 rounding
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
@@ -74,7 +82,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     # (1 + 2 gamma): ||x|| computed in float32; SAFETY: the float64 arithmetic above
     bound = (c * (1 + 2 * gamma) * SAFETY).float()
     bound = torch.where(bound.double() < c, torch.nextafter(bound, torch.full_like(bound, math.inf)), bound)
-    return q.to(torch.int8).contiguous(), scale.contiguous(), bound.contiguous()
+    return q, scale, bound.contiguous()
 
 
 class ScreenedArgmax:
