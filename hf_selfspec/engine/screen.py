@@ -58,31 +58,43 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
     return None
 
 
+# rows quantised per chunk: the chunk's temporaries stay in cache
+CHUNK_ROWS = 4096
+
+
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [V, K] (finite) -> (q [V, K] int8, scale [V] float32): q_v = round(w_v / s_v) with
     s_v = max|w_v| / 127 (a zero row: q_v = 0, s_v = 0)."""
-    w = w.float()
-    scale = w.abs().amax(dim=1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / safe[:, None]).clamp_(-127, 127)
-    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q))
-    return q.to(torch.int8).contiguous(), scale.contiguous()
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.shape[0], dtype=torch.float32)
+    for lo in range(0, w.shape[0], CHUNK_ROWS):
+        part = w[lo:lo + CHUNK_ROWS].float()
+        s = part.abs().amax(dim=1) / 127.0
+        scale[lo:lo + CHUNK_ROWS] = s
+        q[lo:lo + CHUNK_ROWS] = torch.round(part / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-127, 127)
+    return q, scale
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
-    int8_rows, and b_v, the per-unit-||x|| bound of the module docstring, rounded up to
-    float32."""
+    int8_rows, and b_v >= the per-unit-||x|| bound c_v of the module docstring. Computed in
+    float32: e_v = ||w_v - s_v q_v|| there is within (1 + gamma_K) of the exact norm of the
+    float32 difference, which is within u (|w_v| + |s_v q_v|) of the exact one per element,
+    so adding 2 u (||w_v|| + s_v ||q_v||) and the factor (1 + gamma_K)^2 covers it."""
     k = w.shape[1]
     q, scale = int8_rows(w)
-    w64, q64, s64 = w.double(), q.double(), scale.double()
-    error = (w64 - s64[:, None] * q64).norm(dim=1)  # e_v, exact up to float64 rounding
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
-    c = error + gamma * (s64 * q64.norm(dim=1) + w64.norm(dim=1))
-    # (1 + 2 gamma): ||x|| computed in float32; SAFETY: the float64 arithmetic above
-    bound = (c * (1 + 2 * gamma) * SAFETY).float()
-    bound = torch.where(bound.double() < c, torch.nextafter(bound, torch.full_like(bound, math.inf)), bound)
-    return q, scale, bound.contiguous()
+    bound = torch.empty_like(scale)
+    for lo in range(0, w.shape[0], CHUNK_ROWS):
+        part, s = w[lo:lo + CHUNK_ROWS].float(), scale[lo:lo + CHUNK_ROWS]
+        dequantized = q[lo:lo + CHUNK_ROWS].float() * s[:, None]
+        error = (part - dequantized).norm(dim=1)
+        w_norm, q_norm = part.norm(dim=1), dequantized.norm(dim=1)  # s_v ||q_v||, in float32
+        c = (error + 2 * UNIT_ROUNDOFF * (w_norm + q_norm)) * (1 + gamma) ** 2 \
+            + gamma * (q_norm + w_norm) * (1 + gamma)
+        # (1 + 2 gamma): ||x|| computed in float32; SAFETY: this float32 arithmetic
+        bound[lo:lo + CHUNK_ROWS] = c * (1 + 2 * gamma) * SAFETY
+    return q, scale, bound
 
 
 class ScreenedArgmax:
