@@ -1311,6 +1311,75 @@ std::vector<torch::Tensor> rows_draft_step(torch::Tensor h, torch::Tensor e, tor
   return {next, probs, ids};
 }
 
+// ---- the screen's int8 product on AVX-512 ---------------------------------------------------
+//
+// The screen's int8 logits need no fixed arithmetic (its bound holds for any summation
+// order, and the float32 rows decide), so where the CPU has AVX-512 they are summed in 16
+// lanes: int8 widens to four times the elements per byte of float32, and at several rows the
+// 8-lane tiles are bound by their FMAs, not by memory.
+template <int NX>
+WIDE_TARGET __attribute__((noinline)) void screen_tile16(const int8_t* __restrict q, const float* __restrict x,
+                                                         int64_t K, int64_t V, int64_t v, int64_t nw,
+                                                         float* __restrict y) {
+  __m512 acc[2][NX];
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < NX; ++c) acc[i][c] = _mm512_setzero_ps();
+  const int64_t k16 = K - K % 16;
+  const int8_t* q1 = q + (nw > 1 ? K : 0);  // a lone last row reads its own row twice
+  for (int64_t k = 0; k < k16; k += 16) {
+    if ((k & 63) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + k + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q1 + k + 1024), _MM_HINT_T0);
+    }
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + k))));
+    for (int c = 0; c < NX; ++c) {
+      const __m512 xv = _mm512_loadu_ps(x + c * K + k);
+      acc[0][c] = _mm512_fmadd_ps(w0, xv, acc[0][c]);
+      acc[1][c] = _mm512_fmadd_ps(w1, xv, acc[1][c]);
+    }
+  }
+  for (int i = 0; i < static_cast<int>(nw); ++i) {
+    const int8_t* qi = i ? q1 : q;
+    for (int c = 0; c < NX; ++c) {
+      float sum = _mm512_reduce_add_ps(acc[i][c]);
+      for (int64_t k = k16; k < K; ++k) sum = std::fma(static_cast<float>(qi[k]), x[c * K + k], sum);
+      y[c * V + v + i] = sum;
+    }
+  }
+}
+
+template <int NX>
+void screen_rows16(const int8_t* q, const float* x, float* y, int64_t K, int64_t V) {
+  for_outputs(V, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; v += 2) screen_tile16<NX>(q + v * K, x, K, V, v, std::min<int64_t>(2, v1 - v), y);
+  });
+}
+
+// y [R, V] = x [R, K] . q [V, K] (int8 widened), in any order: AVX-512 where the CPU has it
+// (and rows_isa has not turned it off)
+void screen_product(const int8_t* q, const float* x, float* y, int64_t R, int64_t K, int64_t V) {
+  if (!use_wide()) {
+    linear_rows<int8_t>(q, x, y, R, K, V);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    const int64_t n = std::min<int64_t>(8, R - r0);
+    const float* xr = x + r0 * K;
+    float* yr = y + r0 * V;
+    switch (n) {
+      case 1: screen_rows16<1>(q, xr, yr, K, V); break;
+      case 2: screen_rows16<2>(q, xr, yr, K, V); break;
+      case 3: screen_rows16<3>(q, xr, yr, K, V); break;
+      case 4: screen_rows16<4>(q, xr, yr, K, V); break;
+      case 5: screen_rows16<5>(q, xr, yr, K, V); break;
+      case 6: screen_rows16<6>(q, xr, yr, K, V); break;
+      case 7: screen_rows16<7>(q, xr, yr, K, V); break;
+      default: screen_rows16<8>(q, xr, yr, K, V); break;
+    }
+  }
+}
+
 // ---- the LM head's argmax screen (hf_selfspec/engine/screen.py) -------------------------
 //
 // Each row's exact argmax of x . w (float32 LM head w [V, K]) from int8 rows q [V, K] with
@@ -1343,15 +1412,16 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
   TORCH_CHECK(max_candidates >= 1, fn, ": max_candidates must be >= 1, got ", max_candidates);
   auto d = torch::empty({n, V}, x.options());
   const float* xp = x.data_ptr<float>();
-  linear_rows<int8_t>(q.data_ptr<int8_t>(), xp, d.data_ptr<float>(), n, K, V);
+  screen_product(q.data_ptr<int8_t>(), xp, d.data_ptr<float>(), n, K, V);
   const float* sp = scale.data_ptr<float>();
   const float* bp = bound.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   auto out = torch::empty({n}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t V8 = V - V % 8;
-  std::vector<int64_t> found;
-  for (int64_t r = 0; r < n; ++r) {
+  // each row alone (its passes over the vocabulary), rows shared between the threads
+  auto screen_row = [&](int64_t r) {
+    std::vector<int64_t> found;
     float* z = d.data_ptr<float>() + r * V;
     const float* xr = xp + r * K;
     float ss = 0.f;
@@ -1382,13 +1452,13 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
     }
     if (bad != 0.f || !std::isfinite(low) || !std::isfinite(most)) {
       op[r] = -1;
-      continue;
+      return;
     }
     // every float32 operation above is within 2^-24 of its exact value: 1e-6 of the largest
     // magnitude covers the few of them on either side of the comparison
     const float threshold = low - 1e-6f * most;
     const __m256 tv = _mm256_set1_ps(threshold);
-    found.clear();
+
     const int64_t cap = max_candidates;
     for (int64_t v = 0; v < V8 && static_cast<int64_t>(found.size()) <= cap; v += 8) {
       const __m256 up = _mm256_add_ps(_mm256_loadu_ps(z + v), _mm256_mul_ps(_mm256_loadu_ps(bp + v), nv));
@@ -1399,7 +1469,7 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
       if (z[v] + bp[v] * nx >= threshold) found.push_back(v);
     if (found.empty() || static_cast<int64_t>(found.size()) > cap) {
       op[r] = -1;
-      continue;
+      return;
     }
     // the candidates' float32 logits, each as the full product computes it (ascending ids:
     // the first of equal maxima is the lowest id)
@@ -1411,7 +1481,9 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
       if (best < 0 || value > best_value) best = v, best_value = value;
     }
     op[r] = best;
-  }
+  };
+  if (use_pool()) Pool::get().run(n, screen_row);
+  else at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) { for (int64_t r = r0; r < r1; ++r) screen_row(r); });
   return out;
 }
 

@@ -153,3 +153,22 @@ def test_engine_argmax_steps_equal_the_logits_argmax(monkeypatch, product):
     assert engine.generate_ar(prompt, 24) == screened
     monkeypatch.setattr(screen_module, "MAX_COPY_BYTES", 1024)
     assert Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel")).screen is None
+
+
+def test_both_int8_products_give_the_float32_argmax(product, screen_of):
+    """The screen's int8 product runs in 16 lanes on AVX-512 and in the 8-lane tiles
+    elsewhere (rows_isa(0) forces them here): either way, the float32 argmax."""
+    from hf_selfspec.kernels.cpu_rows import _load_module
+
+    module = _load_module()
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(4001, 72, generator=gen) * 0.05  # an odd vocabulary: a lone last row
+    x = torch.randn(11, 72, generator=gen)  # more rows than one 8-row pass
+    screen = screen_of(w)
+    before = module.rows_isa(-1)
+    try:
+        for isa in (0, 1):
+            module.rows_isa(isa)
+            assert torch.equal(screen.argmax(x), full_argmax(product, x, w))
+    finally:
+        module.rows_isa(1 if before else 0)
