@@ -135,21 +135,29 @@ def test_float16_storage_round_trip(tmp_path):
 
 
 
+def _kernel_model_and_heads(load):
+    """A compiled C++ row-kernel function (skip where the kernel does not build), a tiny
+    float32 model and random top heads bound to it."""
+    from hf_selfspec.kernels.cpu_rows import build_error
+
+    fn = load()
+    if fn is None:
+        pytest.skip(f"the C++ row kernel does not build here: {build_error()}")
+    model = tiny_model("llama", seed=0, layers=4)
+    return fn, model, random_top_heads(model)
+
+
 def test_drafting_reads_16bit_copies_kept_current():
     """On the CPU row kernel, drafting reads float16 copies of the step weights and LM-head
     rows: bit-identical to float32 arithmetic on those weights rounded to float16 (exact for
     the shipped float16-stored heads), made again after an in-place change of a weight;
     with autograd on (training) the float32 weights are used as before."""
     import torch.nn.functional as F
-    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
     from hf_selfspec.heads.base import rms_norm
 
-    kernel = load_rows_linear()
-    if kernel is None:
-        pytest.skip(f"the C++ row kernel does not build here: {build_error()}")
-    model = tiny_model("llama", seed=0, layers=4)
-    heads = random_top_heads(model)
+    kernel, model, heads = _kernel_model_and_heads(load_rows_linear)
     assert heads._fast_linear is not None
 
     def expected(step, h, tokens, rounded):
@@ -181,13 +189,9 @@ def test_fused_draft_step_proposes_what_the_pytorch_step_proposes():
     rounding: the same k likeliest tokens as the PyTorch step where they are not near-tied,
     probabilities and states within float32 rounding, each row independent of the others,
     and ties to the lower index."""
-    from hf_selfspec.kernels.cpu_rows import build_error, load_rows_draft_step
+    from hf_selfspec.kernels.cpu_rows import load_rows_draft_step
 
-    fused = load_rows_draft_step()
-    if fused is None:
-        pytest.skip(f"the C++ row kernel does not build here: {build_error()}")
-    model = tiny_model("llama", seed=0, layers=4)
-    heads = random_top_heads(model)
+    fused, model, heads = _kernel_model_and_heads(load_rows_draft_step)
     assert heads._fused_step is not None
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(5, model.config.hidden_size, generator=gen) * 2
