@@ -243,6 +243,7 @@ class SelfSpecState:
             self.engine = self._new_engine(model, need)
         else:  # a new request: no slot is in use yet, nothing to copy
             self.engine.ensure_capacity(need, keep=0, release=True)
+            self.engine.next_request()
         return self.engine
 
     @staticmethod

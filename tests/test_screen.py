@@ -172,3 +172,24 @@ def test_both_int8_products_give_the_float32_argmax(product, screen_of):
             assert torch.equal(screen.argmax(x), full_argmax(product, x, w))
     finally:
         module.rows_isa(1 if before else 0)
+
+
+def test_a_big_lm_heads_screen_waits_for_the_second_request(monkeypatch, product):
+    """An int8 copy over EAGER_COPY_BYTES is made at the engine's second request, not its
+    first (a big model's first call does not write it); both requests equal HF greedy."""
+    from conftest import hf_greedy
+
+    from hf_selfspec import attach_heads
+
+    monkeypatch.setattr(screen_module, "EAGER_COPY_BYTES", 1024)
+    model = tiny_model("llama", seed=6, layers=2)
+    prompt = list(range(5, 25))
+    expected = hf_greedy(model, prompt, 16)
+    attach_heads(model, heads=False)
+    ids = torch.tensor([prompt])
+    for request in range(2):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             assistant="self", pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == expected
+        engine = model._selfspec.engine
+        assert (engine.screen is None) == (request == 0), request

@@ -166,7 +166,9 @@ class Engine:
         # what rows_layers takes: every layer's weights in turn, and how many per layer
         self._fused_weights = None if fused is None else [t for layer in fused for t in layer]
         self._fused_per_layer = 0 if fused is None else len(fused[0])
-        self.screen = self._make_screen()
+        self.screen = None
+        self._screen_deferred = False  # a big LM head's screen waits for the second request
+        self._make_screen(first_request=True)
         # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
         params = inspect.signature(model.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -207,15 +209,26 @@ class Engine:
             fused.append([t.detach() for t in w])
         return fused
 
-    def _make_screen(self) -> ScreenedArgmax | None:
-        """The LM head's argmax screen (screen.py) on the kernel layout, where it applies."""
+    def _make_screen(self, first_request: bool = False) -> None:
+        """The LM head's argmax screen (screen.py) on the kernel layout, where it applies;
+        at the engine's first request only for a copy of up to EAGER_COPY_BYTES (a bigger
+        one is made by `next_request`)."""
         from hf_selfspec.kernels.cpu_rows import load_rows_screen
+
+        from . import screen as screen_module
 
         head = self.view.lm_head
         kernel = load_rows_screen() if getattr(self.layout, "_product", None) is not None else None
         if kernel is None or screen_refusal(head.weight, head.bias) is not None:
-            return None
-        return ScreenedArgmax(head.weight, kernel)
+            return
+        self._screen_deferred = first_request and head.weight.numel() > screen_module.EAGER_COPY_BYTES
+        if not self._screen_deferred:
+            self.screen = ScreenedArgmax(head.weight, kernel)
+
+    def next_request(self) -> None:
+        """A request after the first: make what the first deferred (a big LM head's screen)."""
+        if self._screen_deferred:
+            self._make_screen()
 
     def _all_linears(self) -> list[torch.nn.Linear]:
         v = self.view

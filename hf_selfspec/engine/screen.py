@@ -36,10 +36,12 @@ UNIT_ROUNDOFF = 2.0 ** -24  # float32
 MAX_CANDIDATES = 128
 # slack on each token's bound for the float32 rounding of ||x||
 SAFETY = 1.001
-# the int8 copy is made only up to this size: it is memory beyond the model's own, and
-# making a big one writes fresh pages, whose first touch can cost a big model's first call
-# more than its faster steps win back soon (docs/benchmarks_2026-12-05.md, session 5)
-MAX_COPY_BYTES = 64 * 2 ** 20
+# the int8 copy is made only up to this size: it is memory beyond the model's own
+MAX_COPY_BYTES = 128 * 2 ** 20
+# ... and one over this size not at the engine's first request but at its second: making it
+# writes fresh pages, whose first touch right after a big model was built cost a 0.82B
+# model's first call ~2 s here (docs/benchmarks_2026-12-05.md, session 6)
+EAGER_COPY_BYTES = 32 * 2 ** 20
 
 # the row kernel's rows_screen(x, q, scale, bound, w, max_candidates) -> argmax [n] (-1: none)
 ScreenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -58,8 +60,9 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
     return None
 
 
-# rows quantised per chunk: the chunk's temporaries stay in cache
-CHUNK_ROWS = 4096
+# rows quantised per chunk of about this many weights (4 MiB of float32 temporaries: they
+# stay in cache and their memory is reused; 32 MiB ones took twice as long)
+CHUNK_ELEMENTS = 1 << 20
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,12 +70,17 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s_v = max|w_v| / 127 (a zero row: q_v = 0, s_v = 0)."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.shape[0], dtype=torch.float32)
-    for lo in range(0, w.shape[0], CHUNK_ROWS):
-        part = w[lo:lo + CHUNK_ROWS].float()
+    rows = _chunk_rows(w)
+    for lo in range(0, w.shape[0], rows):
+        part = w[lo:lo + rows].float()
         s = part.abs().amax(dim=1) / 127.0
-        scale[lo:lo + CHUNK_ROWS] = s
-        q[lo:lo + CHUNK_ROWS] = torch.round(part / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-127, 127)
+        scale[lo:lo + rows] = s
+        q[lo:lo + rows] = torch.round(part / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-127, 127)
     return q, scale
+
+
+def _chunk_rows(w: torch.Tensor) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, w.shape[1]))
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,15 +93,16 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     q, scale = int8_rows(w)
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
     bound = torch.empty_like(scale)
-    for lo in range(0, w.shape[0], CHUNK_ROWS):
-        part, s = w[lo:lo + CHUNK_ROWS].float(), scale[lo:lo + CHUNK_ROWS]
-        dequantized = q[lo:lo + CHUNK_ROWS].float() * s[:, None]
+    rows = _chunk_rows(w)
+    for lo in range(0, w.shape[0], rows):
+        part, s = w[lo:lo + rows].float(), scale[lo:lo + rows]
+        dequantized = q[lo:lo + rows].float() * s[:, None]
         error = (part - dequantized).norm(dim=1)
         w_norm, q_norm = part.norm(dim=1), dequantized.norm(dim=1)  # s_v ||q_v||, in float32
         c = (error + 2 * UNIT_ROUNDOFF * (w_norm + q_norm)) * (1 + gamma) ** 2 \
             + gamma * (q_norm + w_norm) * (1 + gamma)
         # (1 + 2 gamma): ||x|| computed in float32; SAFETY: this float32 arithmetic
-        bound[lo:lo + CHUNK_ROWS] = c * (1 + 2 * gamma) * SAFETY
+        bound[lo:lo + rows] = c * (1 + 2 * gamma) * SAFETY
     return q, scale, bound
 
 
