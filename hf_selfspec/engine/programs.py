@@ -21,10 +21,10 @@ Programs (all share `run_layers`):
 The metadata of a step (positions, KV slots, key limits) lives in one device buffer
 written by one copy, so the CUDA-graph executor (runner.py) replays a captured program at
 any position. The engine reads the model's own weights, never a copy of them, with one
-exception: on the kernel layout a float32 LM head (up to 128 MiB) gets a float16 copy from
-which a step that needs only its argmax reads half the LM head's bytes, exactly
-(screen.py). Besides, it owns the KV cache (sized to the request, grown and shrunk by
-copying) and small buffers.
+exception: on the kernel layout a float32 LM head (up to 128M weights) gets an int8 copy
+from which a step that needs only its argmax reads a quarter of the LM head's bytes,
+exactly (screen.py). Besides, it owns the KV cache (sized to the request, grown and shrunk
+by copying) and small buffers.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
 from ..logs import logger
 from . import costs
+from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, visible_bias
 from .cache import MeasurementCache, machine_key
 from .layered import LayeredModel, check_engine_prefill, rms_norm, rotate_half
@@ -160,8 +161,8 @@ class Engine:
         self.meta_rows = max(self.width, -(-self.width // a) * a)
         self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
-        # kernel layout: each decoder layer in one C++ call (cpu_rows.cpp rows_layer), unless
-        # a layer has biases (then the PyTorch ops below, with the same C++ products)
+        # kernel layout: a step's decoder layers in one C++ call (cpu_rows.cpp rows_layers),
+        # unless a layer has biases (then the PyTorch ops below, with the same C++ products)
         fused = self._fused_layer_weights()
         # what rows_layers takes: every layer's weights in turn, and how many per layer
         self._fused_weights = None if fused is None else [t for layer in fused for t in layer]
@@ -215,13 +216,13 @@ class Engine:
         one is made by `next_request`)."""
         from hf_selfspec.kernels.cpu_rows import load_rows_screen
 
-        from . import screen as screen_module
-
         head = self.view.lm_head
-        kernel = load_rows_screen() if getattr(self.layout, "_product", None) is not None else None
-        if kernel is None or screen_refusal(head.weight, head.bias) is not None:
+        if self.layout.kernel_layers is None or screen_refusal(head.weight, head.bias) is not None:
             return
-        self._screen_deferred = first_request and head.weight.numel() > screen_module.EAGER_COPY_BYTES
+        kernel = load_rows_screen()
+        if kernel is None:
+            return
+        self._screen_deferred = first_request and head.weight.numel() > screen_lib.EAGER_COPY_BYTES
         if not self._screen_deferred:
             self.screen = ScreenedArgmax(head.weight, kernel)
 

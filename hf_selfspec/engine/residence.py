@@ -89,19 +89,19 @@ def move_file_mapped_weights(model: torch.nn.Module, max_bytes: int = MAX_MOVE_B
         movable.setdefault(t.data_ptr(), []).append(slot)
     movable = {lo: slots for lo, slots in movable.items()
                if len({(tuple(s[3].shape), s[3].dtype) for s in slots}) == 1}
-    extent = {lo: lo + slots[0][3].numel() * slots[0][3].element_size() for lo, slots in movable.items()}
-    total = sum(extent[lo] - lo for lo in movable)
+    size = {lo: slots[0][3].numel() * slots[0][3].element_size() for lo, slots in movable.items()}
+    total = sum(size.values())
     if total == 0 or total > max_bytes:
         if total:
             logger.info("hf_selfspec: %.2f GB of weights are mapped from files; over %.2f GB they stay mapped",
                         total / 1e9, max_bytes / 1e9)
         return 0
-    arena = _anonymous_arena(sum(_aligned(extent[lo] - lo) for lo in movable))
+    arena = _anonymous_arena(sum(_aligned(n) for n in size.values()))
     offset = 0
     for lo in sorted(movable):  # the checkpoint's own order
         slots = movable[lo]
         old = slots[0][3]
-        nbytes = extent[lo] - lo
+        nbytes = size[lo]
         # a storage of its own per tensor (no two parameters share one: save_pretrained
         # would see shared tensors), all views of one private anonymous mapping
         new = torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=offset).view(old.dtype).view(old.shape)

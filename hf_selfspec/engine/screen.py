@@ -30,7 +30,6 @@ from collections.abc import Callable
 
 import torch
 
-FLOAT16_MAX = 65504.0  # float16's largest finite value (16-bit draft copies, heads/top.py)
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
 # a row with more candidates than this is decided by the full float32 logits
 MAX_CANDIDATES = 128
@@ -65,38 +64,26 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
 CHUNK_ELEMENTS = 1 << 20
 
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [V, K] (finite) -> (q [V, K] int8, scale [V] float32): q_v = round(w_v / s_v) with
-    s_v = max|w_v| / 127 (a zero row: q_v = 0, s_v = 0)."""
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
+    q_v = round(w_v / s_v) with s_v = max|w_v| / 127 (a zero row: q_v = 0, s_v = 0), and b_v
+    >= the per-unit-||x|| bound c_v of the module docstring. Computed in float32: e_v =
+    ||w_v - s_v q_v|| there is within (1 + gamma_K) of the exact norm of the float32
+    difference, which is within u (|w_v| + |s_v q_v|) of the exact one per element, so
+    adding 2 u (||w_v|| + s_v ||q_v||) and the factor (1 + gamma_K)^2 covers it."""
+    k = w.shape[1]
+    gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.shape[0], dtype=torch.float32)
-    rows = _chunk_rows(w)
+    bound = torch.empty_like(scale)
+    rows = max(1, CHUNK_ELEMENTS // max(1, k))
     for lo in range(0, w.shape[0], rows):
         part = w[lo:lo + rows].float()
         s = part.abs().amax(dim=1) / 127.0
+        whole = torch.round(part / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-127, 127)
         scale[lo:lo + rows] = s
-        q[lo:lo + rows] = torch.round(part / torch.where(s > 0, s, 1.0)[:, None]).clamp_(-127, 127)
-    return q, scale
-
-
-def _chunk_rows(w: torch.Tensor) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, w.shape[1]))
-
-
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
-    int8_rows, and b_v >= the per-unit-||x|| bound c_v of the module docstring. Computed in
-    float32: e_v = ||w_v - s_v q_v|| there is within (1 + gamma_K) of the exact norm of the
-    float32 difference, which is within u (|w_v| + |s_v q_v|) of the exact one per element,
-    so adding 2 u (||w_v|| + s_v ||q_v||) and the factor (1 + gamma_K)^2 covers it."""
-    k = w.shape[1]
-    q, scale = int8_rows(w)
-    gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
-    bound = torch.empty_like(scale)
-    rows = _chunk_rows(w)
-    for lo in range(0, w.shape[0], rows):
-        part, s = w[lo:lo + rows].float(), scale[lo:lo + rows]
-        dequantized = q[lo:lo + rows].float() * s[:, None]
+        q[lo:lo + rows] = whole
+        dequantized = whole * s[:, None]
         error = (part - dequantized).norm(dim=1)
         w_norm, q_norm = part.norm(dim=1), dequantized.norm(dim=1)  # s_v ||q_v||, in float32
         c = (error + 2 * UNIT_ROUNDOFF * (w_norm + q_norm)) * (1 + gamma) ** 2 \

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.screen import FLOAT16_MAX
 from . import checks
 from .base import final_norm, fingerprint, lm_head_weight, rms_norm, weight_probe
 
@@ -120,6 +119,10 @@ def likeliest_first(found: list[DraftNode]) -> list[DraftNode]:
     order = sorted(range(len(found)), key=lambda i: (-found[i].prob, found[i].step))
     position = {old: new for new, old in enumerate(order)}
     return [found[i]._replace(parent=position.get(found[i].parent, -1)) for i in order]
+
+
+# largest magnitude a float16 holds: weights beyond it are drafted from bfloat16 copies
+FLOAT16_MAX = 65504.0
 
 
 def _fused_step(weight: torch.Tensor):
@@ -293,7 +296,6 @@ class TopDraftHeads(nn.Module):
         if found is not None and found[0] == key:
             return found[1]
         w = weight.detach()
-        # beyond float16's range: a bfloat16 copy
         dtype = torch.float16 if float(w.abs().max()) <= FLOAT16_MAX else torch.bfloat16
         copy = w.to(dtype).contiguous()
         self._draft_copies[name] = (key, copy)
