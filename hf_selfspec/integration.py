@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import functools
 import json
+import numbers
+import operator
 import threading
 import time
 import warnings
@@ -54,15 +56,25 @@ def _above_one(v) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _hf_defaults():
+@functools.lru_cache(maxsize=1)
+def _hf_defaults() -> dict:
+    """HF's default GenerationConfig values. transformers 5 leaves unset fields None in a
+    GenerationConfig() and fills them from `_get_default_generation_params()` when generate()
+    merges the config (num_assistant_tokens 20, assistant_confidence_threshold 0.4, ...), so
+    the merged config the loop sees holds those: they are defaults, not a request."""
     from transformers import GenerationConfig
 
-    return GenerationConfig()
+    config = GenerationConfig()
+    defaults = dict(vars(config))
+    params = getattr(config, "_get_default_generation_params", None)
+    if callable(params):
+        defaults.update({k: v for k, v in params().items() if defaults.get(k) is None})
+    return defaults
 
 
 def _hf_default(name: str):
-    """HF's default value of a GenerationConfig field."""
-    return getattr(_hf_defaults(), name, None)
+    """HF's default value of a GenerationConfig field (what generate() fills in when unset)."""
+    return _hf_defaults().get(name)
 
 
 # HF's names for the drafting knobs, honoured per call (as generate() keywords, or in the
@@ -240,6 +252,8 @@ class SelfSpecState:
         _check_positions(model, need, "the model's")
         if not self._current(self.engine, model):
             self.engine = None  # free the old cache first
+            if self.heads is not None:  # the heads' copies of the model's weights follow them
+                self.heads.bind(model)  # (a dtype / device change, new tensors)
             self.engine = self._new_engine(model, need)
         else:  # a new request: no slot is in use yet, nothing to copy
             self.engine.ensure_capacity(need, keep=0, release=True)
@@ -702,6 +716,22 @@ def _eos_ids(generation_config) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
 
 
+def _token_count(gc, name: str) -> int | None:
+    """The GenerationConfig's `name` (max_new_tokens, max_length, ...) as an int: HF's own
+    loop also takes a numpy integer, a one-element integer tensor or a whole float there."""
+    value = getattr(gc, name, None)
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)  # numpy integers, one-element integer tensors
+    except TypeError:
+        pass
+    whole = isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+    if whole and float(value).is_integer():
+        return int(float(value))
+    raise ValueError(f"{name} must be a whole number of tokens, got {value!r}")
+
+
 def _row_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
     """Unpadded prompt of each row; only left padding is accepted."""
     rows = []
@@ -742,8 +772,9 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     config = _per_call_config(state.decode_config, call.options, state.engine_config.width,
                               selfspec_draft_model is not None)
     prompt_len = input_ids.shape[1]
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - prompt_len
-    min_new = gc.min_new_tokens or max(0, (gc.min_length or 0) - prompt_len)
+    max_new_tokens, min_new_tokens = _token_count(gc, "max_new_tokens"), _token_count(gc, "min_new_tokens")
+    max_new = max_new_tokens if max_new_tokens is not None else _token_count(gc, "max_length") - prompt_len
+    min_new = min_new_tokens or max(0, (_token_count(gc, "min_length") or 0) - prompt_len)
     eos = _eos_ids(gc)
     _check_token_ids(model, input_ids, eos, gc.pad_token_id)
     streamer = call.streamer

@@ -413,6 +413,24 @@ def test_hf_named_drafting_options_per_call():
             model.generate(ids, assistant="self", **kw, **bad)
 
 
+def test_hf_filled_defaults_are_no_drafting_request():
+    """generate() fills the fields a config leaves unset with HF's defaults
+    (num_assistant_tokens 20, assistant_confidence_threshold 0.4 in transformers 5) before
+    the loop sees the config: those are no request, so the attached DecodeConfig (here the
+    heads' thresholds) reaches the decoder unchanged; a value the caller passes still does."""
+    from hf_selfspec.integration import SelfSpecCall
+
+    model = tiny_model("llama", seed=3, layers=2)
+    merged, _ = model._prepare_generation_config(None)
+    call = SelfSpecCall()
+    call.take_from(merged)
+    assert call.options == {}
+    merged, _ = model._prepare_generation_config(None, assistant_confidence_threshold=0.3)
+    call = SelfSpecCall()
+    call.take_from(merged)
+    assert call.options == {"assistant_confidence_threshold": 0.3}
+
+
 def test_engine_build_and_layout_are_logged_through_transformers_logging():
     """transformers.logging.set_verbosity_info() shows the engine's build and its row
     layout (the package logs under transformers' library logger)."""

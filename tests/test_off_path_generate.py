@@ -194,3 +194,43 @@ def test_what_the_loop_cannot_read_is_refused_clearly(pair):
     with pytest.raises(NotImplementedError, match="read `scores`"):
         model.generate(ids, max_new_tokens=4, stopping_criteria=StoppingCriteriaList([ReadScores()]),
                        return_dict_in_generate=True, output_scores=True, assistant="self", **GREEDY)
+
+
+def test_token_counts_hf_takes_give_its_output(pair):
+    """max_new_tokens / max_length as a numpy integer, a one-element tensor or a whole float:
+    HF's loop takes them, so do we; a fractional count is refused naming the option."""
+    import numpy as np
+
+    ids = prompt(seed=3)
+    for kw in (dict(max_new_tokens=np.int64(7)), dict(max_new_tokens=torch.tensor(7)),
+               dict(max_new_tokens=7.0), dict(max_length=np.float32(30.0))):
+        ref, ours = both(pair, ids, **kw)
+        assert torch.equal(ref, ours), kw
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number of tokens, got 7.5"):
+        pair[1].generate(ids, assistant="self", max_new_tokens=7.5, **GREEDY)
+
+
+def test_heads_follow_a_dtype_change_after_attach():
+    """attach_heads with heads, one call, then model.to(bfloat16): the engine is rebuilt and
+    the heads bound again to the bf16 weights, so drafting runs (no float32 kernel on bf16
+    states) and the output equals the engine's own bf16 AR decoding."""
+    from hf_selfspec import DecodeConfig
+    from hf_selfspec.heads.repo import fingerprint
+    from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
+
+    model = tiny_model("llama", seed=2, layers=2, hidden=64)
+    cfg = model.config
+    config = TopHeadsConfig(base_model="tiny", base_fingerprint=fingerprint(model),
+                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                            vocab_size=cfg.vocab_size, depth=2, adapter_dim=16, reduced_vocab=cfg.vocab_size)
+    heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
+    attach_heads(model, heads, decode=DecodeConfig(lookup="off", thresholds=0.0, adaptive=False,
+                                                     draft_confidence=0.0))
+    ids = prompt(seed=4, length=24)
+    model.generate(ids, assistant="self", max_new_tokens=8, **GREEDY)
+    model.to(torch.bfloat16)
+    out = model.generate(ids, assistant="self", max_new_tokens=24, **GREEDY)
+    assert model.selfspec_stats.drafted > 0
+    assert heads.lm_rows.dtype == torch.bfloat16
+    reference = model._selfspec.engine.generate_ar(ids[0].tolist(), 24)
+    assert out[0, ids.shape[1]:].tolist() == reference
