@@ -39,6 +39,7 @@ from .decoding.sampling import (
 )
 from .engine import costs
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
+from .import_hook import after_import
 from .logs import logger
 from .stats import DecodeStats
 
@@ -607,8 +608,9 @@ def _install_attach_first_check() -> None:
     assistant='self' as a keyword fails with HF's generic "model_kwargs are not used", and
     in a GenerationConfig it is silently ignored. Both raise ATTACH_FIRST instead. The hook
     sits on HF's GenerationConfig preparation and acts only on those two requests, which
-    HF would refuse or drop; every other call is untouched. Installed by the process's first
-    attach_heads (so importing the package does not import HF's generation stack)."""
+    HF would refuse or drop; every other call is untouched. Installed as soon as HF's
+    generation module is loaded (import_hook.after_import, below: importing the package does
+    not import HF's generation stack), and again by attach_heads (a no-op then)."""
     from transformers.generation.utils import GenerationMixin
 
     original = GenerationMixin._prepare_generation_config
@@ -626,6 +628,8 @@ def _install_attach_first_check() -> None:
     _prepare_generation_config.__doc__ = original.__doc__
     GenerationMixin._prepare_generation_config = _prepare_generation_config
 
+
+after_import("transformers.generation.utils", _install_attach_first_check)
 
 
 def _with_stop_strings(stopping_criteria, call: SelfSpecCall):

@@ -286,7 +286,12 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
   // 8 KiB for 16-bit weights since: a distance that reaches into the next weight rows (one
   // run of memory: the rows are contiguous); bf16 step products on a 2-core Xeon, A/B in one
   // process against 2 KiB: 1 / 2 / 4 rows 15.8 / 17.0 / 18.0 -> 13.3 / 14.1 / 14.7 ms.
-  constexpr int64_t PF_BYTES = NX <= 4 ? (sizeof(T) == 2 ? 8192 : 1024) : 4096;
+  // 8 KiB for float32 weights too (1-4 rows), measured later: whole float32 verify steps of
+  // SmolLM2 on a 2-core Xeon, A/B in one process, 1 / 2 / 4 / 8 rows, 1 KiB (4 KiB for 8 rows)
+  // 21.9 / 23.4 / 26.4 / 32.0 ms, 2 KiB 22.1 / 24.0 / 27.7 / 31.3, 4 KiB 21.9 / 23.4 / 25.7 /
+  // 31.5, 8 KiB 19.9 / 21.5 / 23.8 / 31.9 (a 16-lane float32 tile, another rounding, gained
+  // only at 8 rows once both had 8 KiB: 28.5 ms; not kept, so every CPU rounds alike).
+  constexpr int64_t PF_BYTES = NX <= 4 ? 8192 : 4096;
   constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
   const int64_t k8 = K - K % 8;
@@ -1327,9 +1332,9 @@ WIDE_TARGET __attribute__((noinline)) void screen_tile16(const int8_t* __restric
   const int64_t k16 = K - K % 16;
   const int8_t* q1 = q + (nw > 1 ? K : 0);  // a lone last row reads its own row twice
   for (int64_t k = 0; k < k16; k += 16) {
-    if ((k & 63) == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + k + 1024), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q1 + k + 1024), _MM_HINT_T0);
+    if ((k & 63) == 0) {  // 8 KiB ahead as `tile` (1 KiB ahead: ~0.5 ms slower per step)
+      _mm_prefetch(reinterpret_cast<const char*>(q + k + 8192), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q1 + k + 8192), _MM_HINT_T0);
     }
     const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
     const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + k))));

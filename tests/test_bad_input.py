@@ -253,3 +253,36 @@ def test_random_generate_kwargs_equal_hf_or_raise_clearly():
         outcomes["equal"] += 1
     # the draws exercise both outcomes (a seed that only refused would test nothing)
     assert min(outcomes.values()) >= DRAWS // 5, outcomes
+
+
+def test_a_fresh_process_never_attaching_gets_the_attach_first_error():
+    """In a new process that imports hf_selfspec and never attaches: assistant='self' as a
+    keyword or in a GenerationConfig raises the attach-first error (the check is installed
+    when HF's generation module loads, before or after the package's import), and HF's
+    module still reads as its own (source, loader)."""
+    import subprocess
+    import sys
+
+    code = r'''
+import sys
+import hf_selfspec  # before transformers' generation module is loaded
+assert "transformers.generation.utils" not in sys.modules
+import inspect
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+import transformers.generation.utils as gu
+assert "def generate" in inspect.getsource(gu.GenerationMixin)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)).eval()
+ids = torch.tensor([[3, 4, 5]])
+for kw in (dict(assistant="self"), dict(generation_config=GenerationConfig(assistant="self", max_new_tokens=2))):
+    try:
+        model.generate(ids, max_new_tokens=2, **kw) if "assistant" in kw else model.generate(ids, **kw)
+    except ValueError as e:
+        assert "attach_heads(model) first" in str(e), e
+    else:
+        raise AssertionError(f"no error for {kw}")
+print("ok")
+'''
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
