@@ -291,7 +291,12 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
   // 21.9 / 23.4 / 26.4 / 32.0 ms, 2 KiB 22.1 / 24.0 / 27.7 / 31.3, 4 KiB 21.9 / 23.4 / 25.7 /
   // 31.5, 8 KiB 19.9 / 21.5 / 23.8 / 31.9 (a 16-lane float32 tile, another rounding, gained
   // only at 8 rows once both had 8 KiB: 28.5 ms; not kept, so every CPU rounds alike).
+  // The 8 KiB distance prefetches into L2 only (T1): 3-4 weight rows 8 KiB ahead would fill a
+  // 32 KiB L1 (AMD EPYC's) and push out the x rows; on the Xeon (48 KiB L1), whole verify
+  // steps A/B in one process, 1 / 2 / 4 rows: T1 20.7-20.9 / 21.7-22.0 / 23.8-24.5 ms, T0
+  // 20.2-20.5 / 22.2-22.4 / 25.0-25.6 ms.
   constexpr int64_t PF_BYTES = NX <= 4 ? 8192 : 4096;
+  constexpr int PF_HINT = NX <= 4 ? _MM_HINT_T1 : _MM_HINT_T0;
   constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
   const int64_t k8 = K - K % 8;
@@ -301,7 +306,8 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
     for (int i = 0; i < NW; ++i) wv[i] = Elem<T>::load8(w + i * K + k);
     if ((k & (LINE - 1)) == 0) {
 #pragma GCC unroll 8
-      for (int i = 0; i < NW; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), _MM_HINT_T0);
+      for (int i = 0; i < NW; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), static_cast<_mm_hint>(PF_HINT));
     }
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) {
@@ -1333,8 +1339,8 @@ WIDE_TARGET __attribute__((noinline)) void screen_tile16(const int8_t* __restric
   const int8_t* q1 = q + (nw > 1 ? K : 0);  // a lone last row reads its own row twice
   for (int64_t k = 0; k < k16; k += 16) {
     if ((k & 63) == 0) {  // 8 KiB ahead as `tile` (1 KiB ahead: ~0.5 ms slower per step)
-      _mm_prefetch(reinterpret_cast<const char*>(q + k + 8192), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(q1 + k + 8192), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + k + 8192), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(q1 + k + 8192), _MM_HINT_T1);
     }
     const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
     const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + k))));
