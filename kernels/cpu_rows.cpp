@@ -10,8 +10,8 @@
 // products are in flight together, never the arithmetic of one of them, so a row's result
 // is bit-identical for any R (tests/test_kernels_cpu.py checks it bit for bit).
 //
-// Memory: a step streams each weight row once (1-4 rows: 3-4 weight rows per pass, 5-6
-// rows: 2, 7-8 rows: 1 weight row against all x rows), so 1..8 rows cost about the memory
+// Memory: a step streams each weight row once (1-4 rows: 3-4 weight rows per pass against
+// all x rows; more rows: 3 weight rows against blocks of 4 x rows), so 1..8 rows cost about the memory
 // traffic of one. Measured on the 2-core AMD EPYC CI machine, all 211 weights of
 // SmolLM2-135M: 1 / 4 / 8 rows 33-35 / 43-47 / 50-57 ms against MKL's 4- / 8-column
 // products (the wx4 layout) 42-53 / 71-80 ms; streaming the same bytes (sum) takes 34 ms.
@@ -276,27 +276,17 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
   for (int i = 0; i < NW; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) acc[i][c] = _mm256_setzero_ps();
-  // software prefetch of each weight row PF_BYTES ahead, once per 64-byte line: it changes
-  // no arithmetic, only keeps memory busy while several x rows are multiplied (measured on a
-  // 2-core Xeon, all SmolLM2 layer weights: 4 rows 24.7 -> 19.5 ms, 8 rows 33 -> 23-26 ms,
-  // 1 row unchanged at the memory bound); further ahead for the 5-8 row tiles, whose one or
-  // two weight rows per pass are consumed more slowly. 16-bit weights: 2 KiB ahead for 1-4
-  // rows (bf16 step products, 2 threads, A/B in one process: 1 row 18.7-20.4 -> 16.3 ms, 4 rows
-  // 24.4-24.9 -> 19.2-19.7 ms; float32 measured worse with 2 KiB: it keeps 1 KiB)
-  // 8 KiB for 16-bit weights since: a distance that reaches into the next weight rows (one
-  // run of memory: the rows are contiguous); bf16 step products on a 2-core Xeon, A/B in one
-  // process against 2 KiB: 1 / 2 / 4 rows 15.8 / 17.0 / 18.0 -> 13.3 / 14.1 / 14.7 ms.
-  // 8 KiB for float32 weights too (1-4 rows), measured later: whole float32 verify steps of
-  // SmolLM2 on a 2-core Xeon, A/B in one process, 1 / 2 / 4 / 8 rows, 1 KiB (4 KiB for 8 rows)
-  // 21.9 / 23.4 / 26.4 / 32.0 ms, 2 KiB 22.1 / 24.0 / 27.7 / 31.3, 4 KiB 21.9 / 23.4 / 25.7 /
-  // 31.5, 8 KiB 19.9 / 21.5 / 23.8 / 31.9 (a 16-lane float32 tile, another rounding, gained
-  // only at 8 rows once both had 8 KiB: 28.5 ms; not kept, so every CPU rounds alike).
-  // The 8 KiB distance prefetches into L2 only (T1): 3-4 weight rows 8 KiB ahead would fill a
-  // 32 KiB L1 (AMD EPYC's) and push out the x rows; on the Xeon (48 KiB L1), whole verify
-  // steps A/B in one process, 1 / 2 / 4 rows: T1 20.7-20.9 / 21.7-22.0 / 23.8-24.5 ms, T0
-  // 20.2-20.5 / 22.2-22.4 / 25.0-25.6 ms.
-  constexpr int64_t PF_BYTES = NX <= 4 ? 8192 : 4096;
-  constexpr int PF_HINT = NX <= 4 ? _MM_HINT_T1 : _MM_HINT_T0;
+  // software prefetch of each weight row 8 KiB ahead, once per 64-byte line: it changes no
+  // arithmetic, only keeps memory busy while the x rows are multiplied; 8 KiB reaches into
+  // the next weight rows (the rows are contiguous: one run of memory). Into L2 only (T1):
+  // 3-4 weight rows 8 KiB ahead would fill a 32 KiB L1 (AMD EPYC's) and push out the x rows.
+  // Measured on a 2-core Xeon, whole float32 verify steps of SmolLM2, A/B in one process,
+  // 1 / 2 / 4 rows: 1 KiB ahead (T0) 21.9 / 23.4 / 26.4 ms, 4 KiB 21.9 / 23.4 / 25.7, 8 KiB
+  // 19.9 / 21.5 / 23.8; T1 against T0 at 8 KiB 20.7-20.9 / 21.7-22.0 / 23.8-24.5 against
+  // 20.2-20.5 / 22.2-22.4 / 25.0-25.6 ms; bf16 steps 2 KiB -> 8 KiB 15.8 / 17.0 / 18.0 ->
+  // 13.3 / 14.1 / 14.7 ms (docs/benchmarks_2026-12-05.md, session 7).
+  static_assert(NX <= 4, "the tiles hold at most 4 x rows (run_blocks for more)");
+  constexpr int64_t PF_BYTES = 8192;
   constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
   const int64_t k8 = K - K % 8;
@@ -307,7 +297,7 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
     if ((k & (LINE - 1)) == 0) {
 #pragma GCC unroll 8
       for (int i = 0; i < NW; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), static_cast<_mm_hint>(PF_HINT));
+        _mm_prefetch(reinterpret_cast<const char*>(w + i * K + k + PF), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) {
@@ -337,32 +327,6 @@ void run(const T* wp, const float* xp, float* yp, int64_t K, int64_t O) {
   });
 }
 
-// one weight row against x rows [r0, r0 + n), n in 1..8 (the 1-weight-row tiles)
-template <typename T>
-inline void tile_rows(const T* w, const float* x, int64_t K, int64_t O, int64_t o, float* y, int64_t n) {
-  switch (n) {
-    case 1: tile<T, 1, 1>(w, x, K, O, o, y); break;
-    case 2: tile<T, 1, 2>(w, x, K, O, o, y); break;
-    case 3: tile<T, 1, 3>(w, x, K, O, o, y); break;
-    case 4: tile<T, 1, 4>(w, x, K, O, o, y); break;
-    case 5: tile<T, 1, 5>(w, x, K, O, o, y); break;
-    case 6: tile<T, 1, 6>(w, x, K, O, o, y); break;
-    case 7: tile<T, 1, 7>(w, x, K, O, o, y); break;
-    default: tile<T, 1, 8>(w, x, K, O, o, y); break;
-  }
-}
-
-// 9..16 rows: each weight row is read from memory once, against the rows in blocks of 8
-// (the next block re-reads it from L1)
-template <typename T>
-void run_many(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
-  for_outputs(O, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o)
-      for (int64_t r0 = 0; r0 < R; r0 += 8)
-        tile_rows<T>(wp + o * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(8, R - r0));
-  });
-}
-
 // NW weight rows against x rows [r0, r0 + n), n in 1..4, in the NW x 4 tile
 template <typename T, int NW>
 inline void tile_block(const T* w, const float* x, int64_t K, int64_t O, int64_t o, float* y, int64_t n) {
@@ -374,13 +338,15 @@ inline void tile_block(const T* w, const float* x, int64_t K, int64_t O, int64_t
   }
 }
 
-// R > 16 rows (a batch's step): three weight rows at a time against the rows in blocks of
-// 4 (3 x 4 tiles: 12 FMAs for 7 loads, where one weight row against 8 x rows takes 9 loads
-// for 8 FMAs); the three weight rows are read from memory once and from L1 for the next
-// blocks, so the step streams its weights once. Measured on a 2-core Xeon, all SmolLM2
-// products, A/B in one process: 24 / 32 / 64 rows 70 / 90 / 177 ms in 8-row blocks
-// (run_many) against 59 / 71 / 123 ms here; at 5..16 rows run_many and the tiles above are
-// 3-9% faster, so they stay there
+// R >= 5 rows: three weight rows at a time against the rows in blocks of 4 (3 x 4 tiles: 12
+// FMAs for 7 loads, where one weight row against 8 x rows takes 9 loads for 8 FMAs); the
+// three weight rows are read from memory once and from L1 for the next blocks, so the step
+// streams its weights once. Measured on a 2-core Xeon, all SmolLM2 products, A/B in one
+// process: 24 / 32 / 64 rows 70 / 90 / 177 ms in 8-row blocks of one weight row (run_many,
+// since removed) against 59 / 71 / 123 ms here; once the 4-row tiles prefetched 8 KiB ahead,
+// also at 5 / 8 / 9 / 12 / 16 rows (20.97 / 22.22 / 26.76 / 29.57 / 34.21 ms with the 5-8 row
+// tiles and run_many against 18.90 / 20.84 / 22.45 / 25.50 / 31.16 ms here; whole verify
+// steps at 5 / 6 / 7 / 8 rows 29.0 / 30.9 / 31.4 / 33.0 -> 26.6 / 28.1 / 29.0 / 29.5 ms)
 template <typename T>
 void run_blocks(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
   for_outputs(O, [&](int64_t o0, int64_t o1) {
@@ -396,7 +362,7 @@ void run_blocks(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, i
 
 // ---- AVX-512: two x rows per register ---------------------------------------------------
 //
-// On CPUs with AVX-512 (F, DQ, BW, VL), products of 16-bit weights with 6 or more rows pair
+// On CPUs with AVX-512 (F, DQ, BW, VL), products of 16-bit weights with 32 or more rows pair
 // the x rows: one 16-lane register holds the 8-lane accumulators of two dot products (rows
 // 2p and 2p + 1, same weight row), each weight block is widened once and broadcast into both
 // halves, and the two rows' x blocks come pre-packed side by side. Each lane still runs
@@ -405,7 +371,11 @@ void run_blocks(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, i
 // (tests/test_kernels_cpu.py compares the two paths bit for bit). Measured on a 2-core Xeon,
 // A/B in one process: bf16 SmolLM2 step products at 8 / 12 / 16 / 64 rows 1.10 / 1.25 / 1.17 / 1.10x
 // faster (fewer widenings and x loads), a 0.82B model's at 8 rows 1.37x; slower at 3-4 rows
-// and for float32 weights at every row count (0.65-0.98x), which keep the 8-lane tiles.
+// and for float32 weights at every row count (0.65-0.98x), which keep the 8-lane tiles. Since
+// the 4-row tiles prefetch 8 KiB ahead, run_blocks is faster up to 24 rows (bf16 SmolLM2 step
+// products, 6 / 8 / 12 / 16 / 24 rows 12.7 / 14.7 / 19.8 / 25.3 / 36.2 ms against paired
+// 14.0 / 16.3 / 21.8 / 26.2 / 37.9 ms), the pairs from 32 rows (46.3 / 88.2 ms at 32 / 64
+// rows against 47.6 / 91.1 ms).
 std::atomic<bool> g_wide_on{true};  // rows_isa(): false = the 8-lane tiles everywhere
 inline bool wide_supported() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
@@ -456,7 +426,7 @@ WIDE_TARGET __attribute__((noinline)) void wide_tile(const T* __restrict w, cons
   for (int i = 0; i < NW; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < NP; ++c) acc[i][c] = _mm512_setzero_ps();
-  // prefetch as in `tile` for 5 or more rows
+  // each weight row prefetched 4 KiB ahead (the distance measured for these tiles)
   constexpr int64_t PF_BYTES = 4096;
   constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
@@ -524,8 +494,8 @@ void run_wide(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int
 
 template <typename T>
 void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
-  if constexpr (sizeof(T) == 2) {  // paired rows (see run_wide): 16-bit weights, 6+ rows
-    if (R >= 6 && use_wide()) {
+  if constexpr (sizeof(T) == 2) {  // paired rows (see run_wide): 16-bit weights, 32+ rows
+    if (R >= 32 && use_wide()) {
       run_wide<T>(wp, xp, yp, R, K, O);
       return;
     }
@@ -535,13 +505,7 @@ void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, 
     case 2: run<T, 4, 2>(wp, xp, yp, K, O); break;
     case 3: run<T, 3, 4, 3>(wp, xp, yp, K, O); break;  // the 4-row tile, 3 rows stored
     case 4: run<T, 3, 4>(wp, xp, yp, K, O); break;
-    case 5: run<T, 2, 5>(wp, xp, yp, K, O); break;
-    case 6: run<T, 2, 6>(wp, xp, yp, K, O); break;
-    case 7: run<T, 1, 7>(wp, xp, yp, K, O); break;
-    case 8: run<T, 1, 8>(wp, xp, yp, K, O); break;
-    default:  // each dot product is still computed alike
-      if (R <= 16) run_many<T>(wp, xp, yp, R, K, O);
-      else run_blocks<T>(wp, xp, yp, R, K, O);
+    default: run_blocks<T>(wp, xp, yp, R, K, O);  // each dot product is still computed alike
   }
 }
 

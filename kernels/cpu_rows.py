@@ -172,7 +172,7 @@ def use_work_pool(on: bool | None = None) -> bool | None:
 
 
 def use_avx512(on: bool | None = None) -> bool | None:
-    """Whether products of 16-bit weights with 6 or more rows pair their rows in AVX-512
+    """Whether products of 16-bit weights with 32 or more rows pair their rows in AVX-512
     registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu_rows.cpp, "AVX-512").
     Results are bit for bit the same either way; False keeps the 8-lane tiles everywhere.
     `on=None` only asks. Returns whether paired tiles are in use after the call (always
