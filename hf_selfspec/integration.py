@@ -57,7 +57,6 @@ def _above_one(v) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def _hf_defaults() -> dict:
     """HF's default GenerationConfig values. transformers 5 leaves unset fields None in a
     GenerationConfig() and fills them from `_get_default_generation_params()` when generate()
