@@ -702,7 +702,7 @@ def test_avx512_rows_give_the_same_bits(kernel, layer, dtype):
         for K in (576, 77, 8):  # a K % 8 tail through the scalar fma in both paths
             w = torch.randn(131, K, generator=gen).to(dtype)
             x = torch.randn(37, K, generator=gen)
-            for R in (6, 9, 17, 32, 33, 37):  # paired from 32 rows; odd R: the spare half of the last pair
+            for R in (6, 7, 8, 9, 16, 17, 32, 33, 37):  # paired from 32 rows; odd R: the spare half of the last pair
                 out = {}
                 for wide in (False, True):
                     assert use_avx512(wide) is wide
