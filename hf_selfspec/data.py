@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -297,6 +298,27 @@ _SUMMARY_TEMPLATES = (
     "Extract the key points of the following text as a bulleted list.\n\n{passage}",
 )
 
+_TRANSLATE_TEMPLATE = "Translate the following text into {language}.\n\n{text}"
+_TRANSLATE_LANGUAGES = ("French", "Spanish", "German", "Italian")
+
+# Grade-school word problems (GSM8K's kind; no math set ships offline): numbers drawn per
+# prompt, the question asks for the reasoning, as a user of a chat model would.
+_MATH_TEMPLATES = (
+    "A shop sells pencils for ${a} each and notebooks for ${b} each. Maria buys {c} pencils "
+    "and {d} notebooks and pays with a $100 bill. How much change does she get? Explain "
+    "step by step.",
+    "A train travels at {a}0 km/h for {c} hours, then at {b}0 km/h for {d} more hours. How far "
+    "does it travel in total, and what is its average speed? Show your work.",
+    "Tom has {a}{c} marbles. He gives a third of them to his sister and then buys {d} more. "
+    "How many marbles does he have now? Explain your reasoning.",
+    "A rectangle is {a}{b} cm long and {c}{d} cm wide. What are its area and its perimeter? "
+    "Show each step.",
+    "A recipe needs {a} eggs for every {b} cakes. How many eggs are needed for {c}{d} cakes? "
+    "Explain step by step.",
+    "In a class of {a}{b} students, {c}0% passed the exam. How many students failed? Show "
+    "your work.",
+)
+
 _OTHER_SCRIPT_RANGES = (
     (0x0400, 0x04FF),
     (0x0370, 0x03FF),
@@ -338,6 +360,11 @@ def prompt_sets(
     - "summarize": summarize / rewrite / answer-from-passage prompts over held-out long
       ShareGPT assistant texts (copy-heavy: the answer reuses the passage).
     - "adversarial": random digits to continue, and held-out user turns in non-Latin scripts.
+    - "qa": held-out first user turns that are one short question.
+    - "math": grade-school word problems, numbers drawn from the seed (no math set ships
+      offline), asking for the reasoning.
+    - "translate": held-out English assistant sentences to translate into a European
+      language.
 
     Only the eval split of ShareGPT is used, so nothing here was seen in head training.
     Deterministic for a given (tokenizer, arguments).
@@ -345,7 +372,7 @@ def prompt_sets(
     if per_category < 1:
         raise ValueError(f"per_category must be >= 1, got {per_category}")
     rng = random.Random(seed)
-    chat, passages, foreign = [], [], []
+    chat, passages, foreign, questions, sentences = [], [], [], [], []
     held_out = split_conversations(sharegpt_conversations(limit=scan_limit, path=path), "eval")
     for conversation in held_out:
         first_user = next(m["content"] for m in conversation.messages if m["role"] == "user")
@@ -355,6 +382,9 @@ def prompt_sets(
             continue
         if len(chat) < per_category and 30 <= len(first_user) <= 1200:
             chat.append(first_user)
+        elif (len(questions) < per_category and _is_short_question(first_user)
+              and first_user.strip() not in questions):
+            questions.append(first_user.strip())
         for m in conversation.messages:
             if (
                 m["role"] == "assistant"
@@ -364,10 +394,16 @@ def prompt_sets(
             ):
                 passages.append(m["content"].strip())
                 break
+        if len(sentences) < per_category:
+            text = _plain_sentences(conversation)
+            if text and text not in sentences:  # ShareGPT repeats some replies
+                sentences.append(text)
         if (
             len(chat) >= per_category
             and len(passages) >= per_category
             and len(foreign) >= per_category
+            and len(questions) >= per_category
+            and len(sentences) >= per_category
         ):
             break
 
@@ -403,6 +439,15 @@ def prompt_sets(
             break
         adversarial.append("Continue this text:\n" + text.lower().translate(_CYRILLIC))
 
+    math = []
+    for i in range(per_category):
+        a, b, c, d = (rng.randint(2, 9) for _ in range(4))
+        math.append(_MATH_TEMPLATES[i % len(_MATH_TEMPLATES)].format(a=a, b=b, c=c, d=d))
+    translate = [
+        _TRANSLATE_TEMPLATE.format(language=_TRANSLATE_LANGUAGES[i % len(_TRANSLATE_LANGUAGES)], text=t)
+        for i, t in enumerate(sentences)
+    ]
+
     def as_messages(prompts):
         return [[{"role": "user", "content": p}] for p in prompts if fits(p)][:per_category]
 
@@ -411,4 +456,31 @@ def prompt_sets(
         "code": as_messages(code),
         "summarize": as_messages(summarize),
         "adversarial": as_messages(adversarial),
+        "qa": as_messages(questions),
+        "math": as_messages(math),
+        "translate": as_messages(translate),
     }
+
+
+def _is_short_question(text: str) -> bool:
+    text = text.strip()
+    return 20 <= len(text) <= 300 and text.endswith("?") and "\n" not in text and \
+        _other_script_fraction(text) < 0.05
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _plain_sentences(conversation, min_chars: int = 150, max_chars: int = 400) -> str | None:
+    """The first 2-4 plain English sentences (no code, lists or markup) of the conversation's
+    first assistant turn that add up to min_chars..max_chars, or None."""
+    reply = next((m["content"] for m in conversation.messages if m["role"] == "assistant"), "")
+    paragraph = reply.strip().split("\n")[0].strip()
+    if any(ch in paragraph for ch in "`*#|<>{}[]_") or _other_script_fraction(paragraph) > 0.0:
+        return None
+    text = ""
+    for sentence in _SENTENCE_END.split(paragraph)[:4]:
+        text = f"{text} {sentence}".strip()
+        if len(text) >= min_chars:
+            return text if len(text) <= max_chars else None
+    return None

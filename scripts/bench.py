@@ -226,7 +226,9 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-category", type=int, default=3)
-    ap.add_argument("--categories", default="chat,code,summarize,adversarial")
+    ap.add_argument("--categories", default="chat,code,summarize,adversarial",
+                    help="comma-separated prompt_sets categories; also qa, math, translate "
+                         "(e.g. chat,qa,math,translate,summarize: issue 29's held-out kind of mix)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--early-exit-layer", type=int, default=12)
@@ -287,6 +289,9 @@ def main(argv=None):
                           for m in peers}
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     categories = [c for c in args.categories.split(",") if c]
+    unknown = sorted(set(categories) - set(sets))
+    if unknown or not categories:
+        ap.error(f"--categories: unknown {unknown or 'none given'}; choose from {', '.join(sets)}")
 
     # warm-up, untimed: every method once on a short prompt, so no method pays the process's
     # first-call costs (allocator, thread pool, engine build) inside a timed run

@@ -144,7 +144,7 @@ def test_humaneval():
 @pytest.mark.slow
 def test_prompt_sets(tokenizer):
     sets = prompt_sets(tokenizer, per_category=8)
-    assert set(sets) == {"chat", "code", "summarize", "adversarial"}
+    assert set(sets) == {"chat", "code", "summarize", "adversarial", "qa", "math", "translate"}
     for name, prompts in sets.items():
         assert len(prompts) == 8, name
         for p in prompts:
@@ -160,4 +160,9 @@ def test_prompt_sets(tokenizer):
     assert all("def " in p[0]["content"] for p in sets["code"])
     assert any(p[0]["content"].startswith("Summarize") for p in sets["summarize"])
     assert any(any(ch.isdigit() for ch in p[0]["content"][-50:]) for p in sets["adversarial"])
+    assert all(p[0]["content"] in held_out and p[0]["content"].endswith("?") for p in sets["qa"])
+    assert not {p[0]["content"] for p in sets["qa"]} & {p[0]["content"] for p in sets["chat"]}
+    assert all(any(ch.isdigit() for ch in p[0]["content"]) for p in sets["math"])
+    assert all(p[0]["content"].startswith("Translate the following text into ") for p in sets["translate"])
+    assert len({p[0]["content"].split("\n\n", 1)[1] for p in sets["translate"]}) == 8  # no repeats
     assert len(prompt_sets(tokenizer)["chat"]) == 12
