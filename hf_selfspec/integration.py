@@ -235,8 +235,11 @@ class SelfSpecState:
         return call
 
     def draft_engine_for(self, draft_model, capacity: int) -> Engine:
-        """The draft model's engine, with at least as many KV slots as the main engine."""
-        _check_positions(draft_model, capacity, "the draft model's")
+        """The draft model's engine, with as many KV slots as the main engine, or as its
+        max_position_embeddings allow where those are fewer: a draft model of shorter context
+        serves every request that fits it (the request is checked against it up front)."""
+        limit = getattr(draft_model.config, "max_position_embeddings", None) or capacity
+        capacity = min(capacity, limit)
         if self.draft_model is not draft_model or not self._current(self.draft_engine, draft_model):
             self.draft_engine = None  # free the old cache first
             self.draft_engine = self._new_engine(draft_model, capacity)
@@ -294,7 +297,7 @@ def _check_positions(model, need: int, whose: str) -> None:
     limit = getattr(model.config, "max_position_embeddings", None) or need
     if need > limit:
         raise ValueError(
-            f"this request needs {need} positions (prompt + max_new_tokens + draft width), "
+            f"this request needs {need} positions (prompt + max_new_tokens), "
             f"more than {whose} max_position_embeddings ({limit}); shorten the prompt "
             "or lower max_new_tokens"
         )
@@ -790,6 +793,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
             raise ValueError("a row of input_ids is empty (all padding): give every row at least one token")
     need = max(len(p) for p in prompts) + max_new  # positions plain greedy needs
     _check_positions(model, need, "the model's")
+    if selfspec_draft_model is not None:  # its engine holds the same sequence
+        _check_positions(selfspec_draft_model, need, "the draft model's")
     _check_engine_prefill(model, state.engine_config, max(len(p) for p in prompts))
 
     # the engine (built on the first call, or rebuilt for a larger request): its build time

@@ -128,6 +128,27 @@ def test_generate_with_assistant_model_matches_hf_greedy(models):
     assert main.selfspec_stats.drafted > 0
 
 
+def test_a_draft_model_of_shorter_context_serves_the_requests_that_fit_it(models):
+    """A draft model whose max_position_embeddings are fewer than the main engine's KV slots
+    (2048 here) drafts for every request that fits them (its engine gets fewer slots), and a
+    request that does not fit them is refused up front naming the draft model's limit."""
+    import copy
+
+    main, partial, _ = models
+    attach_heads(main, False)
+    short = copy.deepcopy(partial)
+    short.config.max_position_embeddings = 64
+    ids = torch.tensor([prompt(8, 20)])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    got = main.generate(ids, assistant="self", assistant_model=short, max_new_tokens=44, **kw)
+    assert torch.equal(got, main.generate(ids, max_new_tokens=44, **kw))
+    assert main.selfspec_stats.drafted > 0
+    main._selfspec.draft_engine = main._selfspec.draft_model = None
+    with pytest.raises(ValueError, match=r"needs 65 positions .* draft model's max_position_embeddings \(64\)"):
+        main.generate(ids, assistant="self", assistant_model=short, max_new_tokens=45, **kw)
+    assert main._selfspec.draft_engine is None, "a draft engine was built for a refused request"
+
+
 def test_draft_model_with_other_token_ids_is_refused(models):
     main, _, _ = models
     attach_heads(main, False)
