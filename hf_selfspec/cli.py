@@ -165,6 +165,18 @@ def cmd_push_heads(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count that must be >= 1: refused as a usage error, before the model
+    loads and the engine is built (HF's own error would come only after those)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-selfspec",
@@ -186,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-model", default=None,
                    help="HF folder or id of a smaller model with the same tokenizer: it drafts "
                         "instead of the heads (classical speculative decoding, still exact)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    g.add_argument("--threads", type=_positive_int, default=min(2, os.cpu_count() or 1))
     g.add_argument("--compare", action="store_true", help="also run plain HF greedy and compare")
     g.add_argument("--no-colour", action="store_true")
     g.set_defaults(func=cmd_generate)

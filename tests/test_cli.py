@@ -114,3 +114,17 @@ def test_errors_are_one_line_with_status_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr and lines[-1].startswith("hf-selfspec: error:"), result.stderr
     assert len([line for line in lines if line.startswith("hf-selfspec: error:")]) == 1
+
+
+@pytest.mark.parametrize("flag,value", [("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--threads", "0")])
+def test_generate_counts_are_checked_before_the_model_loads(monkeypatch, capsys, flag, value):
+    import hf_selfspec.cli as cli
+
+    def no_load(args):
+        raise AssertionError("the model was loaded for a refused command line")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "Hi", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be a positive integer, got {value}" in capsys.readouterr().err
