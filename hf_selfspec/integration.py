@@ -830,14 +830,19 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # HF passes its criteria the scores so far where it keeps them, else None
     scores_for_criteria = NoScores() if gc.return_dict_in_generate and gc.output_scores else None
     requests, stats = [], []
+    batch = input_ids.shape[0]
     for b, p in enumerate(prompts):
         padded = input_ids[b].tolist()
 
-        def stop(out, padded=padded):
+        def stop(out, padded=padded, b=b):
             if stopping_criteria is None or not len(stopping_criteria):
                 return False
-            seq = torch.tensor([padded + out], device=input_ids.device)
-            return bool(stopping_criteria(seq, scores_for_criteria)[0])
+            # HF asks the criteria about the whole batch and row b answers for sequence b; the
+            # rows here advance apart, so every row of the batch criteria see is this row's
+            # sequence (a view) and its answer is read at b: a criterion that indexes its rows
+            # (per-row stop ids) answers for the right one
+            seq = torch.tensor([padded + out], device=input_ids.device).expand(batch, -1)
+            return bool(stopping_criteria(seq, scores_for_criteria)[b])
 
         on_commit = None
         if streamer is not None:

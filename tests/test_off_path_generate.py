@@ -89,6 +89,30 @@ def test_batch_rows_stopped_without_eos_decode_on_as_in_hf(pair, monkeypatch):
     assert torch.equal(got.sequences, expected.sequences)
 
 
+class StopRowAtItsToken(StoppingCriteria):
+    """Row i stops at its own token tokens[i] (a criterion that indexes the batch's rows)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.stack([input_ids[i, -1] == t for i, t in enumerate(self.tokens)])
+
+
+def test_a_criterion_indexing_the_batch_rows_answers_for_each_row(pair):
+    """HF's criteria get the batch and answer per row index: a criterion with a stop token per
+    row stops each row at its own token, with EOS padding as in HF."""
+    ref = pair[0]
+    ids = prompt(5, 10, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    free = ref.generate(ids, attention_mask=mask, max_new_tokens=12, **GREEDY)[:, 10:]
+    stop = StoppingCriteriaList([StopRowAtItsToken([int(free[0, 4]), int(free[1, 2])])])
+    expected, got = both(pair, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=2, stopping_criteria=stop)
+    assert expected.shape[1] < 22, "the criterion stopped no row in HF: pick other tokens"
+    assert torch.equal(got, expected)
+
+
 def test_stop_strings_and_prompt_lookup_set_in_model_generation_config(pair, monkeypatch):
     """HF fills what a call leaves unset from model.generation_config: stop strings and
     HF's prompt-lookup knob there work as they do as keywords."""
