@@ -366,6 +366,7 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     from .engine.residence import move_file_mapped_weights
 
     _install_attach_first_check()
+    _check_attach_arguments(heads, decode, engine)
     # the architecture first: a window is worth mentioning only on a model the engine runs
     LayeredModel.check_supported(model)  # unsupported features or layers fail here, early
     _check_sliding_window(model)
@@ -390,6 +391,23 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     model._selfspec = SelfSpecState(loaded, decode, engine)
     model.selfspec_stats = None
     return model
+
+
+def _check_attach_arguments(heads, decode, engine) -> None:
+    """attach_heads' arguments of the types it takes: another type (heads=True, a dict of
+    settings) would fail deep in a path join, or only at the first generate() call."""
+    import os
+
+    from .heads import ExitHeads, TopDraftHeads
+
+    if not (heads is None or heads is False or isinstance(heads, (str, os.PathLike, ExitHeads, TopDraftHeads))):
+        raise TypeError(
+            f"heads must be a heads folder, a Hub repo id ('org/name'), loaded heads, None (the shipped "
+            f"heads for the default model, else prompt lookup) or False (no heads), got {heads!r}")
+    for name, value, cls in (("decode", decode, DecodeConfig), ("engine", engine, EngineConfig)):
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{name} must be {'an' if cls is EngineConfig else 'a'} {cls.__name__} or None, got {type(value).__name__} {value!r}: "
+                            f"pass hf_selfspec.{cls.__name__}(...)")
 
 
 def _check_sliding_window(model) -> None:

@@ -131,6 +131,19 @@ def test_a_model_never_attached_says_to_attach():
         tiny_model("llama", seed=21).generate(IDS, max_new_tokens=3, assistant="self", **GREEDY)
 
 
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(heads=True), "heads must be a heads folder"),
+    (dict(heads=3), "heads must be a heads folder"),
+    (dict(heads=False, decode={"lookup": "only"}), "decode must be a DecodeConfig"),
+    (dict(heads=False, engine="fast"), "engine must be an EngineConfig"),
+])
+def test_attach_arguments_of_another_type_are_refused_at_attach(kwargs, words):
+    model = tiny_model("llama", seed=24, layers=1, hidden=64)
+    with pytest.raises(TypeError, match=re.escape(words)):
+        attach_heads(model, **kwargs)
+    assert "_selfspec" not in model.__dict__, "the model was attached with the bad argument"
+
+
 # --------------------------------------------------------------------------- re-entrancy
 
 
