@@ -555,6 +555,7 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
         raise ValueError(ATTACH_FIRST)
     if args:
         raise ValueError("with assistant='self', pass generate() options as keyword arguments")
+    _check_module_hooks(model)
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
@@ -573,6 +574,24 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
         check_draft_model(model, call.draft_model)
     with state.serving(call):  # one engine (one KV cache) per model: serialise concurrent calls
         return base_generate(inputs, generation_config, custom_generate=_decode_loop, selfspec_call=call, **kwargs)
+
+
+def _check_module_hooks(model) -> None:
+    """The engine computes the model's layers itself (only the prompt's prefill may go through
+    the model's forward): a forward hook or pre-hook on one of its modules (activation
+    steering, a patched norm or LM head) would change the prompt's pass and no decoded token,
+    a silently different output. Refused, naming the module. transformers' own hooks are left
+    alone: they record outputs, or act in training only."""
+    for name, module in model.named_modules():
+        for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
+            for hook in hooks.values():
+                where = getattr(hook, "__module__", None) or type(hook).__module__ or ""
+                if not where.startswith("transformers."):
+                    raise ValueError(
+                        f"{name or 'the model'} has a {kind} ({getattr(hook, '__qualname__', hook)!r}), which "
+                        "generate(assistant='self') would apply to the prompt only: its engine computes the "
+                        "layers itself, without calling the model's modules. Remove the hook (handle.remove()) "
+                        "for this call, or drop assistant='self'")
 
 
 def _check_passed_cache(ids, attention_mask, cache) -> None:

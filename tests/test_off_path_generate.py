@@ -113,6 +113,33 @@ def test_a_criterion_indexing_the_batch_rows_answers_for_each_row(pair):
     assert torch.equal(got, expected)
 
 
+def test_a_forward_hook_on_the_model_is_refused(pair):
+    """A hook on one of the model's modules (activation steering) changes HF's every step, but
+    only the prompt's pass of ours: refused up front, naming the module. transformers' own
+    output-recording hooks (installed by a forward with output_hidden_states) are no hook
+    of the user's."""
+    ref, model = pair
+    ids = prompt(6)
+    model(ids, output_hidden_states=True)  # transformers installs its recording hooks
+    expected, got = both(pair, ids, max_new_tokens=8)
+    assert torch.equal(got, expected)
+    engine = model._selfspec.engine
+    handle = model.model.layers[0].register_forward_hook(lambda module, args, out: out)
+    try:
+        with pytest.raises(ValueError, match=r"model\.layers\.0 has a forward hook .*\(handle\.remove\(\)"):
+            model.generate(ids, assistant="self", max_new_tokens=8, **GREEDY)
+    finally:
+        handle.remove()
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: None)
+    try:
+        with pytest.raises(ValueError, match="lm_head has a forward pre-hook"):
+            model.generate(ids, assistant="self", max_new_tokens=8, **GREEDY)
+    finally:
+        handle.remove()
+    assert model._selfspec.engine is engine
+    assert torch.equal(model.generate(ids, assistant="self", max_new_tokens=8, **GREEDY), expected)
+
+
 def test_stop_strings_and_prompt_lookup_set_in_model_generation_config(pair, monkeypatch):
     """HF fills what a call leaves unset from model.generation_config: stop strings and
     HF's prompt-lookup knob there work as they do as keywords."""
