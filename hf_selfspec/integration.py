@@ -556,6 +556,7 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
     if args:
         raise ValueError("with assistant='self', pass generate() options as keyword arguments")
     _check_module_hooks(model)
+    _check_autocast(model)
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
@@ -592,6 +593,18 @@ def _check_module_hooks(model) -> None:
                         "generate(assistant='self') would apply to the prompt only: its engine computes the "
                         "layers itself, without calling the model's modules. Remove the hook (handle.remove()) "
                         "for this call, or drop assistant='self'")
+
+
+def _check_autocast(model) -> None:
+    """Under torch.autocast HF's generate computes in the autocast dtype (other tokens than
+    the model's own dtype gives); the engine runs its own kernels in the model's dtype and
+    would ignore it. Refused rather than silently computed otherwise."""
+    param = next(model.parameters())
+    if torch.is_autocast_enabled(param.device.type):
+        raise ValueError(
+            f"torch.autocast is on for {param.device.type}: generate(assistant='self') runs the model in its own "
+            f"dtype ({param.dtype}) and would ignore it. Cast the model instead (model.to(torch.bfloat16)), or "
+            "call generate() outside the autocast block")
 
 
 def _check_passed_cache(ids, attention_mask, cache) -> None:

@@ -140,6 +140,19 @@ def test_a_forward_hook_on_the_model_is_refused(pair):
     assert torch.equal(model.generate(ids, assistant="self", max_new_tokens=8, **GREEDY), expected)
 
 
+def test_autocast_is_refused_not_ignored(pair):
+    """Under torch.autocast HF computes in bfloat16; the engine would silently compute in the
+    model's float32: refused, and autocast turned off again is no refusal."""
+    ref, model = pair
+    ids = prompt(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"torch.autocast is on for cpu: .*model.to\(torch.bfloat16\)"):
+            model.generate(ids, assistant="self", max_new_tokens=4, **GREEDY)
+        with torch.autocast("cpu", enabled=False):
+            expected, got = both(pair, ids, max_new_tokens=4)
+    assert torch.equal(got, expected)
+
+
 def test_stop_strings_and_prompt_lookup_set_in_model_generation_config(pair, monkeypatch):
     """HF fills what a call leaves unset from model.generation_config: stop strings and
     HF's prompt-lookup knob there work as they do as keywords."""
