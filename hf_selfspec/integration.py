@@ -755,8 +755,8 @@ def _check_token_ids(model, input_ids: torch.Tensor, eos: list[int], pad) -> Non
         if not 0 <= e < out_vocab:
             raise ValueError(f"eos_token_id {e} is outside this model's vocabulary [0, {out_vocab}): "
                              "pass the model's own end-of-sequence id (tokenizer.eos_token_id)")
-    if pad is not None:
-        pad_ids = pad.reshape(-1).tolist() if isinstance(pad, torch.Tensor) else [pad]
+    if pad is not None:  # an int, a tensor or a numpy integer, as HF takes it
+        pad_ids = torch.as_tensor(pad).reshape(-1).tolist()
         for p in pad_ids:
             if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < vocab:
                 raise ValueError(f"pad_token_id {p!r} is not a token id of this model [0, {vocab}): "
@@ -764,12 +764,16 @@ def _check_token_ids(model, input_ids: torch.Tensor, eos: list[int], pad) -> Non
 
 
 def _eos_ids(generation_config) -> list[int]:
+    """The EOS ids as ints, from whatever HF takes there (it makes a tensor of them): an int,
+    a list or tuple, a tensor, a numpy integer or array, whole floats."""
     eos = generation_config.eos_token_id
     if eos is None:
         return []
-    if isinstance(eos, torch.Tensor):
-        return [int(e) for e in eos.reshape(-1).tolist()]
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    ids = torch.as_tensor(eos).reshape(-1).tolist()
+    for e in ids:
+        if isinstance(e, bool) or not float(e).is_integer():
+            raise ValueError(f"eos_token_id must be token ids (ints), got {eos!r}")
+    return [int(e) for e in ids]
 
 
 def _token_count(gc, name: str) -> int | None:

@@ -274,6 +274,24 @@ def test_token_counts_hf_takes_give_its_output(pair):
         pair[1].generate(ids, assistant="self", max_new_tokens=7.5, **GREEDY)
 
 
+def test_special_token_ids_as_numpy_or_floats_give_hf_output(pair):
+    """eos_token_id / pad_token_id as a numpy integer or array, or a whole float: HF makes a
+    tensor of them, so do we."""
+    import numpy as np
+
+    ids = prompt(seed=3)
+    stop = int(pair[0].generate(ids, max_new_tokens=5, **GREEDY)[0, -1])
+    batch = prompt(seed=4, length=12, batch=2)
+    mask = torch.ones_like(batch)
+    mask[0, :2] = 0
+    for inputs, kw in ((ids, dict(eos_token_id=np.int64(stop))), (ids, dict(eos_token_id=np.array([stop, 2]))),
+                       (ids, dict(eos_token_id=float(stop))),
+                       (batch, dict(attention_mask=mask, eos_token_id=stop, pad_token_id=np.int64(1)))):
+        kw = {**GREEDY, "max_new_tokens": 10, **kw}
+        expected = pair[0].generate(inputs, **kw)
+        assert torch.equal(pair[1].generate(inputs, assistant="self", **kw), expected), kw
+
+
 def test_heads_follow_a_dtype_change_after_attach():
     """attach_heads with heads, one call, then model.to(bfloat16): the engine is rebuilt and
     the heads bound again to the bf16 weights, so drafting runs (no float32 kernel on bf16
