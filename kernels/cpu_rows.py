@@ -142,7 +142,8 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_attention", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa"],
+                functions=["rows_linear", "rows_attention", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
+                           "rows_screen_vnni"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
             _error = (f"the kernel build lock {lock} went stale while this process waited on it "
@@ -173,7 +174,8 @@ def use_work_pool(on: bool | None = None) -> bool | None:
 
 def use_avx512(on: bool | None = None) -> bool | None:
     """Whether products of 16-bit weights with 32 or more rows pair their rows in AVX-512
-    registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu_rows.cpp, "AVX-512").
+    registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu_rows.cpp, "AVX-512"),
+    and the LM-head screen sums in 16 lanes (with VNNI: quantised x, `screen_uses_vnni`).
     Results are bit for bit the same either way; False keeps the 8-lane tiles everywhere.
     `on=None` only asks. Returns whether paired tiles are in use after the call (always
     False on a CPU without AVX-512; None: no kernel)."""
@@ -181,6 +183,14 @@ def use_avx512(on: bool | None = None) -> bool | None:
     if module is None:
         return None
     return bool(module.rows_isa(-1 if on is None else int(bool(on))))
+
+
+def screen_uses_vnni() -> bool | None:
+    """Whether the LM-head screen (`load_rows_screen`) quantises x to 16-bit integers for
+    AVX-512 VNNI products (where the CPU has them and `use_avx512` is on); its answers are
+    the same either way. None: no kernel."""
+    module = _load_module()
+    return None if module is None else bool(module.rows_screen_vnni())
 
 
 def load_rows_linear():
@@ -232,8 +242,9 @@ def load_rows_draft_step():
 
 
 def load_rows_screen():
-    """The compiled `rows_screen(x [n, K] float32, q [V, K] int8, scale [V], bound [V], w [V, K]
-    float32, max_candidates) -> int64 [n]`: each row's exact argmax of x . w from the int8
+    """The compiled `rows_screen(x [n, K] float32, q [V, K] int8, scale [V], bound [V], qnorm [V],
+    w [V, K] float32, max_candidates) -> int64 [n]` (engine/screen.py's quantize_rows gives q ..
+    qnorm): each row's exact argmax of x . w from the int8
     rows and their bounds (-1: not screenable; engine/screen.py, cpu_rows.cpp), or None when
     this machine cannot build or run it."""
     module = _load_module()

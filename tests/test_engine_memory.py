@@ -80,7 +80,7 @@ def _model_storages(model):
 # and on the kernel layout the int8 copy of a float32 LM head its argmax screen reads, with
 # a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head)
 OWNED = ("k_cache", "v_cache", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
-         "screen.rows.2")
+         "screen.rows.2", "screen.rows.3")
 
 
 def _weights_the_engine_reads(engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear, load_rows_screen
+from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear, load_rows_screen, screen_uses_vnni, use_avx512
 
 from hf_selfspec.engine import screen as screen_module
 from hf_selfspec.engine.programs import Engine, EngineConfig
@@ -33,7 +33,18 @@ def full_argmax(product, x, w):
     return product(x, w).argmax(-1)
 
 
-def test_screen_equals_the_float32_argmax_at_every_scale(product, screen_of):
+@pytest.fixture(params=["default", "8-lane"])
+def isa(request):
+    """Each test on the CPU's own screen product (on AVX-512 VNNI: x quantised to 16 bits) and
+    on the 8-lane float32 product every AVX2 CPU runs."""
+    wide = use_avx512()
+    if request.param == "8-lane":
+        use_avx512(False)
+    yield request.param
+    use_avx512(wide)
+
+
+def test_screen_equals_the_float32_argmax_at_every_scale(product, screen_of, isa):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3000, 72, generator=gen) * 0.05
     w[7] *= 40.0  # one row far larger than the rest: its bound is its own, not every token's
@@ -41,11 +52,33 @@ def test_screen_equals_the_float32_argmax_at_every_scale(product, screen_of):
     answered = 0
     for scale in (0.01, 1.0, 30.0, 300.0):
         x = torch.randn(8, 72, generator=gen) * scale
+        x[3, 5] *= 50.0  # an outlier dimension, as hidden states have: x's scale takes it
         got = screen.argmax(x)
         if got is not None:
             answered += 1
             assert torch.equal(got, full_argmax(product, x, w))
     assert answered >= 3
+    # 1..12 rows (every tile width and two passes of 8), odd K (masked tails)
+    w = torch.randn(1000, 45, generator=gen)
+    screen = screen_of(w)
+    for n in (1, 2, 3, 5, 8, 12):
+        x = torch.randn(n, 45, generator=gen)
+        assert torch.equal(screen.argmax(x), full_argmax(product, x, w)), n
+
+
+def test_the_bound_keeps_a_token_the_quantised_x_ranks_lower(product, screen_of, isa):
+    """x with one huge dimension: its 16-bit quantisation step (1e4 / 32767) rounds the other
+    two to 3 and 4 steps, which ranks token 1 first (100 * 4 > 127 * 3) where float32 ranks
+    token 0 (127 * 1.0 > 100 * 1.25). The weights are exact in int8, so only the x term of the
+    bound (qnorm * ||x - s_x x_q||) keeps token 0 a candidate."""
+    w = torch.tensor([[0.0, 127.0, 0.0], [0.0, 0.0, 100.0], [0.0, 0.0, 0.0]])
+    x = torch.tensor([[1e4, 1.0, 1.25]])
+    step = 1e4 / 32767
+    x_q = torch.round(x / step) * step
+    assert int((x_q @ w.T).argmax()) == 1 and int(full_argmax(product, x, w)[0]) == 0
+    assert screen_of(w).argmax(x).tolist() == [0]
+    if isa == "8-lane":
+        assert screen_uses_vnni() is False  # float32 x: the case is plain there
 
 
 def test_the_bound_holds_for_every_token():
@@ -55,7 +88,7 @@ def test_the_bound_holds_for_every_token():
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(2000, 96, generator=gen) * 0.05
     w[3] *= 50.0
-    q, scale, bound = quantize_rows(w)
+    q, scale, bound, _ = quantize_rows(w)
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127
     x = torch.randn(64, 96, generator=gen, dtype=torch.float64)
     exact = x @ w.double().T
@@ -89,7 +122,7 @@ def test_the_bound_keeps_a_token_the_int8_logits_rank_lower(product, screen_of):
     logits token 1: the bound keeps token 1 a candidate and the float32 rows decide."""
     w = torch.tensor([[1.0, 0.006], [1.0, 0.0075], [0.5, 0.0]])
     x = torch.tensor([[0.0, 1.0]])
-    q, scale, _ = quantize_rows(w)
+    q, scale = quantize_rows(w)[:2]
     int8 = (x @ q.float().T) * scale
     assert int(int8[0].argmax()) == 0 and int(full_argmax(product, x, w)[0]) == 1
     assert screen_of(w).argmax(x).tolist() == [1]

@@ -21,6 +21,13 @@ to the lowest id as torch.argmax does. The result is torch.argmax of the float32
 always: where the screen cannot say (a non-finite value, or too many candidates), the caller
 computes the float32 logits as before. The whole screen is one C++ call (cpu_rows.cpp
 `rows_screen`).
+
+Where the CPU has AVX-512 VNNI, x is quantised too, to 16-bit integers (x_q = round(x / s_x),
+s_x = max|x| / L, L about 2^15), and d_v = s_x (x_q . q_v), the integer product exact: a row
+then costs about half what the float32 product's widenings and FMAs cost. Since x . (s_v q_v) - s_v s_x
+(x_q . q_v) = s_v q_v . (x - s_x x_q), each token's bound gains s_v ||q_v|| ||x - s_x x_q||
+(`qnorm` >= s_v ||q_v|| here, the kernel computes an upper bound of ||x - s_x x_q|| per row),
+and z_v has up to three roundings instead of one.
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ MAX_COPY_BYTES = 128 * 2 ** 20
 # model's first call ~2 s here (docs/benchmarks_2026-12-05.md, session 6)
 EAGER_COPY_BYTES = 32 * 2 ** 20
 
-# the row kernel's rows_screen(x, q, scale, bound, w, max_candidates) -> argmax [n] (-1: none)
-ScreenKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# the row kernel's rows_screen(x, q, scale, bound, qnorm, w, max_candidates) -> argmax [n]
+# (-1: none)
+ScreenKernel = Callable[..., torch.Tensor]
 
 
 def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -64,18 +72,20 @@ def screen_refusal(weight: torch.Tensor, bias: torch.Tensor | None) -> str | Non
 CHUNK_ELEMENTS = 1 << 20
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32):
-    q_v = round(w_v / s_v) with s_v = max|w_v| / 127 (a zero row: q_v = 0, s_v = 0), and b_v
-    >= the per-unit-||x|| bound c_v of the module docstring. Computed in float32: e_v =
-    ||w_v - s_v q_v|| there is within (1 + gamma_K) of the exact norm of the float32
-    difference, which is within u (|w_v| + |s_v q_v|) of the exact one per element, so
-    adding 2 u (||w_v|| + s_v ||q_v||) and the factor (1 + gamma_K)^2 covers it."""
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """w [V, K] float32 (finite) -> (q [V, K] int8, scale [V] float32, bound [V] float32,
+    qnorm [V] float32): q_v = round(w_v / s_v) with s_v = max|w_v| / 127 (a zero row: q_v = 0,
+    s_v = 0), b_v >= the per-unit-||x|| bound c_v of the module docstring and qnorm_v >= s_v
+    ||q_v|| (what a quantised x's error is multiplied by).
+    Computed in float32: e_v = ||w_v - s_v q_v|| there is within (1 + gamma_K) of the exact
+    norm of the float32 difference, which is within u (|w_v| + |s_v q_v|) of the exact one per
+    element, so adding 2 u (||w_v|| + s_v ||q_v||) and the factor (1 + gamma_K)^2 covers it."""
     k = w.shape[1]
     gamma = k * UNIT_ROUNDOFF / (1 - k * UNIT_ROUNDOFF)
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.shape[0], dtype=torch.float32)
     bound = torch.empty_like(scale)
+    qnorm = torch.empty_like(scale)
     rows = max(1, CHUNK_ELEMENTS // max(1, k))
     for lo in range(0, w.shape[0], rows):
         part = w[lo:lo + rows].float()
@@ -90,7 +100,9 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
             + gamma * (q_norm + w_norm) * (1 + gamma)
         # (1 + 2 gamma): ||x|| computed in float32; SAFETY: this float32 arithmetic
         bound[lo:lo + rows] = c * (1 + 2 * gamma) * SAFETY
-    return q, scale, bound
+        # s_v ||q_v|| from float32 products and a float32 norm: within (1 + gamma_K)(1 + u)
+        qnorm[lo:lo + rows] = q_norm * (1 + 2 * gamma) * SAFETY
+    return q, scale, bound, qnorm
 
 
 class ScreenedArgmax:
@@ -104,7 +116,7 @@ class ScreenedArgmax:
             raise ValueError(refusal)
         self.weight = weight
         self.kernel = kernel
-        self.rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (q, scale, bound)
+        self.rows: tuple[torch.Tensor, ...] | None = None  # quantize_rows(weight)
         self._version = -1
         self._refresh()
 
