@@ -110,10 +110,23 @@ def verify_ms(engine, prompt, rows, reps, logits=False):
     return statistics.median(times) * 1e3
 
 
-def width_curve(model, widths, reps=9):
-    """ms of a verify step over all layers vs its number of rows."""
+def text_context(tokenizer, sets, n: int) -> list[int]:
+    """n tokens of real text (the benchmark's rendered prompts one after another): the rows a
+    step verifies then end in hidden states like the decoder's, so the LM head's screen sees
+    what it sees in decoding (a synthetic run of ids gives near-flat distributions, rows with
+    hundreds of candidates)."""
+    ids: list[int] = []
+    for prompts in sets.values():
+        for messages in prompts:
+            ids += render_prompt(tokenizer, messages)
+            if len(ids) >= n:
+                return ids[:n]
+    raise ValueError(f"the prompt sets hold fewer than {n} tokens")
+
+
+def width_curve(model, widths, prompt, reps=9):
+    """ms of a verify step over all layers vs its number of rows, after `prompt`."""
     engine = model._selfspec.engine_for(model, 1024)
-    prompt = list(range(100, 300))
     engine.prefill(prompt)
     rows = [(n, verify_ms(engine, prompt, n, reps)) for n in widths if n <= engine.width]
     base = rows[0][1]
@@ -178,10 +191,11 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
     return ms
 
 
-def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
-    """Bytes one engine step reads (weights + KV at `context`) over the measured bandwidth,
+def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
+    """Bytes one engine step reads (weights + KV after `prompt`) over the measured bandwidth,
     beside the step's measured time: how far each step is from the memory bound; and where
     each step's time goes (step_split)."""
+    context = len(prompt)
     engine = model._selfspec.engine_for(model, 1024)
     cfg = model.config
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
@@ -198,7 +212,6 @@ def roofline(model, context: int = 300, widths=(1, 4, 8), reps: int = 9):
     screened = weight_bytes - (head.numel() * head.element_size() - engine.screen.copy_bytes
                                if engine.screen is not None else 0)
     screened_ms = (screened + kv_bytes) / (gbs * 1e9) * 1e3
-    prompt = [100 + i % 200 for i in range(context)]
     engine.prefill(prompt)
     rows = []
     for n in widths:
@@ -317,8 +330,8 @@ def main(argv=None):
             print(f"[{cat} {i}] prompt {ids.shape[1]} tok | tok/s {line}", flush=True)
 
     print_table(records, categories, methods)
-    widths = width_curve(model, [1, 2, 3, 4, 6, 8]) if args.widths else None
-    bound = roofline(model) if args.roofline else None
+    widths = width_curve(model, [1, 2, 3, 4, 6, 8], text_context(tokenizer, sets, 200)) if args.widths else None
+    bound = roofline(model, text_context(tokenizer, sets, 300)) if args.roofline else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",

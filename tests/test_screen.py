@@ -136,7 +136,7 @@ def test_no_answer_where_the_screen_cannot_say(product, screen_of):
     assert screen.argmax(x) is None
     same = torch.zeros(5, 16)
     same[:, 0] = 1.0
-    flat = screen_of(same.repeat(40, 1))  # 200 equal logits: too many to screen
+    flat = screen_of(same.repeat(screen_module.MAX_CANDIDATES // 5 + 1, 1))  # too many equal logits to screen
     assert flat.argmax(torch.ones(1, 16)) is None
     bad = w.clone()
     bad[3, 0] = float("inf")  # a non-finite weight: no copy, no answer

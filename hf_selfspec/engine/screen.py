@@ -38,8 +38,10 @@ from collections.abc import Callable
 import torch
 
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
-# a row with more candidates than this is decided by the full float32 logits
-MAX_CANDIDATES = 128
+# a row with more candidates than this is decided by the full float32 logits: each candidate
+# costs one float32 row (2.3 KB on SmolLM2), the full logits all 49,152 of them, so even a few
+# hundred candidates are far cheaper (rows of near-flat distributions have 100-200)
+MAX_CANDIDATES = 512
 # slack on each token's bound for the float32 rounding of ||x||
 SAFETY = 1.001
 # the int8 copy is made only up to this size: it is memory beyond the model's own
