@@ -121,9 +121,13 @@ def _per_call_config(config: DecodeConfig, options: dict, width: int, draft_mode
     """`config` with this call's HF-named drafting options applied (validated here)."""
     def integer(name, low):
         value = options[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        try:
+            count = None if isinstance(value, bool) else _whole_number(value, name)
+        except ValueError:
+            count = None
+        if count is None or count < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        return value
+        return count
 
     changes = {}
     schedule = options.get("num_assistant_tokens_schedule")
@@ -780,7 +784,13 @@ def _token_count(gc, name: str) -> int | None:
     """The GenerationConfig's `name` (max_new_tokens, max_length, ...) as an int: HF's own
     loop also takes a numpy integer, a one-element integer tensor or a whole float there."""
     value = getattr(gc, name, None)
-    if value is None or isinstance(value, int):
+    return None if value is None else _whole_number(value, name)
+
+
+def _whole_number(value, name: str) -> int:
+    """`value` as an int where it is a whole number (a numpy integer, a one-element tensor,
+    a whole float: what HF's own code takes for a count), else a ValueError naming `name`."""
+    if isinstance(value, int):
         return value
     try:
         return operator.index(value)  # numpy integers, one-element integer tensors
@@ -831,6 +841,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # this call's drafting options (bad values refused here, before any work)
     config = _per_call_config(state.decode_config, call.options, state.engine_config.width,
                               selfspec_draft_model is not None)
+    if gc.do_sample and config.lossy_top_k > 1:  # the loop's own check would come after the build
+        raise ValueError("lossy_top_k > 1 is a greedy option; sampling is exact only (set lossy_top_k=1)")
     prompt_len = input_ids.shape[1]
     max_new_tokens, min_new_tokens = _token_count(gc, "max_new_tokens"), _token_count(gc, "min_new_tokens")
     max_new = max_new_tokens if max_new_tokens is not None else _token_count(gc, "max_length") - prompt_len

@@ -401,12 +401,17 @@ def test_hf_named_drafting_options_per_call():
     assert capped.drafted > 0 and capped.drafted <= 2 * capped.cycles
     assert run(prompt_lookup_num_tokens=5, num_assistant_tokens=0).drafted == 0
     assert run(prompt_lookup_num_tokens=5, assistant_confidence_threshold=0.9).drafted > 0
+    import numpy as np  # counts as HF's own code takes them: numpy integers, whole floats
+
+    numpy_capped = run(prompt_lookup_num_tokens=np.int64(2), max_matching_ngram_size=2.0)
+    assert 0 < numpy_capped.drafted <= 2 * numpy_capped.cycles
     config = GenerationConfig(prompt_lookup_num_tokens=3, max_new_tokens=30, **GREEDY)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, assistant="self")
     assert torch.equal(out, expected) and 0 < model.selfspec_stats.drafted <= 3 * model.selfspec_stats.cycles
     assert model._selfspec.decode_config.lookup == "off"  # per call: the attached config is untouched
     for bad, words in [(dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens must be an int >= 1"),
                        (dict(num_assistant_tokens=-1), "num_assistant_tokens must be an int >= 0"),
+                       (dict(num_assistant_tokens=2.5), "num_assistant_tokens must be an int >= 0"),
                        (dict(assistant_confidence_threshold=2.0), "assistant_confidence_threshold"),
                        (dict(num_assistant_tokens_schedule="heuristic"), "num_assistant_tokens_schedule")]:
         with pytest.raises(ValueError, match=words):

@@ -274,6 +274,18 @@ def test_token_counts_hf_takes_give_its_output(pair):
         pair[1].generate(ids, assistant="self", max_new_tokens=7.5, **GREEDY)
 
 
+def test_sampling_with_lossy_acceptance_is_refused_before_the_engine_is_built():
+    """lossy_top_k > 1 is a greedy option: a sampled call is refused before any work (no
+    engine built), not by the decoding loop after the build."""
+    from hf_selfspec import DecodeConfig
+
+    model = tiny_model("llama", seed=2, layers=2, hidden=64)
+    attach_heads(model, heads=False, decode=DecodeConfig(lossy_top_k=2))
+    with pytest.raises(ValueError, match="lossy_top_k > 1 is a greedy option"):
+        model.generate(prompt(seed=1), assistant="self", do_sample=True, max_new_tokens=4, pad_token_id=0)
+    assert model._selfspec.engine is None
+
+
 def test_special_token_ids_as_numpy_or_floats_give_hf_output(pair):
     """eos_token_id / pad_token_id as a numpy integer or array, or a whole float: HF makes a
     tensor of them, so do we."""
