@@ -190,6 +190,23 @@ def test_inspection_without_a_model_validates_too(tmp_path):
         load_heads(tmp_path)
 
 
+@pytest.mark.parametrize("name", [CONFIG, "calibration.json"])
+def test_deeply_nested_json_is_a_clear_error(tmp_path, name):
+    """json's decoder recurses once per nesting level: a hostile "[[[[...]]]]" file raised
+    RecursionError from deep inside json, not the loaders' ValueError naming the file; a
+    broken calibration.json also named its path twice."""
+    model = tiny_model("llama", seed=0, layers=4)
+    save_heads(random_top_heads(model), tmp_path)
+    (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name} is not a heads file: its "
+                                                   "JSON is nested too deeply")):
+        load_heads(tmp_path, model)
+    (tmp_path / name).write_text("{not json")
+    with pytest.raises(ValueError) as error:
+        load_heads(tmp_path)
+    assert str(error.value).count(str(tmp_path / name)) == 1, str(error.value)
+
+
 # --------------------------------------------------------------------------- near-identical checkpoints
 
 

@@ -131,6 +131,8 @@ def _read_json(path: Path):
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses per nesting level: "[[[[...]]]]"
+        raise ValueError(f"{path} is not a heads file: its JSON is nested too deeply") from None
 
 
 def read_kind(folder) -> str:
@@ -138,7 +140,7 @@ def read_kind(folder) -> str:
     loader then reports what is wrong with it)."""
     try:
         data = json.loads((Path(folder) / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return HEAD_KIND
     kind = data.get("kind", HEAD_KIND) if isinstance(data, dict) else HEAD_KIND
     return kind if isinstance(kind, str) else HEAD_KIND
@@ -193,8 +195,9 @@ def load_heads(source, model=None, *, revision: str | None = None, cache_dir=Non
                 f"{folder / name} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}")
     kind, config = read_config(folder)
     calib_path = folder / CALIBRATION_FILE
+    calibration_data = _read_json(calib_path)  # its errors name the file already
     try:
-        calibration = kind.read_calibration(_read_json(calib_path), config)
+        calibration = kind.read_calibration(calibration_data, config)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{calib_path}: {e}") from None
     if model is not None:
