@@ -138,7 +138,7 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, model_folder):
     err = capsys.readouterr().err.strip()
     assert str(missing) in err and len(err.splitlines()) == 1
     assert main(["default", "--out", str(tmp_path / "o"), "--minutes", "0"]) == 2
-    assert "--minutes must be > 0" in capsys.readouterr().err
+    assert "--minutes must be a finite number > 0" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
     assert main([str(model_folder), "--out", str(tmp_path / "o"), "--minutes", "1", "--prompts", str(bad),
@@ -308,6 +308,33 @@ def test_training_flags_are_checked_before_the_model_loads(tmp_path, capsys, ext
     assert message in err and len(err.splitlines()) == 1
 
 
+def test_bad_files_and_budgets_are_refused_before_the_model_loads(tmp_path, capsys):
+    """An infinite --minutes (a traceback from the progress bar), a file where --out or
+    --work must be a folder (NotADirectoryError), a bad prompts line or exit heads as --init
+    (refused only after the model had loaded): each one line, before loading the model
+    (no_such_model would otherwise be the error)."""
+    from hf_selfspec.heads import exit_heads_path
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "fine"}\nnot json\n')
+    good = write_prompts(tmp_path / "p.jsonl")
+    cases = [
+        (["--minutes", "inf"], "--minutes must be a finite number > 0, got inf"),
+        (["--out", str(tmp_path / "file")], "a file is in the way of this folder"),
+        (["--out", str(tmp_path / "file" / "sub")], "a file is in the way of this folder"),
+        (["--work", str(tmp_path / "file")], f"--work {tmp_path / 'file'}: a file is in the way"),
+        (["--prompts", str(tmp_path / "bad.jsonl")], "bad.jsonl, line 2: not valid JSON"),
+        (["--init", str(exit_heads_path())], "field 'kind' is 'exit_head', not 'top_draft'"),
+        (["--lr", "inf"], "--lr a finite number > 0"),
+    ]
+    for extra, message in cases:
+        argv = ["no_such_model", "--out", str(tmp_path / "o"), "--minutes", "1",
+                "--prompts", str(good), *extra]
+        assert main(argv) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (extra, err)
+
+
 def test_parts_flag_syntax():
     from hf_selfspec.training.cli import build_parser
 
@@ -363,3 +390,14 @@ def test_the_shipped_recipe_is_train_heads_commands(tmp_path):
     assert [a.out for a in parsed].count(tmp_path / "final") == 1 and parsed[-1].out == tmp_path / "final"
     assert parsed[-1].parts == (2, 3, 4, 5) and parsed[-1].init is not None
     assert sum(a.only == "collect" for a in parsed) == 8 and sum(a.new_steps_only for a in parsed) == 1
+
+
+def test_help_keeps_its_example_lines(capsys):
+    """The module docstring is the --help text: a shell continuation written as a bare
+    backslash at a line's end joined the example's two lines into one with a run of spaces."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "--minutes 10 \\\n        --init my_heads" in out
+    assert not any("  --" in line.strip() for line in out.splitlines()
+                   if line.lstrip().startswith("hf-selfspec train-heads")), out

@@ -16,7 +16,7 @@ Collect more, then train on all of it (each collect run adds one part; --parts p
 
 Fine-tune trained heads, or deepen them (train only the added step):
 
-    hf-selfspec train-heads default --out deeper --work replies --only train --minutes 10 \
+    hf-selfspec train-heads default --out deeper --work replies --only train --minutes 10 \\
         --init my_heads --depth 4 --new-steps-only --lr 1e-3
 
 The shipped default heads' whole chain: scripts/head_study.py.

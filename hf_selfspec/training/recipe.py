@@ -23,6 +23,7 @@ were made this way: scripts/head_study.py runs their chain of commands.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,16 @@ from typing import Literal
 
 from ..heads.base import final_norm, lm_head_weight
 from ..heads.repo import save_heads
-from .data import CollectSettings, PromptSource, WorkState, collect_split, load_split, work_key
+from ..heads.top_repo import load_top_heads
+from .data import (
+    CollectSettings,
+    PromptSource,
+    WorkState,
+    collect_split,
+    load_split,
+    read_prompts_file,
+    work_key,
+)
 from .evaluate import calibrate, evaluate
 from .train import (
     FitSettings,
@@ -74,10 +84,13 @@ class RecipeConfig:
 
     def validate(self) -> None:
         """ValueError naming the flag, before any model is loaded."""
-        if not self.minutes > 0:
-            raise ValueError(f"--minutes must be > 0, got {self.minutes}")
-        if self.prompts is not None and not Path(self.prompts).is_file():
-            raise ValueError(f"prompts file {self.prompts} does not exist")
+        if not 0 < self.minutes < math.inf:  # the budget sizes progress bars and schedules
+            raise ValueError(f"--minutes must be a finite number > 0, got {self.minutes}")
+        if self.prompts is not None:
+            read_prompts_file(self.prompts)  # every line, so a bad one fails before the model loads
+        for flag, folder in (("--out", Path(self.out)), ("--work", self.work_dir)):
+            if any(p.exists() and not p.is_dir() for p in (folder, *folder.parents)):
+                raise ValueError(f"{flag} {folder}: a file is in the way of this folder")
         depth = self.fit.depth
         if depth is not None and depth < 1:
             raise ValueError(f"--depth must be >= 1, got {depth}")
@@ -85,8 +98,8 @@ class RecipeConfig:
             raise ValueError("--batch-size must be >= 1 and --max-new-tokens >= 2")
         if self.fit.max_steps is not None and self.fit.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.fit.max_steps}")
-        if self.fit.max_epochs < 1 or self.fit.batch_size < 1 or not self.fit.lr > 0:
-            raise ValueError("--epochs and --train-batch must be >= 1 and --lr > 0")
+        if self.fit.max_epochs < 1 or self.fit.batch_size < 1 or not 0 < self.fit.lr < math.inf:
+            raise ValueError("--epochs and --train-batch must be >= 1 and --lr a finite number > 0")
         if depth is not None and self.collect.max_new_tokens <= depth + 1:
             raise ValueError(f"--max-new-tokens must exceed --depth + 1 ({depth + 1})")
         if self.only not in (None, "collect", "train"):
@@ -98,6 +111,8 @@ class RecipeConfig:
             raise ValueError(f"{flags}: training flags, not for --only collect")
         if self.init is not None and not (Path(self.init) / "config.json").is_file():
             raise ValueError(f"--init {self.init}: no heads there (no config.json)")
+        if self.init is not None:
+            load_top_heads(self.init)  # every file of it, and its kind, before the model loads
         if self.new_steps_only and (self.init is None or depth is None):
             raise ValueError("--new-steps-only needs --init and a --depth greater than the init heads'")
         if self.parts is not None and (not self.parts or min(self.parts) < 0):
