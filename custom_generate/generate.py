@@ -22,11 +22,24 @@ the model's own sampling distribution. Every other argument is `generate()`'s ow
 
 from __future__ import annotations
 
+# model.__dict__ key: (selfspec_heads, the attach's state) of this function's last attach
+_ATTACHED = "_selfspec_custom_generate_heads"
+
 
 def generate(model, *args, selfspec_heads=None, **kwargs):
     import hf_selfspec
 
-    if "_selfspec" not in model.__dict__:
+    # selfspec_heads is a per-call argument: a call naming other heads than the ones
+    # attached re-attaches (it was silently ignored after the first call)
+    state = model.__dict__.get("_selfspec")
+    last = model.__dict__.get(_ATTACHED)
+    if state is None:
+        attach = True
+    elif last is not None and last[1] is state:  # attached here: re-attach on a change
+        attach = selfspec_heads != last[0]
+    else:  # attached by the user (hf_selfspec.attach_heads): kept unless heads are named
+        attach = selfspec_heads is not None
+    if attach:
         # path 2 sets this module's generate on the instance; attach_heads refuses such a
         # model (its generate would not be ours), so it is taken off for the attach
         own = model.__dict__.pop("generate", None)
@@ -35,6 +48,7 @@ def generate(model, *args, selfspec_heads=None, **kwargs):
         finally:
             if own is not None:
                 model.__dict__["generate"] = own
+        model.__dict__[_ATTACHED] = (selfspec_heads, model.__dict__["_selfspec"])
     kwargs.setdefault("assistant", "self")
     # the class's own generate (hf_selfspec's), not the instance's (this function, path 2)
     return type(model).generate(model, *args, **kwargs)

@@ -114,3 +114,26 @@ def test_model_folder_with_its_own_custom_generate(tmp_path):
     out = model.generate(**inputs(6), max_new_tokens=12, do_sample=True, top_p=0.9, pad_token_id=0)
     assert out.shape == (1, 42) and model.selfspec_stats.new_tokens == 12
 
+
+
+def test_selfspec_heads_is_honoured_on_every_call(tmp_path):
+    """selfspec_heads is a per-call argument: a later call naming other heads attaches them
+    (they were silently ignored once the first call had attached), a missing folder is
+    refused there too; heads the user attached themselves stay when a call names none."""
+    import hf_selfspec
+
+    repo = hub_layout(tmp_path / "method")
+    model = tiny_model("llama", seed=6, layers=4)
+    heads = save_heads(random_top_heads(model), tmp_path / "heads")
+    call = dict(custom_generate=str(repo), trust_remote_code=True, **inputs(1), **GREEDY)
+    expected = tiny_model("llama", seed=6, layers=4).generate(**inputs(1), **GREEDY)
+    assert torch.equal(model.generate(**call, selfspec_heads=False), expected)
+    assert model._selfspec.heads is None
+    assert torch.equal(model.generate(**call, selfspec_heads=str(heads)), expected)
+    assert model._selfspec.heads is not None and model.selfspec_stats.drafted > 0
+    with pytest.raises(FileNotFoundError, match="no_such_heads"):
+        model.generate(**call, selfspec_heads=str(tmp_path / "no_such_heads"))
+    assert torch.equal(model.generate(**call, selfspec_heads=False), expected)
+    assert model._selfspec.heads is None
+    hf_selfspec.attach_heads(model, str(heads))  # the user's own attach, then no selfspec_heads
+    assert torch.equal(model.generate(**call), expected) and model._selfspec.heads is not None
