@@ -344,10 +344,22 @@ def push_heads(folder, repo_id: str, token: str | None = None, private: bool = F
         raise ValueError(f"{card_path}: field 'library_name' must be {LIBRARY_NAME!r} (the Hub "
                          f"shows how to load the heads from it), got {library!r}")
     api = HfApi(token=token)
-    api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
-    if revision is not None:
-        api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
-    return api.upload_folder(
-        folder_path=str(folder), repo_id=repo_id, repo_type="model", revision=revision,
-        commit_message=commit_message or f"Upload hf_selfspec {heads.kind} heads",
-        allow_patterns=list(HUB_FILES))
+    try:
+        api.create_repo(repo_id=repo_id, repo_type="model", private=private, exist_ok=True)
+        if revision is not None:
+            api.create_branch(repo_id=repo_id, branch=revision, repo_type="model", exist_ok=True)
+        return api.upload_folder(
+            folder_path=str(folder), repo_id=repo_id, repo_type="model", revision=revision,
+            commit_message=commit_message or f"Upload hf_selfspec {heads.kind} heads",
+            allow_patterns=list(HUB_FILES))
+    except Exception as error:
+        # a failed connection surfaces as the HTTP client's own exception (httpx, requests),
+        # which names neither the repo nor what was being done; the Hub's own errors (401,
+        # 404, offline mode, ...) already say what went wrong and pass through
+        origin = type(error).__module__.split(".")[0]
+        if origin == "huggingface_hub" or not (
+                origin in ("httpx", "requests", "urllib3") or isinstance(error, (ConnectionError, TimeoutError))):
+            raise
+        raise OSError(f"could not push heads from {folder} to the Hub repo {repo_id!r}: "
+                      f"{type(error).__name__}: {error}. Check the network and the token (token= or "
+                      "HF_TOKEN); the heads stay usable from the folder meanwhile") from error
