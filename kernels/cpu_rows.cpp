@@ -1332,6 +1332,24 @@ void screen_rows16(const int8_t* q, const float* x, float* y, int64_t K, int64_t
   });
 }
 
+// The screen's products take the rows 8 at a time: f(std::integral_constant<int, n>, r0) for
+// each block [r0, r0 + n), n in 1..8 a compile-time tile width
+template <typename F>
+void screen_row_blocks(int64_t R, F&& f) {
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    switch (std::min<int64_t>(8, R - r0)) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      case 4: f(std::integral_constant<int, 4>{}, r0); break;
+      case 5: f(std::integral_constant<int, 5>{}, r0); break;
+      case 6: f(std::integral_constant<int, 6>{}, r0); break;
+      case 7: f(std::integral_constant<int, 7>{}, r0); break;
+      default: f(std::integral_constant<int, 8>{}, r0); break;
+    }
+  }
+}
+
 // y [R, V] = x [R, K] . q [V, K] (int8 widened), in any order: AVX-512 where the CPU has it
 // (and rows_isa has not turned it off)
 void screen_product(const int8_t* q, const float* x, float* y, int64_t R, int64_t K, int64_t V) {
@@ -1339,21 +1357,9 @@ void screen_product(const int8_t* q, const float* x, float* y, int64_t R, int64_
     linear_rows<int8_t>(q, x, y, R, K, V);
     return;
   }
-  for (int64_t r0 = 0; r0 < R; r0 += 8) {
-    const int64_t n = std::min<int64_t>(8, R - r0);
-    const float* xr = x + r0 * K;
-    float* yr = y + r0 * V;
-    switch (n) {
-      case 1: screen_rows16<1>(q, xr, yr, K, V); break;
-      case 2: screen_rows16<2>(q, xr, yr, K, V); break;
-      case 3: screen_rows16<3>(q, xr, yr, K, V); break;
-      case 4: screen_rows16<4>(q, xr, yr, K, V); break;
-      case 5: screen_rows16<5>(q, xr, yr, K, V); break;
-      case 6: screen_rows16<6>(q, xr, yr, K, V); break;
-      case 7: screen_rows16<7>(q, xr, yr, K, V); break;
-      default: screen_rows16<8>(q, xr, yr, K, V); break;
-    }
-  }
+  screen_row_blocks(R, [&](auto nx, int64_t r0) {
+    screen_rows16<decltype(nx)::value>(q, x + r0 * K, y + r0 * V, K, V);
+  });
 }
 
 // ---- the screen's product with x quantised too (AVX-512 VNNI) -------------------------------
@@ -1430,21 +1436,9 @@ void screen_rows_vnni(const int8_t* q, const int16_t* xq, const float* sx, float
 
 void screen_product_vnni(const int8_t* q, const int16_t* xq, const float* sx, float* y, int64_t R, int64_t K,
                          int64_t Kp, int64_t V) {
-  for (int64_t r0 = 0; r0 < R; r0 += 8) {
-    const int64_t n = std::min<int64_t>(8, R - r0);
-    const int16_t* xr = xq + r0 * Kp;
-    float* yr = y + r0 * V;
-    switch (n) {
-      case 1: screen_rows_vnni<1>(q, xr, sx + r0, yr, K, Kp, V); break;
-      case 2: screen_rows_vnni<2>(q, xr, sx + r0, yr, K, Kp, V); break;
-      case 3: screen_rows_vnni<3>(q, xr, sx + r0, yr, K, Kp, V); break;
-      case 4: screen_rows_vnni<4>(q, xr, sx + r0, yr, K, Kp, V); break;
-      case 5: screen_rows_vnni<5>(q, xr, sx + r0, yr, K, Kp, V); break;
-      case 6: screen_rows_vnni<6>(q, xr, sx + r0, yr, K, Kp, V); break;
-      case 7: screen_rows_vnni<7>(q, xr, sx + r0, yr, K, Kp, V); break;
-      default: screen_rows_vnni<8>(q, xr, sx + r0, yr, K, Kp, V); break;
-    }
-  }
+  screen_row_blocks(R, [&](auto nx, int64_t r0) {
+    screen_rows_vnni<decltype(nx)::value>(q, xq + r0 * Kp, sx + r0, y + r0 * V, K, Kp, V);
+  });
 }
 
 // ---- the LM head's argmax screen (hf_selfspec/engine/screen.py) -------------------------
