@@ -802,13 +802,24 @@ void check_cache(const torch::Tensor& k, const torch::Tensor& v, const char* fn)
 }
 
 // Work items of `attention_rows`: the (row, head) pairs of one KV head g, rows [r0, r1) and
-// query heads [h0, h1) of that KV head's group. The pairs of an item visit the keys together,
-// one block of KEY_TILE keys at a time, so a block of K (and then of V) is read from memory
-// once per item rather than once per pair: with 8 rows of 3 heads per KV head, 24 times fewer
-// reads of a long context's cache. Each pair's arithmetic is the one above whatever item it
-// is in: its scores are computed key by key, its softmax over its own scores, and its
-// weighted sum in order of j (the accumulators carried from block to block in memory).
+// query heads [h0, h1) of that KV head's group, over one chunk of KEY_CHUNK logical keys.
+// The pairs of an item visit the chunk's keys together, one block of KEY_TILE keys at a
+// time, so a block of K (and then of V) is read from memory once per item rather than once
+// per pair: with 8 rows of 3 heads per KV head, 24 times fewer reads of a long context's
+// cache. Chunks let a long context's keys spread over every thread while each KV head's
+// cache is still read once (a single row has only as many (KV head, head block) items as
+// there are KV heads otherwise: three for SmolLM2, on two threads, or each KV head read
+// twice when its heads are split).
+//
+// A pair's arithmetic depends on its own keys only, never on the items or the other rows:
+// chunk c of a pair with L keys holds its logical keys [c KEY_CHUNK, min(L, (c + 1)
+// KEY_CHUNK)). Per chunk: the scores s_j, their maximum m_c, p_j = exp(s_j - m_c), l_c =
+// sum_j p_j (8 lanes by j mod 8, then `hsum`) and acc_c = sum_j p_j v_j in order of j. A
+// pair of one chunk (L <= KEY_CHUNK) returns acc_0 / l_0; a longer one merges its chunks in
+// order: M = max_c m_c, w_c = exp(m_c - M), o = (sum_c w_c acc_c) / (sum_c w_c l_c).
 constexpr int64_t KEY_TILE = 64;
+constexpr int64_t KEY_CHUNK = 512;  // a multiple of KEY_TILE and of 8
+static_assert(KEY_CHUNK % KEY_TILE == 0 && KEY_CHUNK % 8 == 0, "chunks hold whole key tiles and 8-key groups");
 
 // n elements of a 16-bit cache as float32 (the exact widening `Elem` does in registers), so
 // that the pairs of an item widen a tile of keys or values once, not once per pair
@@ -820,17 +831,17 @@ inline void widen(const TC* __restrict src, int64_t n, float* __restrict dst) {
 }
 
 struct AttentionItems {
-  int64_t rows_per_item, heads_per_item, row_blocks, head_blocks, count;
+  int64_t rows_per_item, heads_per_item, row_blocks, head_blocks, chunks, count;
 };
 
 // As many rows and heads per item as leave at least two items per thread
-inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G) {
+inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G, int64_t chunks) {
   const int64_t want = 2 * std::max<int64_t>(1, at::get_num_threads());
-  AttentionItems it{std::min<int64_t>(4, R), G, 0, 0, 0};
+  AttentionItems it{std::min<int64_t>(4, R), G, 0, 0, chunks, 0};
   auto count = [&]() {
     it.row_blocks = (R + it.rows_per_item - 1) / it.rows_per_item;
     it.head_blocks = (G + it.heads_per_item - 1) / it.heads_per_item;
-    return it.count = Hkv * it.row_blocks * it.head_blocks;
+    return it.count = Hkv * it.row_blocks * it.head_blocks * chunks;
   };
   while (count() < want && it.rows_per_item > 1) it.rows_per_item = (it.rows_per_item + 1) / 2;
   while (count() < want && it.heads_per_item > 1) it.heads_per_item = (it.heads_per_item + 1) / 2;
@@ -847,20 +858,28 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
   const int64_t P = meta.path.size(1);
   const int64_t* pp = meta.path.data_ptr<int64_t>();
   const int64_t d8 = d - d % 8;
-  const AttentionItems items = attention_items(R, Hkv, G);
+  const int64_t dd = (d + 7) / 8 * 8;  // keeps every pair's accumulators 32-byte aligned
+  const int64_t chunks = (meta.keys + KEY_CHUNK - 1) / KEY_CHUNK;
+  const AttentionItems items = attention_items(R, Hkv, G, chunks);
+  // the chunks of pairs with more than one: per (pair, chunk) acc_c (dd floats), then m_c, l_c
+  const int64_t part_floats = dd + 8;
+  torch::Tensor parts;
+  float* part = nullptr;
+  if (chunks > 1) {
+    parts = torch::empty({R * Hq * chunks * part_floats}, torch::dtype(torch::kFloat32));
+    part = parts.data_ptr<float>();
+  }
   auto body = [&](int64_t i0, int64_t i1) {
     struct Pair {
-      int64_t item, L, Lp;  // item = r * Hq + h; keys [0, Lp) contiguous, [Lp, L) on the path
-      const int64_t* path;
-      const TC *kh, *vh, *kb, *vb;
-      float* s;
-      float l;
+      int64_t item, L, Lp, end, contiguous_end;  // item = r * Hq + h; keys [0, Lp) contiguous,
+      const int64_t* path;                        // [Lp, L) on the path; this chunk's keys end
+      const TC *kh, *vh, *kb, *vb;                // at `end`, its contiguous ones at
+      float* s;                                   // `contiguous_end` (<= its start: none)
     };
     const int64_t most = items.rows_per_item * items.heads_per_item;
     std::vector<Pair> pairs;
     pairs.reserve(most);
     // per pair: its scaled query, then its weighted-sum accumulators (32-byte aligned)
-    const int64_t dd = (d + 7) / 8 * 8;  // keeps every pair's accumulators 32-byte aligned
     // 16-bit caches: a tile of keys (then values) widened once for all pairs of the item
     constexpr bool wide_cache = !std::is_same_v<TC, float>;
     const int64_t tile_floats = wide_cache ? KEY_TILE * d : 0;
@@ -868,41 +887,49 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
     float* qs_all = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 31) & ~uintptr_t(31));
     float* acc_all = qs_all + most * dd;
     float* tile = acc_all + most * dd;
+    std::vector<float> sums(most), maxima(most);  // per pair: l_c and m_c of the item's chunk
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t g = it / (items.row_blocks * items.head_blocks);
-      const int64_t rb = it / items.head_blocks % items.row_blocks, hb = it % items.head_blocks;
+      // (KV head, chunk, head block, row block), the row block fastest: consecutive items of
+      // a thread read the same keys and values (from cache after the first)
+      const int64_t rb = it % items.row_blocks, hb = it / items.row_blocks % items.head_blocks;
+      const int64_t chunk = it / (items.row_blocks * items.head_blocks) % items.chunks;
+      const int64_t g = it / (items.row_blocks * items.head_blocks * items.chunks);
       const int64_t r0 = rb * items.rows_per_item, r1 = std::min(R, r0 + items.rows_per_item);
       const int64_t h0 = g * G + hb * items.heads_per_item, h1 = std::min(g * G + G, h0 + items.heads_per_item);
+      const int64_t c0 = chunk * KEY_CHUNK;  // the chunk's first logical key
       pairs.clear();
-      int64_t longest = 0;
-      for (int64_t r = r0; r < r1; ++r)
+      int64_t longest = c0;
+      for (int64_t r = r0; r < r1; ++r) {
+        if (lp[r] + 1 <= c0) continue;  // the row's keys end before this chunk
         for (int64_t h = h0; h < h1; ++h) {
           Pair pr;
           pr.item = r * Hq + h;
           pr.L = lp[r] + 1;
           pr.Lp = pr.L - meta.tree_keys[r];
+          pr.end = std::min(pr.L, c0 + KEY_CHUNK);
+          pr.contiguous_end = std::min(pr.Lp, pr.end);
           pr.path = pp + r * P;
           pr.kh = kp + g * S * d;  // path slots are absolute
           pr.vh = vp + g * S * d;
           pr.kb = pr.kh + meta.first_slot(r) * d;  // the prefix from the row's first slot
           pr.vb = pr.vh + meta.first_slot(r) * d;
           pr.s = sp + pr.item * stride;
-          pr.l = 0.f;
           float* qs = qs_all + pairs.size() * dd;
           for (int64_t i = 0; i < d; ++i) qs[i] = qp[pr.item * d + i] * sc;
-          longest = std::max(longest, pr.Lp);
+          longest = std::max(longest, pr.contiguous_end);
           pairs.push_back(pr);
         }
+      }
       const int64_t n = static_cast<int64_t>(pairs.size());
-      // every pair's contiguous keys (Pair::kb) or values (Pair::vb), a tile of KEY_TILE at a
-      // time for all pairs: fn(c, t0, keys, rows), rows the tile's cache rows as stored, or
-      // for a 16-bit cache widened into `tile` once for the pairs that share them
+      // every pair's contiguous keys of the chunk (Pair::kb) or values (Pair::vb), a tile of
+      // KEY_TILE at a time for all pairs: fn(c, t0, keys, rows), rows the tile's cache rows
+      // as stored, or for a 16-bit cache widened into `tile` once for the pairs that share them
       auto by_tiles = [&](const TC* Pair::*first, auto&& fn) {
         const TC* widened = nullptr;
         int64_t widened_keys = 0;
-        for (int64_t t0 = 0; t0 < longest; t0 += KEY_TILE)
+        for (int64_t t0 = c0; t0 < longest; t0 += KEY_TILE)
           for (int64_t c = 0; c < n; ++c) {
-            const int64_t keys = std::min(pairs[c].Lp, t0 + KEY_TILE) - t0;
+            const int64_t keys = std::min(pairs[c].contiguous_end, t0 + KEY_TILE) - t0;
             if (keys <= 0) continue;
             const TC* rows = pairs[c].*first + t0 * d;
             if constexpr (wide_cache) {
@@ -926,33 +953,37 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
         for (; j + 4 <= keys; j += 4) dot4<TK>(qs, k + j * d, d, s + j);
         for (; j < keys; ++j) s[j] = dot<TK>(qs, k + j * d, d);
       });
-      // each pair's path keys, its maximum, exponentials and their sum
+      // each pair's path keys in the chunk, the chunk's maximum, exponentials and their sum
       for (int64_t c = 0; c < n; ++c) {
         Pair& pr = pairs[c];
         float* s = pr.s;
-        const int64_t L = pr.L, L8 = (L + 7) / 8 * 8;
-        for (int64_t j = pr.Lp; j < L; ++j) s[j] = dot<TC>(qs_all + c * dd, pr.kh + pr.path[j - pr.Lp] * d, d);
-        float m = s[0];
-        for (int64_t j = 1; j < L; ++j) m = std::max(m, s[j]);
-        for (int64_t j = L; j < L8; ++j) s[j] = -INFINITY;  // exp8 -> exp(-87): zeroed below
+        const int64_t end = pr.end, end8 = c0 + (end - c0 + 7) / 8 * 8;
+        for (int64_t j = std::max(pr.Lp, c0); j < end; ++j)
+          s[j] = dot<TC>(qs_all + c * dd, pr.kh + pr.path[j - pr.Lp] * d, d);
+        float m = s[c0];
+        for (int64_t j = c0 + 1; j < end; ++j) m = std::max(m, s[j]);
+        // lanes past the last key (only a pair's last chunk ends off a multiple of 8: no
+        // other chunk's scores there): exp8 -> exp(-87), zeroed below
+        for (int64_t j = end; j < end8; ++j) s[j] = -INFINITY;
         const __m256 mv = _mm256_set1_ps(m);
         __m256 lv = _mm256_setzero_ps();
-        for (int64_t j = 0; j < L8; j += 8) {
+        for (int64_t j = c0; j < end8; j += 8) {
           __m256 pj = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-          if (j + 8 > L) {  // lanes past the last key contribute exactly 0
+          if (j + 8 > end) {  // lanes past the last key contribute exactly 0
             alignas(32) float keep[8];
-            for (int i = 0; i < 8; ++i) keep[i] = j + i < L ? 1.0f : 0.0f;
+            for (int i = 0; i < 8; ++i) keep[i] = j + i < end ? 1.0f : 0.0f;
             pj = _mm256_mul_ps(pj, _mm256_load_ps(keep));
           }
           _mm256_storeu_ps(s + j, pj);
           lv = _mm256_add_ps(lv, pj);
         }
-        pr.l = hsum(lv);
+        sums[c] = hsum(lv);
+        maxima[c] = m;
         float* acc = acc_all + c * dd;
         for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
       }
-      // the weighted sums over the contiguous keys in order of j, a tile at a time for
-      // every pair, then each pair's path keys (the same FMA per lane)
+      // the weighted sums over the chunk's contiguous keys in order of j, a tile at a time
+      // for every pair, then each pair's path keys (the same FMA per lane)
       by_tiles(&Pair::vb, [&](int64_t c, int64_t t0, int64_t keys, const auto* v) {
         using TV = std::remove_cv_t<std::remove_pointer_t<decltype(v)>>;
         weighted_sum_d<TV>(pairs[c].s + t0, v, d, 0, keys, acc_all + c * dd);
@@ -960,16 +991,52 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       for (int64_t c = 0; c < n; ++c) {
         const Pair& pr = pairs[c];
         float* acc = acc_all + c * dd;
-        for (int64_t j = pr.Lp; j < pr.L; ++j) weighted_sum_d<TC>(pr.s + j, pr.vh + pr.path[j - pr.Lp] * d, d, 0, 1, acc);
-        float* o = op + pr.item * d;  // out[r, h*d : (h+1)*d]
-        const __m256 lvec = _mm256_set1_ps(pr.l);
-        for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
-        for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / pr.l;
+        for (int64_t j = std::max(pr.Lp, c0); j < pr.end; ++j)
+          weighted_sum_d<TC>(pr.s + j, pr.vh + pr.path[j - pr.Lp] * d, d, 0, 1, acc);
+        if (pr.L <= KEY_CHUNK) {  // the pair's only chunk: its output
+          float* o = op + pr.item * d;  // out[r, h*d : (h+1)*d]
+          const __m256 lvec = _mm256_set1_ps(sums[c]);
+          for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
+          for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / sums[c];
+        } else {
+          float* dst = part + (pr.item * chunks + chunk) * part_floats;
+          for (int64_t i = 0; i < d; ++i) dst[i] = acc[i];
+          dst[dd] = maxima[c];
+          dst[dd + 1] = sums[c];
+        }
       }
     }
   };
   if (use_pool()) Pool::get().run(items.count, [&](int64_t i) { body(i, i + 1); });
   else at::parallel_for(0, items.count, 1, body);
+  if (chunks == 1) return;
+  // the pairs of several chunks: their chunks merged in order (see KEY_CHUNK)
+  alignas(32) float acc[kMaxHeadDim];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t L = lp[r] + 1;
+    if (L <= KEY_CHUNK) continue;
+    const int64_t used = (L + KEY_CHUNK - 1) / KEY_CHUNK;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const float* pc = part + (r * Hq + h) * chunks * part_floats;
+      float top = pc[dd];
+      for (int64_t c = 1; c < used; ++c) top = std::max(top, pc[c * part_floats + dd]);
+      for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
+      float l = 0.f;
+      for (int64_t c = 0; c < used; ++c) {
+        const float* chunk_part = pc + c * part_floats;
+        const float w = std::exp(chunk_part[dd] - top);
+        l = std::fma(w, chunk_part[dd + 1], l);
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int64_t c8 = 0; c8 < d8; c8 += 8)
+          _mm256_store_ps(acc + c8, _mm256_fmadd_ps(wv, _mm256_loadu_ps(chunk_part + c8), _mm256_load_ps(acc + c8)));
+        for (int64_t i = d8; i < d; ++i) acc[i] = std::fma(w, chunk_part[i], acc[i]);
+      }
+      float* o = op + (r * Hq + h) * d;
+      const __m256 lvec = _mm256_set1_ps(l);
+      for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
+      for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / l;
+    }
+  }
 }
 
 }  // namespace

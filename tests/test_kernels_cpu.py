@@ -95,8 +95,10 @@ def _cache(gen, hkv, slots, d):
 @pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 16), (4, 2, 12), (2, 1, 128)])
 def test_attention_matches_float64_reference(attention, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * 100 + d)
-    k, v = _cache(gen, hkv, 600, d)
-    for limits in ([0], [5], [3, 4, 5, 6], [255, 256, 257], [599, 17, 300, 1, 2, 3, 4, 598]):
+    k, v = _cache(gen, hkv, 1100, d)
+    # past 512 keys a row's keys are summed in chunks of 512, then merged: 1, 2 and 3 chunks
+    for limits in ([0], [5], [3, 4, 5, 6], [255, 256, 257], [599, 17, 300, 1, 2, 3, 4, 598],
+                   [510, 511, 512, 513], [1023, 1024, 1099, 40]):
         q = torch.randn(len(limits), hq, d, generator=gen)
         lim = torch.tensor(limits)
         o = attention(q, k, v, lim, d ** -0.5)
@@ -112,7 +114,7 @@ def test_attention_row_is_bit_identical_whatever_the_other_rows(attention):
     hq, hkv, d = 9, 3, 64
     k, v = _cache(gen, hkv, 1100, d)
     q_row = torch.randn(1, hq, d, generator=gen)
-    for limit in (0, 3, 254, 255, 256, 700):
+    for limit in (0, 3, 254, 255, 256, 511, 512, 700, 1024):
         alone = attention(q_row, k, v, torch.tensor([limit]), 0.125)[0]
         for r in (2, 3, 4, 5, 8, 9):
             for place in {0, r // 2, r - 1}:
@@ -158,7 +160,7 @@ def _tree_case(gen, pos0, depth, hkv=3, d=64, slots=700):
     return chain_k, chain_v, tree_k, tree_v, path
 
 
-@pytest.mark.parametrize("pos0", [1, 4, 7, 255, 300])
+@pytest.mark.parametrize("pos0", [1, 4, 7, 255, 300, 508])  # 508: paths across a 512-key chunk
 def test_attention_tree_row_is_bit_identical_to_the_chain_row(attention, pos0):
     """A tree row sees the committed prefix plus its own path's slots, in depth order, and
     computes exactly what the chain row at the same position computes (same keys, same
@@ -189,9 +191,9 @@ def test_attention_scores_are_the_same_whichever_dot_product_computes_them(atten
     contiguous, bit for bit, so all of them compute each score and weighted sum alike (d 12:
     the scalar tails too; 37 and 130 keys: more than one tile)."""
     gen = torch.Generator().manual_seed(d)
-    for L in (1, 5, 8, 13, 37, 130):
-        k = torch.randn(3, 160, d, generator=gen).to(dtype)
-        v = torch.randn(3, 160, d, generator=gen).to(dtype)
+    for L in (1, 5, 8, 13, 37, 130, 600):
+        k = torch.randn(3, 640, d, generator=gen).to(dtype)
+        v = torch.randn(3, 640, d, generator=gen).to(dtype)
         q = torch.randn(2, 9, d, generator=gen)
         contiguous = attention(q, k, v, torch.tensor([L - 1] * 2), 0.125)
         path = torch.arange(L).repeat(2, 1)
@@ -216,7 +218,7 @@ def test_attention_rows_with_a_base_equal_the_sequence_alone(attention, dtype):
     slot 0 (the keys copied there), and the region's neighbours (NaN) never read."""
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d = 9, 3, 64
-    bases, lengths = [0, 300, 700], [257, 5, 300]
+    bases, lengths = [0, 300, 320], [257, 5, 600]  # 600: two key chunks
     k = torch.full((hkv, 1100, d), float("nan"))
     v = torch.full((hkv, 1100, d), float("nan"))
     alone = []
