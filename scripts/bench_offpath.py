@@ -13,6 +13,8 @@ big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 
          lookup only).
 process: a fresh Python process loads the default model and times its first and second
          assistant="self" calls (the engine's measurements come from the on-disk cache).
+smollm3: (not in the default parts) a random-weight model of SmolLM3-3B's shape, fp32 (12 GB;
+         --smollm3-layers fewer for a quicker run): as `big`.
 """
 
 from __future__ import annotations
@@ -86,7 +88,26 @@ def part_big(args):
     config = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                          tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
+    random_model_run("big: random Llama", LlamaForCausalLM(config).eval(), args)
+
+
+def part_smollm3(args):
+    """SmolLM3-3B's shape (hidden 2048, 36 layers, GQA 16/4, vocab 128256, tied; every 4th
+    layer without RoPE), random weights: exactness, speed, memory of the engine on it."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(0)
+    config = SmolLM3Config(vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                           num_hidden_layers=args.smollm3_layers, num_attention_heads=16, num_key_value_heads=4,
+                           max_position_embeddings=65536, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})
+    random_model_run(f"smollm3: random SmolLM3 ({args.smollm3_layers} layers, without RoPE in "
+                     f"{config.no_rope_layers.count(0)})", SmolLM3ForCausalLM(config).eval(), args)
+
+
+def random_model_run(label, model, args):
+    """HF greedy vs assistant="self" (heads=False: prompt lookup) on a random-weight model:
+    resident memory the engine adds, first / second / third call, identical outputs."""
     params = sum(p.numel() for p in model.parameters()) / 1e9
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (1, 200), generator=gen)  # a small alphabet: prompt lookup copies
@@ -107,12 +128,12 @@ def part_big(args):
     _, t_hf2 = timed(lambda: model.generate(ids, **greedy))
     n = hf.shape[1] - ids.shape[1]
     t_hf_med = statistics.median([t_hf, t_hf2])
-    print(f"big: random Llama {params:.2f}B fp32, prompt 200, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
+    print(f"{label} {params:.2f}B fp32, prompt 200, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
           f"first call {t_first:.1f} s (engine build {build:.1f} s), second call {t_second_call:.1f} s, "
           f"warm (third call) {n / t_second:.2f} tok/s = "
           f"{t_hf_med / t_second:.2f}x HF (tau {tau:.2f}); resident memory: HF greedy +{after_hf - base:.2f} GB, the engine "
           f"+{after_self - after_hf:.2f} GB more after the first call; identical "
-          f"{torch.equal(hf, first) and torch.equal(hf, second) and torch.equal(hf, third)}")
+          f"{torch.equal(hf, first) and torch.equal(hf, second) and torch.equal(hf, third)}", flush=True)
 
 
 def part_process(args):
@@ -141,14 +162,15 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process")
+    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3")
+    ap.add_argument("--smollm3-layers", type=int, default=36)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for part in args.parts.split(","):
-        {"bf16": part_bf16, "big": part_big, "process": part_process}[part](args)
+        {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3}[part](args)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ torch.set_num_threads(int(os.environ.get("HF_SELFSPEC_TEST_THREADS", min(2, os.c
 def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: int = 2,
                vocab: int = 256, hidden: int = 128, tie: bool = False):
     """A random-weight causal LM small enough for exhaustive tests: kind "llama", "qwen3"
-    (q/k norms), "qwen2" (q/k/v biases) or "llama_bias" (attention_bias and mlp_bias).
+    (q/k norms), "qwen2" (q/k/v biases), "llama_bias" (attention_bias and mlp_bias) or
+    "smollm3" (layers 1 and 3 without RoPE).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -28,6 +29,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -41,6 +44,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, **common))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
+    elif kind == "smollm3":
+        model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layer_interval=2, **common))
     elif kind == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     else:

@@ -90,6 +90,8 @@ SUPPORTED = {
     # use_sliding_window, but max_window_layers leaves every layer full attention
     "qwen3-window-unused": dict(arch="Qwen3", head_dim=20, use_sliding_window=True, sliding_window=8),
     "mistral-no-window": dict(arch="Mistral", sliding_window=None),
+    # layers 1 and 3 without RoPE (no_rope_layers): the engine must not rotate their q and k
+    "smollm3-nope-layers": dict(arch="SmolLM3", num_hidden_layers=4, no_rope_layer_interval=2),
 }
 
 
@@ -152,10 +154,14 @@ def test_dynamic_rope_after_a_long_hf_call():
     assert self_greedy(model, rows) == expected  # an engine of 64 positions, built now
 
 
-def test_a_window_in_some_layers_refused_at_attach():
-    """Qwen2 slides from layer max_window_layers on (layer 1 here): refused, naming its knob
-    (test_integration.py: the Mistral case and the advice that works)."""
-    model = build("Qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+@pytest.mark.parametrize("arch,overrides", [
+    ("Qwen2", dict(max_window_layers=1)),  # slides from layer max_window_layers on (layer 1)
+    ("SmolLM3", dict(num_hidden_layers=4)),  # slides in its layers without RoPE (layer 3)
+], ids=["qwen2", "smollm3"])
+def test_a_window_in_some_layers_refused_at_attach(arch, overrides):
+    """A window in some layers only: refused, naming its knob (test_integration.py: the
+    Mistral case and the advice that works)."""
+    model = build(arch, use_sliding_window=True, sliding_window=16, **overrides)
     with pytest.raises(ValueError, match="sliding-window attention.*use_sliding_window=False"):
         attach_heads(model, heads=False)
     assert "_selfspec" not in model.__dict__
@@ -168,7 +174,6 @@ def test_a_window_in_some_layers_refused_at_attach():
     ("Phi3", {}, "phi3"),
     ("Granite", {}, "granite"),
     ("Olmo2", {}, "olmo2"),
-    ("SmolLM3", {}, "smollm3"),
     ("Mixtral", dict(sliding_window=16), "mixtral"),
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):

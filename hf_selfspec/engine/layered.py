@@ -3,7 +3,7 @@
 The view holds references to the HF model's own parameters (never copies) and the
 maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
 so the engine can run any row range through any layer range. Supported: Llama, Mistral,
-Qwen2, Qwen3 (q/k norm), SmolLM (a Llama); GQA, MQA and MHA; tied or untied LM head; linear
+Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 # HF's ACT2FN names of the gated MLP's activation that are SiLU
 SILU_NAMES = ("silu", "swish")
 
@@ -140,6 +140,9 @@ class LayeredModel:
         self.device = self.embed.device
         self.scaling = self.head_dim**-0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
+        # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
+        # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
+        self.rope_layers = tuple(bool(getattr(layer.self_attn, "use_rope", True)) for layer in inner.layers)
         self.max_positions = self._table_positions(config, max_positions)
         self.cos, self.sin = self._rope_tables(inner, self.max_positions)  # [P, d] each
 

@@ -151,6 +151,7 @@ class Engine:
         self.view = LayeredModel(model, self.config.capacity)
         v = self.view
         self.group = v.num_heads // v.num_kv_heads
+        self._identity_rope: dict = {}  # _no_rotation's tables, per (rows, dtype)
         self._signature = weight_signature(model)
         self._measured = MeasurementCache(machine_key(v, self.width), tuple(LAYOUTS), self.width,
                                           enabled=self.config.measurement_cache)
@@ -475,19 +476,23 @@ class Engine:
             # layers; a chain: several segs), as with the PyTorch layers in that dtype
             cos, sin = meta.cos[:n].float().contiguous(), meta.sin[:n].float().contiguous()
             dtype = h.dtype
-            h = self.layout.kernel_layers(h.float().contiguous(), self._fused_weights, self._fused_per_layer,
-                                          self.k_cache, self.v_cache, cos, sin, slots, limits, v.eps, v.scaling,
-                                          meta.path, meta.base, start, end)
+            h = h.float().contiguous()
+            for lo, hi, rotary in self._rope_runs(start, end):  # one call unless layers skip RoPE
+                c, s = (cos, sin) if rotary else self._no_rotation(n, torch.float32)
+                h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
+                                              self.v_cache, c, s, slots, limits, v.eps, v.scaling, meta.path,
+                                              meta.base, lo, hi)
             return h.to(dtype)
         lin = self.layout.linear
         h = self._pad(h, R)
-        cos, sin = meta.cos[None], meta.sin[None]  # [1, R, d]
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
         if self.fused_small_ops:
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
+            cos, sin = self._rope_tables(meta, li, R)
+            cos, sin = cos[None], sin[None]  # [1, R, d]
             x = rms_norm(h, lw.input_norm, v.eps)
             q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
@@ -501,6 +506,34 @@ class Engine:
             x = rms_norm(h, lw.post_norm, v.eps)
             h = h + self._mlp(x, lw)
         return h[:n]
+
+    def _rope_runs(self, start: int, end: int) -> list[tuple[int, int, bool]]:
+        """Layers [start, end) as maximal runs (lo, hi, rotary) of layers that all rotate q
+        and k, or all do not (LayeredModel.rope_layers): one run for most models."""
+        flags = self.view.rope_layers
+        runs: list[tuple[int, int, bool]] = []
+        for li in range(start, end):
+            if runs and runs[-1][2] == flags[li]:
+                runs[-1] = (runs[-1][0], li + 1, flags[li])
+            else:
+                runs.append((li, li + 1, flags[li]))
+        return runs
+
+    def _no_rotation(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos = 1, sin = 0 for `rows` rows: q cos + rotate_half(q) sin is q bit for bit (a
+        zero may change sign), so a layer without RoPE runs the same programs as the others."""
+        key = (rows, dtype)
+        if key not in self._identity_rope:
+            d = self.view.cos.shape[-1]
+            self._identity_rope[key] = (torch.ones(rows, d, dtype=dtype, device=self.view.device),
+                                        torch.zeros(rows, d, dtype=dtype, device=self.view.device))
+        return self._identity_rope[key]
+
+    def _rope_tables(self, meta: StepMeta, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin [rows, d] layer `layer` rotates q and k by in this step."""
+        if self.view.rope_layers[layer]:
+            return meta.cos[:rows], meta.sin[:rows]
+        return self._no_rotation(rows, meta.cos.dtype)
 
     def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
@@ -527,10 +560,11 @@ class Engine:
 
         v, lin = self.view, self.layout.linear
         R = meta.rows
-        cos, sin, slots = meta.cos[:R], meta.sin[:R], meta.slots[:R]
+        slots = meta.slots[:R]
         pending = None  # the previous layer's MLP output, not yet added to h
         for li in range(start, end):
             lw = v.layers[li]
+            cos, sin = self._rope_tables(meta, li, R)
             h, x = add_rms_norm(h, lw.input_norm, v.eps, pending)
             q, k, val = self._qkv(x, lw, R)
             q = rope_kv_write(q, k, val, cos, sin, slots, self.k_cache[li], self.v_cache[li])  # [R, Hq, d]
