@@ -15,6 +15,7 @@ process: a fresh Python process loads the default model and times its first and 
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3: (not in the default parts) a random-weight model of SmolLM3-3B's shape, fp32 (12 GB;
          --smollm3-layers fewer for a quicker run): as `big`.
+phi3:    (not in the default parts) the same for Phi-3-mini's shape (15 GB; --phi3-layers).
 """
 
 from __future__ import annotations
@@ -105,6 +106,18 @@ def part_smollm3(args):
                      f"{config.no_rope_layers.count(0)})", SmolLM3ForCausalLM(config).eval(), args)
 
 
+def part_phi3(args):
+    """Phi-3-mini's shape (hidden 3072, 32 layers, 32 heads, vocab 32064, untied; q/k/v and
+    gate/up fused), random weights: as `smollm3`."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=args.phi3_layers,
+                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                        tie_word_embeddings=False)
+    random_model_run(f"phi3: random Phi-3 ({args.phi3_layers} layers)", Phi3ForCausalLM(config).eval(), args)
+
+
 def random_model_run(label, model, args):
     """HF greedy vs assistant="self" (heads=False: prompt lookup) on a random-weight model:
     resident memory the engine adds, first / second / third call, identical outputs."""
@@ -162,15 +175,17 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3")
+    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3")
     ap.add_argument("--smollm3-layers", type=int, default=36)
+    ap.add_argument("--phi3-layers", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for part in args.parts.split(","):
-        {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3}[part](args)
+        {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3,
+         "phi3": part_phi3}[part](args)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                vocab: int = 256, hidden: int = 128, tie: bool = False):
     """A random-weight causal LM small enough for exhaustive tests: kind "llama", "qwen3"
     (q/k norms), "qwen2" (q/k/v biases), "llama_bias" (attention_bias and mlp_bias) or
-    "smollm3" (layers 1 and 3 without RoPE).
+    "smollm3" (layers 1 and 3 without RoPE) or "phi3" (fused q/k/v and gate/up projections).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -46,6 +48,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         model = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **common))
     elif kind == "smollm3":
         model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layer_interval=2, **common))
+    elif kind == "phi3":
+        model = Phi3ForCausalLM(Phi3Config(**common))
     elif kind == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     else:

@@ -74,6 +74,13 @@ def rope(kind: str, **params) -> dict:
     return {"rope_parameters": {"rope_type": kind, "rope_theta": 10000.0, **params}}
 
 
+def longrope() -> dict:
+    """A longrope configuration, a new dict each time (a config class may edit the one it gets)."""
+    return dict(max_position_embeddings=512, **rope(
+        "longrope", original_max_position_embeddings=128,
+        short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.3 * i for i in range(8)]))
+
+
 SUPPORTED = {
     "llama-tied": dict(tie_word_embeddings=True),
     "llama-biases": dict(attention_bias=True, mlp_bias=True),
@@ -92,6 +99,9 @@ SUPPORTED = {
     "mistral-no-window": dict(arch="Mistral", sliding_window=None),
     # layers 1 and 3 without RoPE (no_rope_layers): the engine must not rotate their q and k
     "smollm3-nope-layers": dict(arch="SmolLM3", num_hidden_layers=4, no_rope_layer_interval=2),
+    # q/k/v and gate/up fused in one weight each: the engine reads their row ranges
+    "phi3-fused-projections": dict(arch="Phi3"),
+    "phi3-mha-longrope": dict(arch="Phi3", num_key_value_heads=4, **longrope()),
 }
 
 
@@ -118,9 +128,7 @@ def test_half_precision_odd_dims_give_the_engines_ar_tokens(dtype):
     assert got == [engine.generate_ar(p, NEW, eos_token_ids=[2]) for p in rows]
 
 
-LONGROPE = dict(max_position_embeddings=512, **rope(
-    "longrope", original_max_position_embeddings=128,
-    short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.3 * i for i in range(8)]))
+LONGROPE = longrope()
 
 
 @pytest.mark.parametrize("length", [20, 115, 140])  # short, crossing 128 while decoding, long
@@ -171,7 +179,6 @@ def test_a_window_in_some_layers_refused_at_attach(arch, overrides):
     ("Gemma", dict(head_dim=16), "gemma"),
     # a window shorter than the context: the architecture is named, not the window
     ("Gemma2", dict(head_dim=16, sliding_window=16), "gemma2"),
-    ("Phi3", {}, "phi3"),
     ("Granite", {}, "granite"),
     ("Olmo2", {}, "olmo2"),
     ("Mixtral", dict(sliding_window=16), "mixtral"),
@@ -196,6 +203,13 @@ def test_a_model_without_an_lm_head_is_refused(cls):
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="not a causal LM.*AutoModelForCausalLM"):
         attach_heads(model, heads=False)
+
+
+def test_partial_rotary_refused():
+    model = build("Phi3", **rope("default", partial_rotary_factor=0.5))
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.5.*plain model.generate"):
+        attach_heads(model, heads=False)
+    assert "_selfspec" not in model.__dict__
 
 
 def test_other_activation_refused():

@@ -3,7 +3,8 @@
 The view holds references to the HF model's own parameters (never copies) and the
 maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
 so the engine can run any row range through any layer range. Supported: Llama, Mistral,
-Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE); GQA, MQA and MHA; tied or untied LM head; linear
+Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
+q/k/v and gate/up projections, read as row ranges); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
 # HF's ACT2FN names of the gated MLP's activation that are SiLU
 SILU_NAMES = ("silu", "swish")
 
@@ -24,25 +25,59 @@ class UnsupportedModelError(ValueError):
     """The model's architecture is not one the engine implements."""
 
 
+class RowSlice:
+    """Rows [lo, hi) of a fused projection (Phi-3's qkv_proj and gate_up_proj) as a linear
+    layer of its own: its weight (and bias) are views of the module's own, never copies; a
+    row range of a row-major weight is contiguous, so every layout reads it as a matrix."""
+
+    def __init__(self, fused: torch.nn.Linear, lo: int, hi: int):
+        self.weight = fused.weight[lo:hi]
+        self.bias = None if fused.bias is None else fused.bias[lo:hi]
+        self.in_features = fused.in_features
+        self.out_features = hi - lo
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class LayerWeights:
     """Parameters of one decoder layer, shared with the HF module (no copies)."""
 
     input_norm: torch.Tensor  # [H]
-    q: torch.nn.Linear
-    k: torch.nn.Linear
-    v: torch.nn.Linear
+    q: torch.nn.Linear | RowSlice
+    k: torch.nn.Linear | RowSlice
+    v: torch.nn.Linear | RowSlice
     o: torch.nn.Linear
     q_norm: torch.Tensor | None  # [d] (Qwen3) or None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor  # [H]
-    gate: torch.nn.Linear
-    up: torch.nn.Linear
+    gate: torch.nn.Linear | RowSlice
+    up: torch.nn.Linear | RowSlice
     down: torch.nn.Linear
 
 
 # weight dtypes the engine's layouts may serve (each layout's self-test decides on this machine)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# a fused projection (Phi-3) and the separate ones it stands for
+FUSED_QKV = ("qkv_proj", ("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"))
+FUSED_GATE_UP = ("gate_up_proj", ("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
+
+
+def _projection_names(module, fused) -> tuple[str, ...]:
+    """The projection modules an attention or MLP block holds: the fused form's names where
+    it has the fused projection, else the separate ones."""
+    name, separate, together = fused
+    return together if hasattr(module, name) else separate
+
+
+def rotary_fraction(config) -> float:
+    """The fraction of each head's dimensions RoPE rotates (partial_rotary_factor; 1.0: all)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    value = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return 1.0 if value is None else float(value)
 
 
 def _check_plain_linear(name: str, module) -> None:
@@ -173,10 +208,10 @@ class LayeredModel:
                 f"this model is quantized ({type(quantizer).__name__}); the engine runs float "
                 "weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
-        projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name))
+        projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name, None))
                        for i, layer in enumerate(inner.layers)
-                       for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                           ("mlp", ("gate_proj", "up_proj", "down_proj")))
+                       for part, names in (("self_attn", _projection_names(layer.self_attn, FUSED_QKV)),
+                                           ("mlp", _projection_names(layer.mlp, FUSED_GATE_UP)))
                        for name in names]
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
@@ -212,6 +247,11 @@ class LayeredModel:
                 f"this model is quantized (quantization_config: {method}); the engine runs "
                 "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
+        if rotary_fraction(config) != 1.0:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor={rotary_fraction(config)}: the engine rotates every dimension of "
+                "a head (partial rotary embeddings are not implemented); use plain model.generate() "
+                "for this model")
         act = getattr(config, "hidden_act", "silu")
         if act not in SILU_NAMES:
             raise UnsupportedModelError(
@@ -222,17 +262,28 @@ class LayeredModel:
         attn, mlp = layer.self_attn, layer.mlp
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
+        if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
+            qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = (RowSlice(attn.qkv_proj, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
+                                                                        (qd + kvd, qd + 2 * kvd)))
+        else:
+            q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: the gate's rows, then the up projection's
+            inter = mlp.gate_up_proj.out_features // 2
+            gate, up = RowSlice(mlp.gate_up_proj, 0, inter), RowSlice(mlp.gate_up_proj, inter, 2 * inter)
+        else:
+            gate, up = mlp.gate_proj, mlp.up_proj
         return LayerWeights(
             input_norm=layer.input_layernorm.weight,
-            q=attn.q_proj,
-            k=attn.k_proj,
-            v=attn.v_proj,
+            q=q,
+            k=k,
+            v=v,
             o=attn.o_proj,
             q_norm=None if q_norm is None else q_norm.weight,
             k_norm=None if k_norm is None else k_norm.weight,
             post_norm=layer.post_attention_layernorm.weight,
-            gate=mlp.gate_proj,
-            up=mlp.up_proj,
+            gate=gate,
+            up=up,
             down=mlp.down_proj,
         )
 
