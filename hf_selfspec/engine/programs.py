@@ -151,7 +151,7 @@ class Engine:
         self.view = LayeredModel(model, self.config.capacity)
         v = self.view
         self.group = v.num_heads // v.num_kv_heads
-        self._identity_rope: dict = {}  # _no_rotation's tables, per (rows, dtype)
+        self._identity_rope: dict = {}  # _no_rotation's tables, per dtype
         self._signature = weight_signature(model)
         self._measured = MeasurementCache(machine_key(v, self.width), tuple(LAYOUTS), self.width,
                                           enabled=self.config.measurement_cache)
@@ -162,6 +162,9 @@ class Engine:
         self.meta_rows = max(self.width, -(-self.width // a) * a)
         self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
+        if not all(v.rope_layers):  # made now, not inside a CUDA graph's capture
+            for dtype in {v.cos.dtype, torch.float32}:
+                self._no_rotation(self.meta_rows, dtype)
         # kernel layout: a step's decoder layers in one C++ call (cpu_rows.cpp rows_layers),
         # unless a layer has biases (then the PyTorch ops below, with the same C++ products)
         fused = self._fused_layer_weights()
@@ -522,12 +525,13 @@ class Engine:
     def _no_rotation(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos = 1, sin = 0 for `rows` rows: q cos + rotate_half(q) sin is q bit for bit (a
         zero may change sign), so a layer without RoPE runs the same programs as the others."""
-        key = (rows, dtype)
-        if key not in self._identity_rope:
-            d = self.view.cos.shape[-1]
-            self._identity_rope[key] = (torch.ones(rows, d, dtype=dtype, device=self.view.device),
-                                        torch.zeros(rows, d, dtype=dtype, device=self.view.device))
-        return self._identity_rope[key]
+        table = self._identity_rope.get(dtype)
+        if table is None or table[0].shape[0] < rows:  # made at build for the widest step
+            shape = (max(rows, self.meta_rows), self.view.cos.shape[-1])
+            table = (torch.ones(shape, dtype=dtype, device=self.view.device),
+                     torch.zeros(shape, dtype=dtype, device=self.view.device))
+            self._identity_rope[dtype] = table
+        return table[0][:rows], table[1][:rows]
 
     def _rope_tables(self, meta: StepMeta, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin [rows, d] layer `layer` rotates q and k by in this step."""
