@@ -1176,10 +1176,12 @@ inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d
 // the PyTorch path for biased layers). Everything is checked before the cache is written.
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor limit, double eps, double scale, torch::Tensor path, torch::Tensor base);
+                         torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
+                         torch::Tensor base);
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                         torch::Tensor limit, double eps, double scale, torch::Tensor path, torch::Tensor base) {
+                         torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
+                         torch::Tensor base) {
   const char* fn = "rows_layer";
   TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "rows_layer: 9 weights, or 11 with q/k norms, got ",
               weights.size());
@@ -1224,6 +1226,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
                 t->scalar_type(), " ", t->sizes());
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rows_layer: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK(std::isfinite(scale), "rows_layer: scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(residual_scale), "rows_layer: residual_scale must be finite, got ", residual_scale);
   auto sl = index_vector(slots, R, fn, "slots");
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
@@ -1260,12 +1263,15 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
       }
   });
   auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base);
-  auto h1 = h + rows_linear(o, weights[4]);
+  // a block's output joins the residual stream times residual_scale (Granite's
+  // residual_multiplier: HF multiplies, then adds); 1: added as it is
+  auto scaled = [&](torch::Tensor t) { return residual_scale == 1.0 ? t : t.mul_(residual_scale); };
+  auto h1 = h + scaled(rows_linear(o, weights[4]));
   rms_norm_rows(h1.data_ptr<float>(), norm[5].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
   auto gate = rows_linear(x, weights[6]);
   auto up = rows_linear(x, weights[7]);
   silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
-  return h1 + rows_linear(gate, weights[8]);
+  return h1 + scaled(rows_linear(gate, weights[8]));
 }
 
 // ---- a top-layer draft head's step (hf_selfspec/heads/top.py) ---------------------------
@@ -1675,12 +1681,12 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 // layer keeps the Python loop and 30 argument conversions out of the step.
 torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
-                          torch::Tensor slots, torch::Tensor limit, double eps, double scale, torch::Tensor path,
-                          torch::Tensor base, int64_t start, int64_t end);
+                          torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
+                          torch::Tensor path, torch::Tensor base, int64_t start, int64_t end);
 torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
-                          torch::Tensor slots, torch::Tensor limit, double eps, double scale, torch::Tensor path,
-                          torch::Tensor base, int64_t start, int64_t end) {
+                          torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
+                          torch::Tensor path, torch::Tensor base, int64_t start, int64_t end) {
   TORCH_CHECK(per_layer == 9 || per_layer == 11, "rows_layers: 9 or 11 weights per layer, got ", per_layer);
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
   TORCH_CHECK(layers * per_layer == static_cast<int64_t>(weights.size()),
@@ -1692,7 +1698,7 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
   const auto wtype = weights[1].scalar_type();
   for (int64_t li = start; li < end; ++li) {
     std::vector<torch::Tensor> w(weights.begin() + li * per_layer, weights.begin() + (li + 1) * per_layer);
-    h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, path, base);
+    h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, residual_scale, path, base);
     if (wtype != at::kFloat) h = h.to(wtype).to(at::kFloat);
   }
   return h;

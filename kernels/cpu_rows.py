@@ -215,7 +215,9 @@ def load_rows_attention():
 
 def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
-    eps, scale, path, base) -> h after one Llama/Qwen3 decoder layer` (h, cos, sin float32; the
+    eps, scale, residual_scale, path, base) -> h after one Llama/Qwen3 decoder layer`
+    (residual_scale: each block's output joins the residual stream times it, Granite's
+    residual_multiplier, 1.0 elsewhere; h, cos, sin float32; the
     projections one of float32 / bfloat16 / float16, the norms any of them; the cache float32,
     bfloat16 or float16, written rounded to nearest even; see cpu_rows.cpp), or None when
     this machine cannot build or run it (`build_error()` says why)."""
@@ -225,7 +227,7 @@ def load_rows_layer():
 
 def load_rows_layers():
     """The compiled `rows_layers(h, weights, per_layer, k_cache [L, Hkv, S, d], v_cache,
-    cos, sin, slots, limit, eps, scale, path, base, start, end)`: `rows_layer` for layers
+    cos, sin, slots, limit, eps, scale, residual_scale, path, base, start, end)`: `rows_layer` for layers
     [start, end) in one call (weights: each layer's `per_layer` tensors in turn), or None
     when this machine cannot build or run it."""
     module = _load_module()

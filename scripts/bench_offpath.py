@@ -16,6 +16,7 @@ process: a fresh Python process loads the default model and times its first and 
 smollm3: (not in the default parts) a random-weight model of SmolLM3-3B's shape, fp32 (12 GB;
          --smollm3-layers fewer for a quicker run): as `big`.
 phi3:    (not in the default parts) the same for Phi-3-mini's shape (15 GB; --phi3-layers).
+granite: (not in the default parts) the same for Granite-3.3-2B's shape (10 GB; --granite-layers).
 """
 
 from __future__ import annotations
@@ -118,6 +119,19 @@ def part_phi3(args):
     random_model_run(f"phi3: random Phi-3 ({args.phi3_layers} layers)", Phi3ForCausalLM(config).eval(), args)
 
 
+def part_granite(args):
+    """Granite-3.3-2B's shape (hidden 2048, 40 layers, GQA 32/8, vocab 49159, tied; its four
+    multipliers), random weights: as `smollm3`."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteConfig(vocab_size=49159, hidden_size=2048, intermediate_size=8192,
+                           num_hidden_layers=args.granite_layers, num_attention_heads=32, num_key_value_heads=8,
+                           max_position_embeddings=4096, tie_word_embeddings=True, embedding_multiplier=12.0,
+                           attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)
+    random_model_run(f"granite: random Granite ({args.granite_layers} layers)", GraniteForCausalLM(config).eval(), args)
+
+
 def random_model_run(label, model, args):
     """HF greedy vs assistant="self" (heads=False: prompt lookup) on a random-weight model:
     resident memory the engine adds, first / second / third call, identical outputs."""
@@ -175,9 +189,10 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3")
+    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite")
     ap.add_argument("--smollm3-layers", type=int, default=36)
     ap.add_argument("--phi3-layers", type=int, default=32)
+    ap.add_argument("--granite-layers", type=int, default=40)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -185,7 +200,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for part in args.parts.split(","):
         {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3,
-         "phi3": part_phi3}[part](args)
+         "phi3": part_phi3, "granite": part_granite}[part](args)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,13 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                vocab: int = 256, hidden: int = 128, tie: bool = False):
     """A random-weight causal LM small enough for exhaustive tests: kind "llama", "qwen3"
     (q/k norms), "qwen2" (q/k/v biases), "llama_bias" (attention_bias and mlp_bias) or
-    "smollm3" (layers 1 and 3 without RoPE) or "phi3" (fused q/k/v and gate/up projections).
+    "smollm3" (layers 1 and 3 without RoPE), "phi3" (fused q/k/v and gate/up projections) or
+    "granite" (embedding, attention, residual and logits multipliers, Granite 3's values).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Phi3Config,
@@ -50,6 +53,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layer_interval=2, **common))
     elif kind == "phi3":
         model = Phi3ForCausalLM(Phi3Config(**common))
+    elif kind == "granite":
+        model = GraniteForCausalLM(GraniteConfig(embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                                 residual_multiplier=0.22, logits_scaling=8.0, **common))
     elif kind == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     else:

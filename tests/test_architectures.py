@@ -102,6 +102,9 @@ SUPPORTED = {
     # q/k/v and gate/up fused in one weight each: the engine reads their row ranges
     "phi3-fused-projections": dict(arch="Phi3"),
     "phi3-mha-longrope": dict(arch="Phi3", num_key_value_heads=4, **longrope()),
+    # embedding, attention, residual and logits multipliers (Granite 3's values)
+    "granite-multipliers": dict(arch="Granite", embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                residual_multiplier=0.22, logits_scaling=8.0),
 }
 
 
@@ -179,7 +182,6 @@ def test_a_window_in_some_layers_refused_at_attach(arch, overrides):
     ("Gemma", dict(head_dim=16), "gemma"),
     # a window shorter than the context: the architecture is named, not the window
     ("Gemma2", dict(head_dim=16, sliding_window=16), "gemma2"),
-    ("Granite", {}, "granite"),
     ("Olmo2", {}, "olmo2"),
     ("Mixtral", dict(sliding_window=16), "mixtral"),
 ]])

@@ -27,9 +27,10 @@ def prompt(seed=0, length=30, alphabet=24):
     return torch.randint(3, alphabet, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "granite"])
 def pair(request, tmp_path_factory):
-    """(stock HF model, the same weights with heads attached from a saved folder)."""
+    """(stock HF model, the same weights with heads attached from a saved folder; Granite:
+    its logits are divided by logits_scaling, which the scores and logits compared here show)."""
     ref = tiny_model(request.param, seed=1, layers=4)
     model = tiny_model(request.param, seed=1, layers=4)
     folder = tmp_path_factory.mktemp("heads")
@@ -191,7 +192,7 @@ def _any_model(kind, seed):
     return _mistral(None, seed) if kind == "mistral" else tiny_model(kind, seed=seed, layers=4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite"])
 def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(kind, tmp_path):
     """attach_heads(model) / from_pretrained(path) without heads on a model the shipped heads
     are not for: exact prompt lookup, one warning that says how to get heads."""

@@ -367,13 +367,14 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, d
     ang = pos[:, None].float() * inv[None]
     ang = torch.cat([ang, ang], -1)
     return dict(h=h, weights=w, k_cache=k_cache, v_cache=v_cache, cos=ang.cos(), sin=ang.sin(),
-                slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, path=NO_PATH, base=NO_BASE)
+                slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, residual_scale=1.0, path=NO_PATH,
+                base=NO_BASE)
 
 
 def _call(layer, case, **changes):
     c = {**case, **changes}
     return layer(c["h"], c["weights"], c["k_cache"], c["v_cache"], c["cos"], c["sin"], c["slots"],
-                 c["limit"], c["eps"], c["scale"], c["path"], c["base"])
+                 c["limit"], c["eps"], c["scale"], c["residual_scale"], c["path"], c["base"])
 
 
 def _layer_reference(case):
@@ -403,9 +404,9 @@ def _layer_reference(case):
         kc[:, c["slots"][r]] = k[r].float().to(c["k_cache"].dtype).double()
         vc[:, c["slots"][r]] = v[r].float().to(c["v_cache"].dtype).double()
     o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"], c["base"])
-    h1 = h + o @ W[4].T
+    h1 = h + (o @ W[4].T) * c["residual_scale"]
     x = rms(h1, W[5])
-    return h1 + (F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T
+    return h1 + ((F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T) * c["residual_scale"]
 
 
 LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d 12 and 64
@@ -417,9 +418,11 @@ LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cache_dtype", DTYPES, ids=str)
-def test_layer_matches_float64_reference(layer, shape, dtype, cache_dtype):
+@pytest.mark.parametrize("residual_scale", [1.0, 0.22])  # 0.22: Granite's residual_multiplier
+def test_layer_matches_float64_reference(layer, shape, dtype, cache_dtype, residual_scale):
     gen = torch.Generator().manual_seed(11)
     case = _layer_case(gen, R=5, dtype=dtype, cache_dtype=cache_dtype, **shape)
+    case["residual_scale"] = residual_scale
     k0 = case["k_cache"].clone()
     out = _call(layer, case)
     assert out.dtype == torch.float32 and out.shape == case["h"].shape
@@ -473,7 +476,8 @@ def test_all_layers_in_one_call_equal_one_call_per_layer(layer, dtype):
     k_all = torch.stack([c["k_cache"] for c in cases])
     v_all = torch.stack([c["v_cache"] for c in cases])
     c0 = cases[0]
-    args = (c0["cos"], c0["sin"], c0["slots"], c0["limit"], c0["eps"], c0["scale"], c0["path"], c0["base"])
+    args = (c0["cos"], c0["sin"], c0["slots"], c0["limit"], c0["eps"], c0["scale"], c0["residual_scale"], c0["path"],
+            c0["base"])
     h = c0["h"]
     k_ref, v_ref = k_all.clone(), v_all.clone()
     expected = h
@@ -536,6 +540,7 @@ def test_layer_bad_arguments_are_refused_before_any_write(layer):
         (dict(eps=float("nan")), "eps must be finite"),
         (dict(eps=-1.0), "eps must be finite and >= 0"),
         (dict(scale=float("inf")), "scale must be finite"),
+        (dict(residual_scale=float("nan")), "residual_scale must be finite"),
     ]
     for changes, words in cases:
         with pytest.raises(RuntimeError, match=words):

@@ -4,7 +4,8 @@ The view holds references to the HF model's own parameters (never copies) and th
 maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
 so the engine can run any row range through any layer range. Supported: Llama, Mistral,
 Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
-q/k/v and gate/up projections, read as row ranges); GQA, MQA and MHA; tied or untied LM head; linear
+q/k/v and gate/up projections, read as row ranges), Granite (embedding, attention, residual
+and logits multipliers); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite")
 # HF's ACT2FN names of the gated MLP's activation that are SiLU
 SILU_NAMES = ("silu", "swish")
 
@@ -173,7 +174,14 @@ class LayeredModel:
         self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.scaling = self.head_dim**-0.5
+        # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model): the
+        # embedding rows are scaled, attention scores scaled by attention_multiplier, each
+        # block's output joins the residual stream scaled, the logits divided
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
+        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
+        attention_multiplier = getattr(config, "attention_multiplier", None)
+        self.scaling = self.head_dim**-0.5 if attention_multiplier is None else float(attention_multiplier)
         self.layers = [self._layer(layer) for layer in inner.layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
@@ -318,9 +326,18 @@ class LayeredModel:
     # ---- maths on a block of rows -------------------------------------------------------
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [W] -> hidden [W, H]."""
-        return F.embedding(token_ids, self.embed)
+        """token_ids [W] -> hidden [W, H] (times embedding_multiplier, as HF's model)."""
+        rows = F.embedding(token_ids, self.embed)
+        return rows if self.embedding_multiplier == 1.0 else rows * self.embedding_multiplier
+
+    def residual(self, block_output: torch.Tensor) -> torch.Tensor:
+        """A block's output as it joins the residual stream (times residual_multiplier)."""
+        return block_output if self.residual_multiplier == 1.0 else block_output * self.residual_multiplier
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output as HF's model returns it (divided by logits_scaling)."""
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [W, H] after the last layer -> logits [W, V]."""
-        return self.lm_head(rms_norm(hidden, self.final_norm, self.eps))
+        return self.scale_logits(self.lm_head(rms_norm(hidden, self.final_norm, self.eps)))

@@ -223,6 +223,10 @@ class Engine:
         head = self.view.lm_head
         if self.layout.kernel_layers is None or screen_refusal(head.weight, head.bias) is not None:
             return
+        if self.view.logits_scaling != 1.0:
+            # the argmax of the scaled logits: dividing can round two logits to one value,
+            # where HF's argmax takes the lower id; the screen ranks the unscaled ones
+            return
         kernel = load_rows_screen()
         if kernel is None:
             return
@@ -483,8 +487,8 @@ class Engine:
             for lo, hi, rotary in self._rope_runs(start, end):  # one call unless layers skip RoPE
                 c, s = (cos, sin) if rotary else self._no_rotation(n, torch.float32)
                 h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
-                                              self.v_cache, c, s, slots, limits, v.eps, v.scaling, meta.path,
-                                              meta.base, lo, hi)
+                                              self.v_cache, c, s, slots, limits, v.eps, v.scaling,
+                                              v.residual_multiplier, meta.path, meta.base, lo, hi)
             return h.to(dtype)
         lin = self.layout.linear
         h = self._pad(h, R)
@@ -505,9 +509,9 @@ class Engine:
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = attend(q, li)  # [R, Hq*d] in h's dtype
-            h = h + lin(o, lw.o)
+            h = h + v.residual(lin(o, lw.o))
             x = rms_norm(h, lw.post_norm, v.eps)
-            h = h + self._mlp(x, lw)
+            h = h + v.residual(self._mlp(x, lw))
         return h[:n]
 
     def _rope_runs(self, start: int, end: int) -> list[tuple[int, int, bool]]:
@@ -573,8 +577,8 @@ class Engine:
             q, k, val = self._qkv(x, lw, R)
             q = rope_kv_write(q, k, val, cos, sin, slots, self.k_cache[li], self.v_cache[li])  # [R, Hq, d]
             o = attend(q.transpose(0, 1), li)  # [R, Hq*d]
-            h, x = add_rms_norm(h, lw.post_norm, v.eps, lin(o, lw.o))
-            pending = self._mlp(x, lw)
+            h, x = add_rms_norm(h, lw.post_norm, v.eps, v.residual(lin(o, lw.o)))
+            pending = v.residual(self._mlp(x, lw))
         return h if pending is None else h + pending
 
     def logits(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -583,7 +587,7 @@ class Engine:
         v = self.view
         n = h.shape[0]
         x = rms_norm(self._pad(h, self.layout.rows(n)), v.final_norm, v.eps)
-        return self.layout.linear(x, v.lm_head)[:n], x[:n]
+        return v.scale_logits(self.layout.linear(x, v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """`logits` for a step that needs only each row's argmax: -> (None, argmax [n],
@@ -740,7 +744,7 @@ class Engine:
             self.k_cache[li, :, base:base + n] = layer.keys[0]
             self.v_cache[li, :, base:base + n] = layer.values[0]
         last = out.last_hidden_state[0, -1]  # after the final norm
-        return self.view.lm_head(last[None])[0], last
+        return self.view.scale_logits(self.view.lm_head(last[None]))[0], last
 
     def _prefill_engine(self, prompt_ids: Sequence[int], base: int = 0):
         n = len(prompt_ids)
