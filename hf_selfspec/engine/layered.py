@@ -174,14 +174,15 @@ class LayeredModel:
         self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model): the
-        # embedding rows are scaled, attention scores scaled by attention_multiplier, each
-        # block's output joins the residual stream scaled, the logits divided
-        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))
-        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
-        self.logits_scaling = float(getattr(config, "logits_scaling", 1.0))
-        attention_multiplier = getattr(config, "attention_multiplier", None)
-        self.scaling = self.head_dim**-0.5 if attention_multiplier is None else float(attention_multiplier)
+        # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model, whatever
+        # keys its config carries): the embedding rows are scaled, attention scores scaled by
+        # attention_multiplier, each block's output joins the residual stream scaled, the
+        # logits divided
+        granite = config.model_type == "granite"
+        self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
+        self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
+        self.logits_scaling = float(config.logits_scaling) if granite else 1.0
+        self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
