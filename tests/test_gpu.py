@@ -30,8 +30,8 @@ POSITIONS = (0, 63, 255, 256, 300, 700)
 ROWS = (1, 3, 8)
 
 
-def _engine(device, dtype=torch.float32, width=8, capacity=1024) -> Engine:
-    model = tiny_model("llama", seed=0, layers=4, vocab=256, hidden=HIDDEN).to(device, dtype)
+def _engine(device, dtype=torch.float32, width=8, capacity=1024, kind="llama") -> Engine:
+    model = tiny_model(kind, seed=0, layers=4, vocab=256, hidden=HIDDEN).to(device, dtype)
     return Engine(model, EngineConfig(width=width, capacity=capacity, row_layout="fixed"))
 
 
@@ -274,8 +274,9 @@ def test_graph_replay_equals_eager(dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_speculative_equals_ar_on_cuda(dtype):
-    engine = _engine("cuda", dtype)
+@pytest.mark.parametrize("kind", ["llama", "smollm3", "phi3", "granite"])  # unrotated layers, fused weights, multipliers
+def test_speculative_equals_ar_on_cuda(dtype, kind):
+    engine = _engine("cuda", dtype, kind=kind)
     runner = _cuda_runner(engine, runner_keys := [("verify", 0), ("ar",)])
     # every token below 120 is in the prompt: prompt lookup drafts after most tokens
     prompt = list(range(3, 120)) + list(range(3, 40))
