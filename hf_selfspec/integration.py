@@ -38,6 +38,7 @@ from .decoding.sampling import (
     unsupported_processors,
 )
 from .engine import costs
+from .engine.layered import attention_window, served_positions
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .import_hook import after_import
 from .logs import logger
@@ -242,7 +243,7 @@ class SelfSpecState:
         """The draft model's engine, with as many KV slots as the main engine, or as its
         max_position_embeddings allow where those are fewer: a draft model of shorter context
         serves every request that fits it (the request is checked against it up front)."""
-        limit = getattr(draft_model.config, "max_position_embeddings", None) or capacity
+        limit = served_positions(draft_model.config) or capacity
         capacity = min(capacity, limit)
         if self.draft_model is not draft_model or not self._current(self.draft_engine, draft_model):
             self.draft_engine = None  # free the old cache first
@@ -279,7 +280,7 @@ class SelfSpecState:
         warning where they cannot be set up or captured) and eager elsewhere."""
         from .engine.runner import resolve_executor
 
-        limit = getattr(model.config, "max_position_embeddings", None) or need
+        limit = served_positions(model.config) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
         requested = self.engine_config.executor
         executor = resolve_executor(requested, next(model.parameters()).device)
@@ -304,6 +305,15 @@ def _check_positions(model, need: int, whose: str) -> None:
             f"this request needs {need} positions (prompt + max_new_tokens), "
             f"more than {whose} max_position_embeddings ({limit}); shorten the prompt "
             "or lower max_new_tokens"
+        )
+    window = attention_window(model.config)
+    if window is not None and need > window:
+        raise ValueError(
+            f"this request needs {need} positions (prompt + max_new_tokens), more than {whose} "
+            f"sliding window ({window}): up to {window} positions the model attends to every earlier "
+            "token, as hf_selfspec's engine does; past it the model sees only the last "
+            f"{window}, which the engine does not implement. Shorten the prompt or lower "
+            "max_new_tokens, or run this request with plain model.generate() (no assistant='self')"
         )
 
 
@@ -373,7 +383,6 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     _check_attach_arguments(heads, decode, engine)
     # the architecture first: a window is worth mentioning only on a model the engine runs
     LayeredModel.check_supported(model)  # unsupported features or layers fail here, early
-    _check_sliding_window(model)
     if "generate" in model.__dict__:
         raise ValueError(
             "this model instance has its own generate attribute (loaded with a custom_generate "
@@ -385,7 +394,7 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     if decode is None:
         decode = DecodeConfig(lookup="first" if loaded is not None else "only")
     if engine is None:
-        limit = getattr(model.config, "max_position_embeddings", DEFAULT_CAPACITY) or DEFAULT_CAPACITY
+        limit = served_positions(model.config) or DEFAULT_CAPACITY
         engine = EngineConfig(capacity=min(DEFAULT_CAPACITY, limit))
     # validate the pair once, here, with the real heads
     if loaded is not None and decode.lookup != "only" and decode.thresholds is None \
@@ -412,29 +421,6 @@ def _check_attach_arguments(heads, decode, engine) -> None:
         if value is not None and not isinstance(value, cls):
             raise TypeError(f"{name} must be {'an' if cls is EngineConfig else 'a'} {cls.__name__} or None, got {type(value).__name__} {value!r}: "
                             f"pass hf_selfspec.{cls.__name__}(...)")
-
-
-def _check_sliding_window(model) -> None:
-    """Refuse, at attach time, a model whose attention window is shorter than its context:
-    the engine computes full attention, which equals sliding-window attention only while a
-    request fits in the window."""
-    from .engine.layered import attention_window
-
-    config = model.config
-    window = attention_window(config)
-    limit = getattr(config, "max_position_embeddings", None)
-    if window is None or (limit is not None and window >= limit):
-        return  # no layer slides, or no request can exceed the window
-    knob = "use_sliding_window=False" if hasattr(config, "use_sliding_window") else "sliding_window=None"
-    raise ValueError(
-        f"{type(model).__name__} uses sliding-window attention (each token sees the last {window} "
-        f"positions; max_position_embeddings {limit}), which hf_selfspec's engine does not implement. "
-        f"Full attention equals it while prompt + new tokens fit in {window} positions: if your "
-        f"requests always fit, load the model with {knob} (AutoModelForCausalLM.from_pretrained(name, "
-        f"{knob})) and attach again; the output is then this model's greedy output for every request "
-        f"of up to {window} positions (longer ones would attend past the window). Otherwise use plain "
-        "model.generate() for this model"
-    )
 
 
 _WARNED_NO_HEADS: set[str] = set()
@@ -866,7 +852,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # the engine (built on the first call, or rebuilt for a larger request): its build time
     # and step-cost measurement are reported as stats.build_time, not as decoding time
     started, engine_before, draft_before = time.perf_counter(), state.engine, state.draft_engine
-    limit = getattr(model.config, "max_position_embeddings", None) or need + state.engine_config.width
+    limit = served_positions(model.config) or need + state.engine_config.width
     engine = state.engine_for(model, min(need + state.engine_config.width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
     # the attention per row-key: for rows past the measured context, or for any request

@@ -168,14 +168,20 @@ def test_dynamic_rope_after_a_long_hf_call():
 @pytest.mark.parametrize("arch,overrides", [
     ("Qwen2", dict(max_window_layers=1)),  # slides from layer max_window_layers on (layer 1)
     ("SmolLM3", dict(num_hidden_layers=4)),  # slides in its layers without RoPE (layer 3)
-], ids=["qwen2", "smollm3"])
-def test_a_window_in_some_layers_refused_at_attach(arch, overrides):
-    """A window in some layers only: refused, naming its knob (test_integration.py: the
-    Mistral case and the advice that works)."""
-    model = build(arch, use_sliding_window=True, sliding_window=16, **overrides)
-    with pytest.raises(ValueError, match="sliding-window attention.*use_sliding_window=False"):
-        attach_heads(model, heads=False)
-    assert "_selfspec" not in model.__dict__
+    ("Phi3", {}),  # slides in every layer (Phi-3-mini-4k: a window of 2047 in 4096 positions)
+], ids=["qwen2", "smollm3", "phi3"])
+def test_a_window_serves_requests_within_it(arch, overrides):
+    """A window shorter than the context, in some layers or all: requests of up to `window`
+    positions are HF's greedy output (the attention is full there), a longer one is refused
+    before any work, naming the window, and the model is left as it was."""
+    model = build(arch, use_sliding_window=True, sliding_window=32, **overrides)
+    within, beyond = prompts(12, 13)  # + NEW = 32 and 33 positions
+    expected = hf_greedy(model, within)
+    attach_heads(model, heads=False)
+    assert self_greedy(model, [within]) == [expected]
+    with pytest.raises(ValueError, match=r"needs 33 positions.*sliding window \(32\)"):
+        self_greedy(model, [beyond])
+    assert self_greedy(model, [within]) == [expected]
 
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [

@@ -311,28 +311,37 @@ def _mistral(window, seed=0):
     return MistralForCausalLM(config).eval()
 
 
-def test_sliding_window_refused_at_attach_with_advice_that_works():
-    """A window shorter than the context is refused at attach; the advice given (load with
-    sliding_window=None) attaches and gives the windowed model's own greedy output for a
-    request that fits in the window."""
+def test_a_sliding_window_model_serves_requests_within_its_window():
+    """A window shorter than the context: a request of up to `window` positions is the
+    windowed model's own greedy output (its attention is full there, as the engine's); a
+    longer one is refused before any work, naming the window and plain generate(), which
+    still serves it. A Qwen2 window in some layers alike; a window as long as the context
+    never binds."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    windowed = _mistral(16)
-    with pytest.raises(ValueError, match=r"sliding-window attention.*sliding_window=None"):
-        attach_heads(windowed, heads=False)
-    assert not hasattr(windowed, "_selfspec")
-    full = _mistral(None)
-    full.load_state_dict(windowed.state_dict())
-    attach_heads(full, heads=False)
+    windowed, reference = _mistral(16), _mistral(16)
+    reference.load_state_dict(windowed.state_dict())
+    attach_heads(windowed, heads=False)
     ids = prompt(14, length=6)
-    expected = windowed.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **GREEDY)
-    assert torch.equal(full.generate(ids, max_new_tokens=10, assistant="self", **GREEDY), expected)
+    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **GREEDY)
+    assert torch.equal(windowed.generate(ids, max_new_tokens=10, assistant="self", **GREEDY), expected)
+    with pytest.raises(ValueError, match=r"needs 17 positions.*sliding window \(16\).*plain model.generate"):
+        windowed.generate(ids, max_new_tokens=11, assistant="self", **GREEDY)
+    longer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=11, **GREEDY)
+    assert torch.equal(windowed.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=11, **GREEDY),
+                       longer)
 
-    qwen2 = Qwen2ForCausalLM(Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_window_layers=0,
-                                         use_sliding_window=True, sliding_window=32))
-    with pytest.raises(ValueError, match="use_sliding_window=False"):
-        attach_heads(qwen2, heads=False)
+    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_window_layers=1, use_sliding_window=True, sliding_window=32)
+    torch.manual_seed(3)
+    qwen2, stock = Qwen2ForCausalLM(Qwen2Config(**config)).eval(), Qwen2ForCausalLM(Qwen2Config(**config)).eval()
+    stock.load_state_dict(qwen2.state_dict())
+    attach_heads(qwen2, heads=False)
+    ids = prompt(15, length=12)
+    expected = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, **GREEDY)
+    assert torch.equal(qwen2.generate(ids, max_new_tokens=20, assistant="self", **GREEDY), expected)
+    with pytest.raises(ValueError, match=r"sliding window \(32\)"):
+        qwen2.generate(ids, max_new_tokens=21, assistant="self", **GREEDY)
     long_window = _mistral(None)
     long_window.config.sliding_window = 2048  # as long as the context: it never binds
     attach_heads(long_window, heads=False)

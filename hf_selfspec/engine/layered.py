@@ -110,6 +110,18 @@ def attention_window(config) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
+def served_positions(config) -> int | None:
+    """The most positions a request may reach in the engine and get the model's own
+    attention: max_position_embeddings, and where a layer slides, at most its window (HF's
+    sliding window lets query position q see keys q - window < j <= q: every key while q is
+    below the window, so the engine's full attention is the model's there). None: no limit."""
+    limit = getattr(config, "max_position_embeddings", None) or None
+    window = attention_window(config)
+    if window is None:
+        return limit
+    return window if limit is None else min(limit, window)
+
+
 def rope_type(config) -> str:
     """The RoPE variant of the config ("default", "linear", "dynamic", "longrope", ...)."""
     params = getattr(config, "rope_parameters", None) or {}
@@ -235,19 +247,14 @@ class LayeredModel:
 
     @staticmethod
     def _table_positions(config, max_positions: int) -> int:
-        """At most max_position_embeddings positions: no request reaches past them (generate()
-        refuses such a request), and there "dynamic" RoPE would rescale HF's rotary module."""
-        limit = getattr(config, "max_position_embeddings", None)
+        """At most `served_positions`: no request reaches past them (generate() refuses such
+        a request), past max_position_embeddings "dynamic" RoPE would rescale HF's rotary
+        module, and past a sliding window the model's attention is no longer full."""
+        limit = served_positions(config)
         return min(max_positions, limit) if limit else max_positions
 
     @staticmethod
     def _check_features(config, max_positions: int) -> None:
-        window = attention_window(config)
-        if window is not None and window < max_positions:
-            raise UnsupportedModelError(
-                f"sliding-window attention (window {window}) is not implemented by the engine; "
-                f"use a capacity <= {window} or plain model.generate()."
-            )
         quantization = getattr(config, "quantization_config", None)
         if quantization:  # attach_heads calls this before the model's modules are looked at
             method = quantization.get("quant_method") if isinstance(quantization, dict) \
