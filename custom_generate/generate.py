@@ -2,8 +2,8 @@
 
 Two ways to use it, as the transformers docs describe:
 
-    # 1. any Llama / Mistral / Qwen2 / Qwen3 model, with this repo (or a local folder that
-    #    holds custom_generate/generate.py) as the generation method
+    # 1. any Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Granite model, with this
+    #    repo (or a local folder that holds custom_generate/generate.py) as the generation method
     out = model.generate(**inputs, custom_generate="<repo id or folder>", trust_remote_code=True)
 
     # 2. a model repo that carries this custom_generate/ folder: loading it with
