@@ -1115,19 +1115,21 @@ void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* 
   }
 }
 
-// x [R, heads, d] in place: x * cos + rotate_half(x) * sin, cos/sin [R, d]
+// x [R, heads, d] in place: x * cos + rotate_half(x) * sin on each head's first `rot`
+// dimensions, cos/sin [R, rot]; the other d - rot pass unchanged (partial rotary, as HF
+// rotates x[..., :rot] and concatenates the rest: Phi-4-mini's partial_rotary_factor)
 void rope_rows(float* __restrict x, const float* __restrict cos, const float* __restrict sin, int64_t rows,
-               int64_t heads, int64_t d) {
-  const int64_t half = d / 2;
+               int64_t heads, int64_t d, int64_t rot) {
+  const int64_t half = rot / 2;
   alignas(32) float t[kMaxHeadDim];
   for (int64_t r = 0; r < rows; ++r) {
-    const float* c = cos + r * d;
-    const float* s = sin + r * d;
+    const float* c = cos + r * rot;
+    const float* s = sin + r * rot;
     for (int64_t h = 0; h < heads; ++h) {
       float* xh = x + (r * heads + h) * d;
       for (int64_t i = 0; i < half; ++i) t[i] = xh[i] * c[i] + (-xh[i + half]) * s[i];
-      for (int64_t i = half; i < d; ++i) t[i] = xh[i] * c[i] + xh[i - half] * s[i];
-      for (int64_t i = 0; i < d; ++i) xh[i] = t[i];
+      for (int64_t i = half; i < rot; ++i) t[i] = xh[i] * c[i] + xh[i - half] * s[i];
+      for (int64_t i = 0; i < rot; ++i) xh[i] = t[i];
     }
   }
 }
@@ -1219,11 +1221,13 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
     TORCH_CHECK(weights[i].sizes() == c10::IntArrayRef(shapes[i]), "rows_layer: the ", names[i],
                 " weight must be ", c10::IntArrayRef(shapes[i]), " (H = ", H, ", Hq = ", Hq, ", Hkv = ", Hkv,
                 ", d = ", d, ", I = ", I, "), got ", weights[i].sizes());
+  // cos/sin [R, rot]: RoPE on each head's first rot dimensions (rot = d: all of them)
+  const int64_t rot = cos.defined() && cos.dim() == 2 ? cos.size(1) : -1;
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->defined() && t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                t->dim() == 2 && t->size(0) == R && t->size(1) == d,
-                "rows_layer: cos/sin must be [R, d] = [", R, ", ", d, "] float32 contiguous on the CPU, got ",
-                t->scalar_type(), " ", t->sizes());
+                t->dim() == 2 && t->size(0) == R && t->size(1) == rot && rot >= 2 && rot <= d && rot % 2 == 0,
+                "rows_layer: cos/sin must be [R, rot] = [", R, ", rot] float32 contiguous on the CPU with rot even "
+                "and <= d = ", d, " (the rotated dimensions), got ", t->scalar_type(), " ", t->sizes());
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rows_layer: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK(std::isfinite(scale), "rows_layer: scale must be finite, got ", scale);
   TORCH_CHECK(std::isfinite(residual_scale), "rows_layer: residual_scale must be finite, got ", residual_scale);
@@ -1248,8 +1252,8 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
     rms_norm_rows(q.data_ptr<float>(), norm[9].data_ptr<float>(), q.data_ptr<float>(), R * Hq, d, e);
     rms_norm_rows(k.data_ptr<float>(), norm[10].data_ptr<float>(), k.data_ptr<float>(), R * Hkv, d, e);
   }
-  rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d);
-  rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d);
+  rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d, rot);
+  rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d, rot);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   by_dtype(k_cache.scalar_type(), [&](auto tag) {

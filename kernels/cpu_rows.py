@@ -217,7 +217,8 @@ def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
     eps, scale, residual_scale, path, base) -> h after one Llama/Qwen3 decoder layer`
     (residual_scale: each block's output joins the residual stream times it, Granite's
-    residual_multiplier, 1.0 elsewhere; h, cos, sin float32; the
+    residual_multiplier, 1.0 elsewhere; cos, sin [R, rot]: RoPE on each head's first rot
+    dimensions, rot = head_dim but for partial rotary; h, cos, sin float32; the
     projections one of float32 / bfloat16 / float16, the norms any of them; the cache float32,
     bfloat16 or float16, written rounded to nearest even; see cpu_rows.cpp), or None when
     this machine cannot build or run it (`build_error()` says why)."""

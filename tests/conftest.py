@@ -19,7 +19,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                vocab: int = 256, hidden: int = 128, tie: bool = False):
     """A random-weight causal LM small enough for exhaustive tests: kind "llama", "qwen3"
     (q/k norms), "qwen2" (q/k/v biases), "llama_bias" (attention_bias and mlp_bias) or
-    "smollm3" (layers 1 and 3 without RoPE), "phi3" (fused q/k/v and gate/up projections) or
+    "smollm3" (layers 1 and 3 without RoPE), "phi3" (fused q/k/v and gate/up projections),
+    "phi3_partial" (the same, RoPE on half of each head's dimensions) or
     "granite" (embedding, attention, residual and logits multipliers, Granite 3's values).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
@@ -53,6 +54,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         model = SmolLM3ForCausalLM(SmolLM3Config(no_rope_layer_interval=2, **common))
     elif kind == "phi3":
         model = Phi3ForCausalLM(Phi3Config(**common))
+    elif kind == "phi3_partial":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        model = Phi3ForCausalLM(Phi3Config(rope_parameters=rope, **common))
     elif kind == "granite":
         model = GraniteForCausalLM(GraniteConfig(embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                                  residual_multiplier=0.22, logits_scaling=8.0, **common))

@@ -388,10 +388,11 @@ def _layer_reference(case):
     def rms(x, g):
         return g * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
 
-    def rope(t):
-        half = d // 2
-        rot = torch.cat([-t[..., half:], t[..., :half]], -1)
-        return t * c["cos"].double()[:, None] + rot * c["sin"].double()[:, None]
+    def rope(t):  # on the first cos.shape[-1] dimensions of each head (partial rotary)
+        r = c["cos"].shape[-1]
+        turned, half = t[..., :r], r // 2
+        rot = torch.cat([-turned[..., half:], turned[..., :half]], -1)
+        return torch.cat([turned * c["cos"].double()[:, None] + rot * c["sin"].double()[:, None], t[..., r:]], -1)
 
     h = c["h"].double()
     x = rms(h, W[0])
@@ -429,6 +430,23 @@ def test_layer_matches_float64_reference(layer, shape, dtype, cache_dtype, resid
     ref = _layer_reference({**case, "k_cache": k0, "v_cache": case["v_cache"]})
     tol = 1e-4 if cache_dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+def test_layer_partial_rotary_matches_float64_reference(layer, shape):
+    """cos/sin narrower than the head (partial rotary): RoPE on each head's first rot
+    dimensions, the rest as they are; a row still equals itself alone."""
+    gen = torch.Generator().manual_seed(13)
+    case = _layer_case(gen, R=5, **shape)
+    rot = shape["d"] // 2 if shape["d"] % 4 == 0 else shape["d"] - 2
+    case["cos"], case["sin"] = case["cos"][:, :rot].contiguous(), case["sin"][:, :rot].contiguous()
+    k0, v0 = case["k_cache"].clone(), case["v_cache"].clone()
+    out = _call(layer, case)
+    ref = _layer_reference({**case, "k_cache": k0, "v_cache": v0})
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    alone = _call(layer, case, h=case["h"][2:3], cos=case["cos"][2:3], sin=case["sin"][2:3],
+                  slots=case["slots"][2:3], limit=case["limit"][2:3])
+    assert torch.equal(alone[0], out[2])
 
 
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
@@ -528,8 +546,9 @@ def test_layer_bad_arguments_are_refused_before_any_write(layer):
          "even head_dim"),
         (dict(v_cache=case["v_cache"][:, :5].contiguous()), "both be \\[Hkv, S, d\\]"),
         (dict(k_cache=case["k_cache"][:0], v_cache=case["v_cache"][:0]), "empty cache"),
-        (dict(cos=case["cos"][:1]), "cos/sin must be \\[R, d\\]"),
-        (dict(sin=case["sin"][:, :6].contiguous()), "cos/sin must be \\[R, d\\]"),
+        (dict(cos=case["cos"][:1]), "cos/sin must be \\[R, rot\\]"),
+        (dict(sin=case["sin"][:, :6].contiguous()), "cos/sin must be \\[R, rot\\]"),
+        (dict(cos=case["cos"][:, :5].contiguous(), sin=case["sin"][:, :5].contiguous()), "rot even"),
         (dict(sin=case["sin"].double()), "cos/sin must be"),
         (dict(slots=torch.tensor([20, 40])), "slot is outside the cache"),
         (dict(slots=torch.tensor([-1, 21])), "slot is outside the cache"),

@@ -4,8 +4,8 @@ The view holds references to the HF model's own parameters (never copies) and th
 maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
 so the engine can run any row range through any layer range. Supported: Llama, Mistral,
 Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
-q/k/v and gate/up projections, read as row ranges), Granite (embedding, attention, residual
-and logits multipliers); GQA, MQA and MHA; tied or untied LM head; linear
+q/k/v and gate/up projections, read as row ranges; partial rotary), Granite (embedding,
+attention, residual and logits multipliers); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
@@ -72,13 +72,6 @@ def _projection_names(module, fused) -> tuple[str, ...]:
     it has the fused projection, else the separate ones."""
     name, separate, together = fused
     return together if hasattr(module, name) else separate
-
-
-def rotary_fraction(config) -> float:
-    """The fraction of each head's dimensions RoPE rotates (partial_rotary_factor; 1.0: all)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    value = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    return 1.0 if value is None else float(value)
 
 
 def _check_plain_linear(name: str, module) -> None:
@@ -163,6 +156,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over x's last dimension, or where the tables are
+    narrower (partial rotary: Phi-4-mini's partial_rotary_factor) over its first
+    cos.shape[-1] dimensions, the rest unchanged, as HF's apply_rotary_pos_emb."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned = x[..., :rot]
+    return torch.cat((turned * cos + rotate_half(turned) * sin, x[..., rot:]), dim=-1)
 
 
 class LayeredModel:
@@ -263,11 +267,6 @@ class LayeredModel:
                 f"this model is quantized (quantization_config: {method}); the engine runs "
                 "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
-        if rotary_fraction(config) != 1.0:
-            raise UnsupportedModelError(
-                f"partial_rotary_factor={rotary_fraction(config)}: the engine rotates every dimension of "
-                "a head (partial rotary embeddings are not implemented); use plain model.generate() "
-                "for this model")
         act = getattr(config, "hidden_act", "silu")
         if act not in SILU_NAMES:
             raise UnsupportedModelError(

@@ -46,7 +46,7 @@ from . import costs
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import LayeredModel, check_engine_prefill, rms_norm, rotate_half
+from .layered import LayeredModel, apply_rope, check_engine_prefill, rms_norm
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -494,7 +494,7 @@ class Engine:
         h = self._pad(h, R)
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
-        if self.fused_small_ops:
+        if self.fused_small_ops and v.cos.shape[-1] == v.head_dim:  # the Triton RoPE rotates all of d
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
@@ -504,8 +504,8 @@ class Engine:
             q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = attend(q, li)  # [R, Hq*d] in h's dtype
@@ -527,7 +527,7 @@ class Engine:
         return runs
 
     def _no_rotation(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos = 1, sin = 0 for `rows` rows: q cos + rotate_half(q) sin is q bit for bit (a
+        """cos = 1, sin = 0 for `rows` rows: apply_rope(q, cos, sin) is q bit for bit (a
         zero may change sign), so a layer without RoPE runs the same programs as the others."""
         table = self._identity_rope.get(dtype)
         if table is None or table[0].shape[0] < rows:  # made at build for the widest step
