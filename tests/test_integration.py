@@ -311,6 +311,20 @@ def _mistral(window, seed=0):
     return MistralForCausalLM(config).eval()
 
 
+def _serves_within_window(windowed, stock, ids, fits: int, window: int) -> None:
+    """`windowed` (attached) equals `stock` (the same weights, plain HF) for `fits` new tokens
+    (prompt + fits = window positions); one token more is refused, naming the window, and
+    plain generate() still serves it."""
+    stock.load_state_dict(windowed.state_dict())
+    expected = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=fits, **GREEDY)
+    assert torch.equal(windowed.generate(ids, max_new_tokens=fits, assistant="self", **GREEDY), expected)
+    with pytest.raises(ValueError, match=rf"needs {window + 1} positions.*sliding window \({window}\).*plain model"):
+        windowed.generate(ids, max_new_tokens=fits + 1, assistant="self", **GREEDY)
+    longer = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=fits + 1, **GREEDY)
+    assert torch.equal(windowed.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=fits + 1,
+                                         **GREEDY), longer)
+
+
 def test_a_sliding_window_model_serves_requests_within_its_window():
     """A window shorter than the context: a request of up to `window` positions is the
     windowed model's own greedy output (its attention is full there, as the engine's); a
@@ -319,29 +333,17 @@ def test_a_sliding_window_model_serves_requests_within_its_window():
     never binds."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    windowed, reference = _mistral(16), _mistral(16)
-    reference.load_state_dict(windowed.state_dict())
+    windowed = _mistral(16)
     attach_heads(windowed, heads=False)
-    ids = prompt(14, length=6)
-    expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, **GREEDY)
-    assert torch.equal(windowed.generate(ids, max_new_tokens=10, assistant="self", **GREEDY), expected)
-    with pytest.raises(ValueError, match=r"needs 17 positions.*sliding window \(16\).*plain model.generate"):
-        windowed.generate(ids, max_new_tokens=11, assistant="self", **GREEDY)
-    longer = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=11, **GREEDY)
-    assert torch.equal(windowed.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=11, **GREEDY),
-                       longer)
+    _serves_within_window(windowed, _mistral(16), prompt(14, length=6), fits=10, window=16)
 
-    config = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_window_layers=1, use_sliding_window=True, sliding_window=32)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_window_layers=1,
+                         use_sliding_window=True, sliding_window=32)
     torch.manual_seed(3)
-    qwen2, stock = Qwen2ForCausalLM(Qwen2Config(**config)).eval(), Qwen2ForCausalLM(Qwen2Config(**config)).eval()
-    stock.load_state_dict(qwen2.state_dict())
+    qwen2 = Qwen2ForCausalLM(config).eval()
     attach_heads(qwen2, heads=False)
-    ids = prompt(15, length=12)
-    expected = stock.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, **GREEDY)
-    assert torch.equal(qwen2.generate(ids, max_new_tokens=20, assistant="self", **GREEDY), expected)
-    with pytest.raises(ValueError, match=r"sliding window \(32\)"):
-        qwen2.generate(ids, max_new_tokens=21, assistant="self", **GREEDY)
+    _serves_within_window(qwen2, Qwen2ForCausalLM(config).eval(), prompt(15, length=12), fits=20, window=32)
     long_window = _mistral(None)
     long_window.config.sliding_window = 2048  # as long as the context: it never binds
     attach_heads(long_window, heads=False)
