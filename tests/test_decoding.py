@@ -99,6 +99,21 @@ def test_speculative_equals_engine_ar(setup, case):
         assert stats.drafted > 0 and stats.head_evaluations > 0
 
 
+@pytest.mark.parametrize("kind", ["granite", "smollm3"])
+def test_exit_heads_on_llama_variants_equal_hf_greedy(kind):
+    """Exit heads' rows start from the embedding as the model's own (Granite: times its
+    embedding_multiplier) and climb layers with and without RoPE (SmolLM3): the output is
+    HF's greedy output, with drafts from every head."""
+    model = tiny_model(kind, seed=0, layers=4)
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
+    decoder = SelfSpecDecoder(engine, random_heads(model, [1, 3]), DecodeConfig(**CASES["always_draft"]))
+    for seed, (length, alphabet) in enumerate([(13, 256), (40, 12)]):
+        p = prompt(seed, length, alphabet)
+        result = decoder.generate(p, 32)
+        assert result.tokens == hf_greedy(model, p, 32), seed
+        assert result.stats.drafted > 0
+
+
 @pytest.mark.parametrize("lookup", ["off", "first"])
 @pytest.mark.parametrize("thresholds", [(ALWAYS, ALWAYS), (ALWAYS, NEVER), (NEVER, NEVER)])
 def test_top_draft_heads_equal_engine_ar(setup, lookup, thresholds):

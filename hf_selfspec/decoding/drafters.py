@@ -132,15 +132,14 @@ class PartialRows:
         self.tokens = [first_token]
         self.hidden = torch.zeros(engine.width, engine.view.hidden_size, dtype=engine.view.dtype,
                                   device=engine.view.device)
-        self.hidden[0] = engine.view.embed_rows(torch.tensor([first_token], device=engine.view.device))[0]
+        self.hidden[0] = engine.view.embed_row(first_token)
         self.depth = [0]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, token: int) -> None:
-        self.hidden[len(self.tokens)] = self.engine.view.embed_rows(
-            torch.tensor([token], device=self.engine.view.device))[0]
+        self.hidden[len(self.tokens)] = self.engine.view.embed_row(token)
         self.tokens.append(token)
         self.depth.append(0)
 

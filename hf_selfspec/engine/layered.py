@@ -337,6 +337,11 @@ class LayeredModel:
         rows = F.embedding(token_ids, self.embed)
         return rows if self.embedding_multiplier == 1.0 else rows * self.embedding_multiplier
 
+    def embed_row(self, token: int) -> torch.Tensor:
+        """One token's hidden row [H], as embed_rows gives it (no index tensor made)."""
+        row = self.embed[token]
+        return row if self.embedding_multiplier == 1.0 else row * self.embedding_multiplier
+
     def residual(self, block_output: torch.Tensor) -> torch.Tensor:
         """A block's output as it joins the residual stream (times residual_multiplier)."""
         return block_output if self.residual_multiplier == 1.0 else block_output * self.residual_multiplier

@@ -162,7 +162,8 @@ class Engine:
         self.meta_rows = max(self.width, -(-self.width // a) * a)
         self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
-        if not all(v.rope_layers):  # made now, not inside a CUDA graph's capture
+        self._all_rotary = all(v.rope_layers)
+        if not self._all_rotary:  # made now, not inside a CUDA graph's capture
             for dtype in {v.cos.dtype, torch.float32}:
                 self._no_rotation(self.meta_rows, dtype)
         # kernel layout: a step's decoder layers in one C++ call (cpu_rows.cpp rows_layers),
@@ -518,6 +519,8 @@ class Engine:
         """Layers [start, end) as maximal runs (lo, hi, rotary) of layers that all rotate q
         and k, or all do not (LayeredModel.rope_layers): one run for most models."""
         flags = self.view.rope_layers
+        if self._all_rotary:  # every model but SmolLM3: no loop over the layers per step
+            return [(start, end, True)]
         runs: list[tuple[int, int, bool]] = []
         for li in range(start, end):
             if runs and runs[-1][2] == flags[li]:
