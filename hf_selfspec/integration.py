@@ -35,6 +35,7 @@ from .decoding.sampling import (
     MIN_LENGTH_PROCESSORS,
     ROW_PROCESSORS,
     RowScorer,
+    row_processors,
     unsupported_processors,
 )
 from .engine import costs
@@ -905,8 +906,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         if b == 0:
             model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
         # HF scores a row with the whole padded row as input_ids: so does the scorer
-        scorer = (RowScorer(logits_processor, padded, engine.view.vocab_size, engine.view.device)
-                  if row_processing else None)
+        scorer = (RowScorer(row_processors(logits_processor, b, batch), padded, engine.view.vocab_size,
+                            engine.view.device) if row_processing else None)
         requests.append(SequenceRequest(p, stop, on_commit, scorer, live))
         stats.append(live)
     wall = time.perf_counter()
@@ -924,8 +925,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
         r.stats.build_time = live.build_time
     if len(results) > 1 and not _pads_stopped_rows(stopping_criteria):
         def decode_more(b, tokens, n):  # row b on from its prompt and `tokens`, for n tokens
-            scorer = (RowScorer(logits_processor, input_ids[b].tolist() + tokens, engine.view.vocab_size,
-                                engine.view.device) if row_processing else None)
+            scorer = (RowScorer(row_processors(logits_processor, b, batch), input_ids[b].tolist() + tokens,
+                                engine.view.vocab_size, engine.view.device) if row_processing else None)
             return decoder.generate(prompts[b] + tokens, n, eos, collect_logits=want_logits, scorer=scorer,
                                     do_sample=bool(gc.do_sample))
         results = _decode_stopped_rows_on(results, decode_more)

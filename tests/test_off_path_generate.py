@@ -89,6 +89,25 @@ def test_batch_rows_stopped_without_eos_decode_on_as_in_hf(pair, monkeypatch):
     assert torch.equal(got.sequences, expected.sequences)
 
 
+def test_repetition_penalty_on_a_left_padded_batch(pair):
+    """HF's repetition penalty holds each batch row's padding length (it does not penalise
+    the pad id there); every row is scored alone here, with its own length: HF's batch
+    output, and each row HF's output for that prompt alone. Found failing once with HF's
+    "Incompatible `prompt_ignore_length` batch size" from deep inside."""
+    ref = pair[0]
+    ids = prompt(6, 14, batch=3)
+    mask = torch.ones_like(ids)
+    mask[0, :5], mask[2, :9] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=16, repetition_penalty=1.4)
+    expected, got = both(pair, ids, **kw)
+    assert torch.equal(got, expected)
+    for b in range(3):
+        alone = ids[b: b + 1, int((mask[b] == 0).sum()):]
+        assert got[b, 14:].tolist() == ref.generate(alone, max_new_tokens=16, repetition_penalty=1.4,
+                                                    **GREEDY)[0, alone.shape[1]:].tolist()
+
+
 class StopRowAtItsToken(StoppingCriteria):
     """Row i stops at its own token tokens[i] (a criterion that indexes the batch's rows)."""
 

@@ -23,6 +23,7 @@ distribution is (tests/test_sampling.py).
 
 from __future__ import annotations
 
+import copy
 from typing import Sequence
 
 import torch
@@ -41,6 +42,21 @@ ROW_PROCESSORS = frozenset({
 })
 # Processors the greedy loop applies itself (EOS masking before min_new_tokens).
 MIN_LENGTH_PROCESSORS = frozenset({"MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor"})
+
+
+def row_processors(processors: Sequence, row: int, batch: int) -> list:
+    """The processors HF built for a batch of `batch` rows, as row `row` alone sees them:
+    the scorer calls them with that row's input_ids only ([1, n]). HF's repetition penalty
+    holds one prompt_ignore_length per batch row (the row's left padding, which it does not
+    penalise); it gets the row's own value, in a shallow copy (the caller's list is untouched)."""
+    rows = []
+    for processor in processors:
+        ignore = getattr(processor, "prompt_ignore_length", None)
+        if isinstance(ignore, torch.Tensor) and ignore.dim() == 1 and ignore.shape[0] == batch and batch > 1:
+            processor = copy.copy(processor)
+            processor.prompt_ignore_length = ignore[row: row + 1]
+        rows.append(processor)
+    return type(processors)(rows)  # a LogitsProcessorList stays one (it is what gets called)
 
 
 def unsupported_processors(processors: Sequence) -> list[str]:
