@@ -1169,9 +1169,12 @@ inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d
 // writes the layer's K and V of row r at slot slots[r] of k_cache / v_cache [Hkv, S, d]
 // (float32, bfloat16 or float16: rounded to nearest even on the write). weights: input norm
 // [H], q [Hq*d, H], k [Hkv*d, H], v [Hkv*d, H], o [H, Hq*d], post norm [H], gate [I, H],
-// up [I, H], down [H, I], then q norm [d] and k norm [d] (Qwen3) or nothing; the seven
-// projections share one dtype (float32, bfloat16 or float16, read as such), the norms any of
-// the three (widened to float32). cos / sin [R, d] float32 at the rows' positions; slots
+// up [I, H], down [H, I]; then (11 or 13) q norm and k norm, each [d] on every head (Qwen3)
+// or [Hq*d] / [Hkv*d] on the whole projection (OLMo 2); then (13) the attention output's
+// norm [H] and the MLP output's norm [H] (OLMo 2 norms the blocks' outputs). A norm given as
+// an empty tensor is not applied (OLMo 2 has no input or post norm). The seven projections
+// share one dtype (float32, bfloat16 or float16, read as such), the norms any of the three
+// (widened to float32). cos / sin [R, d] float32 at the rows' positions; slots
 // int64 [R]; limit int64 [R] the last (logical) key each row sees, path [R, P] its tree slots
 // (see rows_attention; P = 0 for chains), base int64 [R] or [0] the slot of each row's
 // logical key 0 (see rows_attention). All CPU and contiguous, no biases (the caller uses
@@ -1185,8 +1188,8 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
                          torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
                          torch::Tensor base) {
   const char* fn = "rows_layer";
-  TORCH_CHECK(weights.size() == 9 || weights.size() == 11, "rows_layer: 9 weights, or 11 with q/k norms, got ",
-              weights.size());
+  TORCH_CHECK(weights.size() == 9 || weights.size() == 11 || weights.size() == 13,
+              "rows_layer: 9 weights, 11 with q/k norms or 13 with output norms, got ", weights.size());
   TORCH_CHECK(h.defined() && h.device().is_cpu() && h.scalar_type() == at::kFloat && h.dim() == 2 &&
               h.is_contiguous(), "rows_layer: h must be [R, H] float32 contiguous on the CPU");
   const int64_t R = h.size(0), H = h.size(1);
@@ -1195,7 +1198,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), d = k_cache.size(2);
   TORCH_CHECK(d % 2 == 0, "rows_layer: even head_dim <= 256 (RoPE halves), got ", d);
   static const char* names[] = {"input norm", "q", "k", "v", "o", "post norm", "gate", "up", "down", "q norm",
-                                "k norm"};
+                                "k norm", "attention output norm", "MLP output norm"};
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& t = weights[i];
     TORCH_CHECK(t.defined() && t.device().is_cpu(), "rows_layer: the ", names[i], " weight must be a CPU tensor");
@@ -1215,12 +1218,19 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   TORCH_CHECK(weights[6].dim() == 2 && weights[6].size(0) > 0, "rows_layer: the gate weight must be [I, H], got ",
               weights[6].sizes());
   const int64_t I = weights[6].size(0);
+  // q/k norms on each head ([d]) or on the whole projection ([Hq*d], [Hkv*d])
+  const bool whole_qk = weights.size() > 9 && weights[9].dim() == 1 && weights[9].size(0) == Hq * d && Hq > 1;
   const std::vector<std::vector<int64_t>> shapes = {
-      {H}, {Hq * d, H}, {Hkv * d, H}, {Hkv * d, H}, {H, Hq * d}, {H}, {I, H}, {I, H}, {H, I}, {d}, {d}};
+      {H}, {Hq * d, H}, {Hkv * d, H}, {Hkv * d, H}, {H, Hq * d}, {H}, {I, H}, {I, H}, {H, I},
+      {whole_qk ? Hq * d : d}, {whole_qk ? Hkv * d : d}, {H}, {H}};
+  // the norms that may be left out (an empty tensor): q and k norm only together
+  auto absent = [&](size_t i) { return (i == 0 || i == 5 || i >= 9) && weights[i].numel() == 0; };
   for (size_t i = 0; i < weights.size(); ++i)
-    TORCH_CHECK(weights[i].sizes() == c10::IntArrayRef(shapes[i]), "rows_layer: the ", names[i],
-                " weight must be ", c10::IntArrayRef(shapes[i]), " (H = ", H, ", Hq = ", Hq, ", Hkv = ", Hkv,
-                ", d = ", d, ", I = ", I, "), got ", weights[i].sizes());
+    TORCH_CHECK(absent(i) || weights[i].sizes() == c10::IntArrayRef(shapes[i]), "rows_layer: the ", names[i],
+                " weight must be ", c10::IntArrayRef(shapes[i]), (i == 0 || i == 5 || i >= 9 ? " or empty" : ""),
+                " (H = ", H, ", Hq = ", Hq, ", Hkv = ", Hkv, ", d = ", d, ", I = ", I, "), got ", weights[i].sizes());
+  if (weights.size() > 9)
+    TORCH_CHECK(absent(9) == absent(10), "rows_layer: q norm and k norm must both be given or both be empty");
   // cos/sin [R, rot]: RoPE on each head's first rot dimensions (rot = d: all of them)
   const int64_t rot = cos.defined() && cos.dim() == 2 ? cos.size(1) : -1;
   for (const auto* t : {&cos, &sin})
@@ -1238,19 +1248,28 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
                 ", the cache has ", S, " slots");
   check_attention_meta(limit, path, base, R, S, fn);  // before the cache is written
   // norm weights as float32 (a no-op for float32 models)
-  std::vector<torch::Tensor> norm(weights.size());
-  for (int i : {0, 5, 9, 10})
-    if (i < static_cast<int>(weights.size())) norm[i] = weights[i].to(at::kFloat).contiguous();
+  std::vector<torch::Tensor> norm(13);  // by weight index; undefined: not applied (or not given)
+  for (int i : {0, 5, 9, 10, 11, 12})
+    if (i < static_cast<int>(weights.size()) && !absent(i)) norm[i] = weights[i].to(at::kFloat).contiguous();
 
   const float e = static_cast<float>(eps);
-  auto x = torch::empty_like(h);
-  rms_norm_rows(h.data_ptr<float>(), norm[0].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
+  // norm i of the rows of t [R, H] into out (out may be t), where the layer has that norm;
+  // t itself where it has not
+  auto normed = [&](const torch::Tensor& t, int i, const torch::Tensor& out) {
+    if (!norm[i].defined()) return t;
+    rms_norm_rows(t.data_ptr<float>(), norm[i].data_ptr<float>(), out.data_ptr<float>(), R, H, e);
+    return out;
+  };
+  auto buffer = torch::empty_like(h);  // the blocks' normed inputs
+  const auto x = normed(h, 0, buffer);
   auto q = rows_linear(x, weights[1]);  // [R, Hq*d]
   auto k = rows_linear(x, weights[2]);  // [R, Hkv*d]
   auto v = rows_linear(x, weights[3]);
-  if (weights.size() == 11) {  // per-head norms before RoPE
-    rms_norm_rows(q.data_ptr<float>(), norm[9].data_ptr<float>(), q.data_ptr<float>(), R * Hq, d, e);
-    rms_norm_rows(k.data_ptr<float>(), norm[10].data_ptr<float>(), k.data_ptr<float>(), R * Hkv, d, e);
+  if (norm[9].defined()) {  // q/k norms before RoPE, on each head or on the whole projection
+    rms_norm_rows(q.data_ptr<float>(), norm[9].data_ptr<float>(), q.data_ptr<float>(), whole_qk ? R : R * Hq,
+                  whole_qk ? Hq * d : d, e);
+    rms_norm_rows(k.data_ptr<float>(), norm[10].data_ptr<float>(), k.data_ptr<float>(), whole_qk ? R : R * Hkv,
+                  whole_qk ? Hkv * d : d, e);
   }
   rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d, rot);
   rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d, rot);
@@ -1270,12 +1289,14 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   // a block's output joins the residual stream times residual_scale (Granite's
   // residual_multiplier: HF multiplies, then adds); 1: added as it is
   auto scaled = [&](torch::Tensor t) { return residual_scale == 1.0 ? t : t.mul_(residual_scale); };
-  auto h1 = h + scaled(rows_linear(o, weights[4]));
-  rms_norm_rows(h1.data_ptr<float>(), norm[5].data_ptr<float>(), x.data_ptr<float>(), R, H, e);
-  auto gate = rows_linear(x, weights[6]);
-  auto up = rows_linear(x, weights[7]);
+  auto attn_out = rows_linear(o, weights[4]);
+  auto h1 = h + scaled(normed(attn_out, 11, attn_out));
+  const auto x1 = normed(h1, 5, buffer);
+  auto gate = rows_linear(x1, weights[6]);
+  auto up = rows_linear(x1, weights[7]);
   silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
-  return h1 + scaled(rows_linear(gate, weights[8]));
+  auto mlp_out = rows_linear(gate, weights[8]);
+  return h1 + scaled(normed(mlp_out, 12, mlp_out));
 }
 
 // ---- a top-layer draft head's step (hf_selfspec/heads/top.py) ---------------------------
@@ -1678,7 +1699,7 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 // ---- all layers of a step in one call -----------------------------------------------------
 //
 // rows_layer for layers [start, end) in turn: weights holds each layer's `per_layer` tensors
-// (rows_layer's 9 or 11) one layer after another, k_cache / v_cache [L, Hkv, S, d] every
+// (rows_layer's 9, 11 or 13) one layer after another, k_cache / v_cache [L, Hkv, S, d] every
 // layer's cache. With 16-bit projections the residual stream is rounded to their dtype
 // after every layer (as the PyTorch layers in that dtype do), so a row's bits do not depend
 // on how a step's layers are split between calls. One call per step instead of one per
@@ -1691,7 +1712,8 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
                           torch::Tensor path, torch::Tensor base, int64_t start, int64_t end) {
-  TORCH_CHECK(per_layer == 9 || per_layer == 11, "rows_layers: 9 or 11 weights per layer, got ", per_layer);
+  TORCH_CHECK(per_layer == 9 || per_layer == 11 || per_layer == 13, "rows_layers: 9, 11 or 13 weights per layer, got ",
+              per_layer);
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
   TORCH_CHECK(layers * per_layer == static_cast<int64_t>(weights.size()),
               "rows_layers: the weights must be whole layers of ", per_layer, ", got ", weights.size());

@@ -17,6 +17,7 @@ smollm3: (not in the default parts) a random-weight model of SmolLM3-3B's shape,
          --smollm3-layers fewer for a quicker run): as `big`.
 phi3:    (not in the default parts) the same for Phi-3-mini's shape (15 GB; --phi3-layers).
 granite: (not in the default parts) the same for Granite-3.3-2B's shape (10 GB; --granite-layers).
+olmo2:   (not in the default parts) the same for OLMo-2-0425-1B's shape (6 GB; --olmo2-layers).
 """
 
 from __future__ import annotations
@@ -132,6 +133,20 @@ def part_granite(args):
     random_model_run(f"granite: random Granite ({args.granite_layers} layers)", GraniteForCausalLM(config).eval(), args)
 
 
+def part_olmo2(args):
+    """OLMo-2-0425-1B's shape (hidden 2048, 16 layers, 16 heads (MHA), vocab 100352, untied;
+    norms on the blocks' outputs, q/k norms over the whole projection), random weights: as
+    `smollm3`."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Olmo2Config(vocab_size=100352, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=args.olmo2_layers, num_attention_heads=16, num_key_value_heads=16,
+                         max_position_embeddings=4096, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    random_model_run(f"olmo2: random OLMo 2 ({args.olmo2_layers} layers)", Olmo2ForCausalLM(config).eval(), args)
+
+
 def random_model_run(label, model, args):
     """HF greedy vs assistant="self" (heads=False: prompt lookup) on a random-weight model:
     resident memory the engine adds, first / second / third call, identical outputs."""
@@ -189,10 +204,11 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite")
+    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite,olmo2")
     ap.add_argument("--smollm3-layers", type=int, default=36)
     ap.add_argument("--phi3-layers", type=int, default=32)
     ap.add_argument("--granite-layers", type=int, default=40)
+    ap.add_argument("--olmo2-layers", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -200,7 +216,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for part in args.parts.split(","):
         {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3,
-         "phi3": part_phi3, "granite": part_granite}[part](args)
+         "phi3": part_phi3, "granite": part_granite, "olmo2": part_olmo2}[part](args)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     (q/k norms), "qwen2" (q/k/v biases), "llama_bias" (attention_bias and mlp_bias) or
     "smollm3" (layers 1 and 3 without RoPE), "phi3" (fused q/k/v and gate/up projections),
     "phi3_partial" (the same, RoPE on half of each head's dimensions) or
-    "granite" (embedding, attention, residual and logits multipliers, Granite 3's values).
+    "granite" (embedding, attention, residual and logits multipliers, Granite 3's values) or
+    "olmo2" (norms on the blocks' outputs, q/k norms over the whole projection; its norm
+    weights random: HF initialises them to one).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -29,6 +31,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -60,6 +64,12 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     elif kind == "granite":
         model = GraniteForCausalLM(GraniteConfig(embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                                  residual_multiplier=0.22, logits_scaling=8.0, **common))
+    elif kind == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
+        with torch.no_grad():  # a norm the engine put in the wrong place must show
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
     elif kind == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     else:

@@ -107,6 +107,9 @@ SUPPORTED = {
     # embedding, attention, residual and logits multipliers (Granite 3's values)
     "granite-multipliers": dict(arch="Granite", embedding_multiplier=12.0, attention_multiplier=0.0078125,
                                 residual_multiplier=0.22, logits_scaling=8.0),
+    # norms on the blocks' outputs, q/k norms over the whole projection
+    "olmo2-output-norms": dict(arch="Olmo2"),
+    "olmo2-mqa": dict(arch="Olmo2", num_key_value_heads=1),
 }
 
 
@@ -190,7 +193,8 @@ def test_a_window_serves_requests_within_it(arch, overrides):
     ("Gemma", dict(head_dim=16), "gemma"),
     # a window shorter than the context: the architecture is named, not the window
     ("Gemma2", dict(head_dim=16, sliding_window=16), "gemma2"),
-    ("Olmo2", {}, "olmo2"),
+    # OLMo 3's RoPE differs per layer type (sliding / full attention layers)
+    ("Olmo3", dict(sliding_window=16), "olmo3"),
     ("Mixtral", dict(sliding_window=16), "mixtral"),
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):

@@ -37,7 +37,7 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
 
 
 @pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
-@pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite"])
+@pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2"])
 def test_engine_ar_matches_hf_greedy_on_llama_variants(kind, layout, prefill):
     """SmolLM3 leaves layers 1 and 3 here unrotated (no_rope_layers; the C++ layers run in
     one call per run of layers with or without RoPE); Phi-3 fuses q/k/v and gate/up into
@@ -88,7 +88,7 @@ LAYOUT_DTYPES = [(name, dtype) for name in KEPT for dtype in (torch.float32, tor
 
 
 @pytest.mark.parametrize("layout,dtype", LAYOUT_DTYPES)
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "smollm3", "phi3_partial", "granite"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "smollm3", "phi3_partial", "granite", "olmo2"])
 def test_rows_are_invariant_to_the_other_rows(kind, layout, dtype):
     """Row i of a step with n real rows == the same row computed alone (same width), for
     seg and verify: hidden states and logits bit for bit, in every dtype a layout serves."""
@@ -278,7 +278,7 @@ def test_rows_do_not_depend_on_where_segs_split_the_layers(layout, dtype):
         assert torch.equal(logits, whole), splits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite", "olmo2"])
 def test_kernel_layout_fused_layers_match_the_pytorch_layer(kind):
     """The kernel layout runs a step's decoder layers in one C++ call (rows_layers) unless a
     layer has biases: its hidden states, KV and logits agree with the same engine running the

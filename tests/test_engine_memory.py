@@ -78,9 +78,10 @@ def _model_storages(model):
 
 # what the engine owns besides references to the model: KV cache, metadata, RoPE tables,
 # and on the kernel layout the int8 copy of a float32 LM head its argmax screen reads, with
-# a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head)
+# a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head),
+# and the empty tensor the fused layers get for a norm a layer does not have (OLMo 2)
 OWNED = ("k_cache", "v_cache", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
-         "screen.rows.2", "screen.rows.3")
+         "screen.rows.2", "screen.rows.3", "_no_norm")
 
 
 def _weights_the_engine_reads(engine):
@@ -90,7 +91,8 @@ def _weights_the_engine_reads(engine):
 
 
 @pytest.mark.parametrize("layout", KEPT)
-@pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("phi3", False), ("smollm3", True)])
+@pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("phi3", False), ("smollm3", True),
+                                      ("olmo2", False)])
 def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, tie):
     """Per layout kept: every tensor the engine (its view, layout, attention, fused-layer
     lists) holds, other than its KV cache and small buffers, lives in the storage of one of

@@ -345,10 +345,11 @@ def layer():
     return fn
 
 
-def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, dtype=torch.float32,
-                cache_dtype=torch.float32):
+def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, out_norms=False,
+                dtype=torch.float32, cache_dtype=torch.float32):
     """Random weights (dtype), cache (cache_dtype) and R chain rows at slots 20.. of a
-    cache whose slots before them hold earlier keys."""
+    cache whose slots before them hold earlier keys. out_norms: OLMo 2's form (no input or
+    post norm, q/k norms over the whole projection, the blocks' outputs normed)."""
     def mat(o, i):
         return (torch.randn(o, i, generator=gen) / i ** 0.5).to(dtype)
 
@@ -359,6 +360,10 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, d
          mat(I, H), mat(I, H), mat(H, I)]
     if qk_norm:
         w += [norm(d), norm(d)]
+    if out_norms:
+        none = torch.empty(0, dtype=dtype)
+        w[0], w[5] = none, none
+        w += [norm(Hq * d), norm(Hkv * d), norm(H), norm(H)]
     k_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
     v_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
     h = torch.randn(R, H, generator=gen)
@@ -385,8 +390,8 @@ def _layer_reference(case):
     R, H = c["h"].shape
     Hq = W[1].shape[0] // d
 
-    def rms(x, g):
-        return g * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
+    def rms(x, g):  # an empty weight: no norm
+        return x if g.numel() == 0 else g * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
 
     def rope(t):  # on the first cos.shape[-1] dimensions of each head (partial rotary)
         r = c["cos"].shape[-1]
@@ -396,8 +401,12 @@ def _layer_reference(case):
 
     h = c["h"].double()
     x = rms(h, W[0])
-    q, k, v = (x @ W[1].T).view(R, Hq, d), (x @ W[2].T).view(R, Hkv, d), (x @ W[3].T).view(R, Hkv, d)
-    if len(W) == 11:
+    q, k, v = (x @ W[1].T), (x @ W[2].T), (x @ W[3].T).view(R, Hkv, d)
+    whole = len(W) > 9 and W[9].numel() == Hq * d  # OLMo 2: over the whole projection
+    if whole:
+        q, k = rms(q, W[9]), rms(k, W[10])
+    q, k = q.view(R, Hq, d), k.view(R, Hkv, d)
+    if len(W) > 9 and not whole:
         q, k = rms(q, W[9]), rms(k, W[10])
     q, k = rope(q), rope(k)
     kc, vc = c["k_cache"].double().clone(), c["v_cache"].double().clone()
@@ -405,18 +414,22 @@ def _layer_reference(case):
         kc[:, c["slots"][r]] = k[r].float().to(c["k_cache"].dtype).double()
         vc[:, c["slots"][r]] = v[r].float().to(c["v_cache"].dtype).double()
     o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"], c["base"])
-    h1 = h + (o @ W[4].T) * c["residual_scale"]
+    no_norm = W[0].new_empty(0)
+    attn_norm, mlp_norm = (W[11], W[12]) if len(W) == 13 else (no_norm, no_norm)
+    h1 = h + rms(o @ W[4].T, attn_norm) * c["residual_scale"]
     x = rms(h1, W[5])
-    return h1 + ((F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T) * c["residual_scale"]
+    return h1 + rms((F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T, mlp_norm) * c["residual_scale"]
 
 
 LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d 12 and 64
     dict(H=76, Hq=4, Hkv=2, d=12, I=150),
     dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, I=150, out_norms=True),
 ]
+LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms"]
 
 
-@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cache_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("residual_scale", [1.0, 0.22])  # 0.22: Granite's residual_multiplier
@@ -432,7 +445,7 @@ def test_layer_matches_float64_reference(layer, shape, dtype, cache_dtype, resid
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)
 def test_layer_partial_rotary_matches_float64_reference(layer, shape):
     """cos/sin narrower than the head (partial rotary): RoPE on each head's first rot
     dimensions, the rest as they are; a row still equals itself alone."""
@@ -449,7 +462,7 @@ def test_layer_partial_rotary_matches_float64_reference(layer, shape):
     assert torch.equal(alone[0], out[2])
 
 
-@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layer_half_weights_equal_their_float32_widening(layer, shape, dtype):
     """bf16 / fp16 weights are widened exactly in registers and then computed as float32:
@@ -462,7 +475,7 @@ def test_layer_half_weights_equal_their_float32_widening(layer, shape, dtype):
     assert torch.equal(case["k_cache"], wide["k_cache"]) and torch.equal(case["v_cache"], wide["v_cache"])
 
 
-@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=["d12", "d64-qknorm"])
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float16, torch.float16), (torch.bfloat16, torch.float32)],
                          ids=["fp32", "bf16", "fp16", "bf16-fp32cache"])
@@ -524,7 +537,11 @@ def test_layer_bad_arguments_are_refused_before_any_write(layer):
         return [t if j == i else x for j, x in enumerate(w)]
 
     cases = [
-        (dict(weights=w[:8]), "9 weights, or 11"),
+        (dict(weights=w[:8]), "9 weights, 11 with q/k norms or 13"),
+        (dict(weights=w + [w[0]]), "9 weights, 11 with q/k norms or 13"),
+        (dict(weights=w + [w[0], w[0][:-1]]), "MLP output norm weight must be \\[76\\] or empty"),
+        (dict(weights=swap(9, w[9][:0])), "q norm and k norm must both be given or both be empty"),
+        (dict(weights=swap(9, torch.cat([w[9]] * 2))), "q norm weight must be \\[12\\]"),
         (dict(h=case["h"].double()), "h must be \\[R, H\\] float32"),
         (dict(h=case["h"][:0], cos=case["cos"][:0], sin=case["sin"][:0], slots=case["slots"][:0],
               limit=case["limit"][:0]), "empty h"),

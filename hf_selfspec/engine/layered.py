@@ -5,7 +5,8 @@ maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block 
 so the engine can run any row range through any layer range. Supported: Llama, Mistral,
 Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
 q/k/v and gate/up projections, read as row ranges; partial rotary), Granite (embedding,
-attention, residual and logits multipliers); GQA, MQA and MHA; tied or untied LM head; linear
+attention, residual and logits multipliers), OLMo 2 (norms on the blocks' outputs
+instead of their inputs, q/k norms over the whole projection); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2")
 # HF's ACT2FN names of the gated MLP's activation that are SiLU
 SILU_NAMES = ("silu", "swish")
 
@@ -43,19 +44,33 @@ class RowSlice:
 
 @dataclass
 class LayerWeights:
-    """Parameters of one decoder layer, shared with the HF module (no copies)."""
+    """Parameters of one decoder layer, shared with the HF module (no copies).
 
-    input_norm: torch.Tensor  # [H]
+    The layer: h += residual(attn_out_norm(o(attention(input_norm(h))))), then
+    h += residual(mlp_out_norm(mlp(post_norm(h)))), each norm left out where it is None:
+    Llama-family layers norm the blocks' inputs (input_norm, post_norm), OLMo 2 their
+    outputs (attn_out_norm, mlp_out_norm)."""
+
+    input_norm: torch.Tensor | None  # [H]
     q: torch.nn.Linear | RowSlice
     k: torch.nn.Linear | RowSlice
     v: torch.nn.Linear | RowSlice
     o: torch.nn.Linear
-    q_norm: torch.Tensor | None  # [d] (Qwen3) or None
+    # q/k norms: [d] on each head (Qwen3), [Hq*d] / [Hkv*d] on the whole projection (OLMo 2)
+    q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    post_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor | None  # [H], the MLP's input norm
     gate: torch.nn.Linear | RowSlice
     up: torch.nn.Linear | RowSlice
     down: torch.nn.Linear
+    attn_out_norm: torch.Tensor | None = None  # [H]
+    mlp_out_norm: torch.Tensor | None = None  # [H]
+
+    @property
+    def norms_inputs_only(self) -> bool:
+        """The Llama form: both blocks' inputs normed, neither output."""
+        return (self.input_norm is not None and self.post_norm is not None
+                and self.attn_out_norm is None and self.mlp_out_norm is None)
 
 
 # weight dtypes the engine's layouts may serve (each layout's self-test decides on this machine)
@@ -288,18 +303,25 @@ class LayeredModel:
             gate, up = RowSlice(mlp.gate_up_proj, 0, inter), RowSlice(mlp.gate_up_proj, inter, 2 * inter)
         else:
             gate, up = mlp.gate_proj, mlp.up_proj
+        # a layer with a feed-forward norm of its own (OLMo 2: post_feedforward_layernorm)
+        # norms the attention's output with post_attention_layernorm; otherwise (Llama)
+        # that name is the MLP's input norm
+        out_norms = hasattr(layer, "post_feedforward_layernorm") or hasattr(layer, "pre_feedforward_layernorm")
+        norm = lambda name: None if getattr(layer, name, None) is None else getattr(layer, name).weight  # noqa: E731
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight,
+            input_norm=norm("input_layernorm"),
             q=q,
             k=k,
             v=v,
             o=attn.o_proj,
             q_norm=None if q_norm is None else q_norm.weight,
             k_norm=None if k_norm is None else k_norm.weight,
-            post_norm=layer.post_attention_layernorm.weight,
+            post_norm=norm("pre_feedforward_layernorm") if out_norms else norm("post_attention_layernorm"),
             gate=gate,
             up=up,
             down=mlp.down_proj,
+            attn_out_norm=norm("post_attention_layernorm") if out_norms else None,
+            mlp_out_norm=norm("post_feedforward_layernorm"),
         )
 
     def _rope_tables(self, inner, max_positions: int):
@@ -328,7 +350,8 @@ class LayeredModel:
             short = longrope_short_positions(self.config)
             if short is not None and short < max_positions:
                 cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])
-        return cos[0].contiguous(), sin[0].contiguous()
+        # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model)
+        return cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
 
     # ---- maths on a block of rows -------------------------------------------------------
 

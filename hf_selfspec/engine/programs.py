@@ -163,11 +163,13 @@ class Engine:
         self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
         self._all_rotary = all(v.rope_layers)
+        self._inputs_normed = all(lw.norms_inputs_only for lw in v.layers)
         if not self._all_rotary:  # made now, not inside a CUDA graph's capture
             for dtype in {v.cos.dtype, torch.float32}:
                 self._no_rotation(self.meta_rows, dtype)
         # kernel layout: a step's decoder layers in one C++ call (cpu_rows.cpp rows_layers),
         # unless a layer has biases (then the PyTorch ops below, with the same C++ products)
+        self._no_norm = torch.empty(0, dtype=v.dtype, device=v.device)
         fused = self._fused_layer_weights()
         # what rows_layers takes: every layer's weights in turn, and how many per layer
         self._fused_weights = None if fused is None else [t for layer in fused for t in layer]
@@ -208,11 +210,14 @@ class Engine:
             linears = (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)
             if any(lin.bias is not None for lin in linears):
                 return None
+            # a norm the layer does not have goes as an empty tensor (rows_layer skips it)
             w = [lw.input_norm, lw.q.weight, lw.k.weight, lw.v.weight, lw.o.weight, lw.post_norm,
                  lw.gate.weight, lw.up.weight, lw.down.weight]
-            if lw.q_norm is not None:
+            if lw.q_norm is not None or not lw.norms_inputs_only:
                 w += [lw.q_norm, lw.k_norm]
-            fused.append([t.detach() for t in w])
+            if not lw.norms_inputs_only:
+                w += [lw.attn_out_norm, lw.mlp_out_norm]
+            fused.append([self._no_norm if t is None else t.detach() for t in w])
         return fused
 
     def _make_screen(self, first_request: bool = False) -> None:
@@ -495,13 +500,14 @@ class Engine:
         h = self._pad(h, R)
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
-        if self.fused_small_ops and v.cos.shape[-1] == v.head_dim:  # the Triton RoPE rotates all of d
+        if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed:
+            # the Triton RoPE rotates all of d; its add + norm fuses the Llama form's norms
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
             cos, sin = self._rope_tables(meta, li, R)
             cos, sin = cos[None], sin[None]  # [1, R, d]
-            x = rms_norm(h, lw.input_norm, v.eps)
+            x = h if lw.input_norm is None else rms_norm(h, lw.input_norm, v.eps)
             q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
@@ -509,10 +515,15 @@ class Engine:
             k = apply_rope(k, cos, sin)
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
-            o = attend(q, li)  # [R, Hq*d] in h's dtype
-            h = h + v.residual(lin(o, lw.o))
-            x = rms_norm(h, lw.post_norm, v.eps)
-            h = h + v.residual(self._mlp(x, lw))
+            o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
+            if lw.attn_out_norm is not None:
+                o = rms_norm(o, lw.attn_out_norm, v.eps)
+            h = h + v.residual(o)
+            x = h if lw.post_norm is None else rms_norm(h, lw.post_norm, v.eps)
+            m = self._mlp(x, lw)
+            if lw.mlp_out_norm is not None:
+                m = rms_norm(m, lw.mlp_out_norm, v.eps)
+            h = h + v.residual(m)
         return h[:n]
 
     def _rope_runs(self, start: int, end: int) -> list[tuple[int, int, bool]]:
@@ -548,12 +559,16 @@ class Engine:
 
     def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
-        (Qwen3's per-head q/k norms applied)."""
+        (q/k norms applied: Qwen3's on each head, OLMo 2's on the whole projection)."""
         v, lin = self.view, self.layout.linear
-        q = lin(x, lw.q).view(rows, v.num_heads, v.head_dim)
-        k = lin(x, lw.k).view(rows, v.num_kv_heads, v.head_dim)
+        q, k = lin(x, lw.q), lin(x, lw.k)
+        whole = lw.q_norm is not None and lw.q_norm.shape[-1] != v.head_dim
+        if whole:
+            q, k = rms_norm(q, lw.q_norm, v.eps), rms_norm(k, lw.k_norm, v.eps)
+        q = q.view(rows, v.num_heads, v.head_dim)
+        k = k.view(rows, v.num_kv_heads, v.head_dim)
         val = lin(x, lw.v).view(rows, v.num_kv_heads, v.head_dim)
-        if lw.q_norm is not None:
+        if lw.q_norm is not None and not whole:
             q = rms_norm(q, lw.q_norm, v.eps)
             k = rms_norm(k, lw.k_norm, v.eps)
         return q, k, val
