@@ -1,0 +1,134 @@
+"""A seeded random sweep off the happy path: each case draws an architecture, a dtype, a
+batch of left-padded prompts of mixed lengths, generation options and a drafter (none, exit
+heads or top-layer heads, thresholds, prompt lookup mode, either prefill, the C++ layers or
+the PyTorch ones) on a tiny random
+model, and checks generate(..., assistant="self") row by row against its reference: in fp32
+HF's greedy output for the prompt alone (HF's batched output where a processor reads the
+padded row: repetition penalty, no_repeat_ngram_size), in bf16/fp16 the engine's own AR
+output. A longer run of the same sweep (other seeds) found the batched repetition-penalty
+failure fixed in sampling.row_processors.
+
+fp32 outputs may part at a near-tie (two logits within float32 rounding of each other,
+where HF's and the engine's sums round differently); a mismatch counts only where HF's top
+two logits there differ by more than 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+from test_decoding import random_heads, random_top_heads
+
+from hf_selfspec import DecodeConfig, attach_heads
+from hf_selfspec.engine.programs import EngineConfig
+
+ARCHS = {
+    "Llama": {}, "Qwen3": {}, "Qwen2": dict(use_sliding_window=False), "Mistral": {},
+    "SmolLM3": dict(no_rope_layer_interval=2), "Phi3": {}, "Olmo2": {},
+    "Granite": dict(embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+                    logits_scaling=8.0),
+}
+TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
+
+
+@pytest.fixture(autouse=True)
+def _measurement_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "selfspec_cache"))
+
+
+def build(rng: random.Random, arch: str, dtype: torch.dtype):
+    torch.manual_seed(rng.randrange(10**6))
+    heads = rng.choice([4, 8])
+    hidden = rng.choice([64, 96])
+    config = dict(hidden_size=hidden, intermediate_size=rng.choice([128, 200]),
+                  num_hidden_layers=rng.choice([2, 3]), num_attention_heads=heads,
+                  num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
+                  vocab_size=rng.choice([97, 300]), max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, tie_word_embeddings=rng.random() < 0.5, **ARCHS[arch])
+    if arch == "Qwen3":
+        config["head_dim"] = hidden // heads
+    if arch == "Llama" and rng.random() < 0.3:
+        config.update(attention_bias=True, mlp_bias=True)
+    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**config))
+    with torch.no_grad():  # sharp attention, random biases and norms: a wrong op changes tokens
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                sharp = 2.0 if name.endswith(("q_proj", "k_proj", "qkv_proj")) else 1.0
+                module.weight.normal_(0.0, sharp * module.in_features**-0.5)
+                if module.bias is not None:
+                    module.bias.normal_(0.0, 0.5)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model.to(dtype).eval(), config
+
+
+def trim(tokens: list[int], eos: list[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def top2_gap(model, sequence: list[int]) -> float:
+    with torch.no_grad():
+        top = model(torch.tensor([sequence])).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_off_path_case(seed):
+    rng = random.Random(seed)
+    arch = list(ARCHS)[seed % len(ARCHS)]
+    dtype = rng.choices([torch.float32, torch.bfloat16, torch.float16], [4, 1, 1])[0]
+    model, config = build(rng, arch, dtype)
+    vocab = config["vocab_size"]
+    lengths = [rng.choice([1, 5, 17, 90, 300]) for _ in range(rng.choice([1, 2, 3]))]
+    rows = []
+    for n in lengths:  # repetitive prompts, so prompt lookup drafts
+        motif = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 8))]
+        rows.append([motif[i % len(motif)] if rng.random() < 0.7 else rng.randrange(3, vocab) for i in range(n)])
+    kw = dict(max_new_tokens=rng.choice([3, 16, 32]), do_sample=False)
+    eos = [2]
+    if rng.random() < 0.3:
+        eos = [2, rng.randrange(3, vocab)]
+        kw["eos_token_id"] = eos
+    if dtype == torch.float32:
+        kw.update(rng.choice([{}, {}, dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=3),
+                              dict(min_new_tokens=3), dict(do_sample=True, top_k=1, temperature=0.7)]))
+    kind = rng.choice(["none", "exit", "top"])
+    heads = {"none": lambda: False,
+             "exit": lambda: random_heads(model, sorted({1, config["num_hidden_layers"] - 1}), seed=seed).to(dtype),
+             "top": lambda: random_top_heads(model, depth=rng.choice([1, 2, 3]), seed=seed).to(dtype)}[kind]()
+    decode = DecodeConfig(thresholds=rng.choice([0.0, 0.3, 0.9]),
+                          lookup=rng.choice(["first", "off", "only"]) if kind != "none" else "first")
+    attach_heads(model, heads=heads, decode=decode, engine=EngineConfig(prefill=rng.choice(["hf", "engine"]),
+                                                                   row_layout=rng.choice(["auto", "fixed"])))
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(rows):
+        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p), 1
+    out = model.generate(ids, attention_mask=mask, pad_token_id=0, assistant="self", **kw)
+    got = [trim(row[width:].tolist(), eos) for row in out]
+    case = f"{arch} {dtype} lengths {lengths} {kw} heads {kind} {decode.lookup}"
+
+    kw.update(do_sample=False)
+    kw.pop("top_k", None), kw.pop("temperature", None)
+    if dtype != torch.float32:
+        engine = model._selfspec.engine
+        assert got == [engine.generate_ar(p, kw["max_new_tokens"], eos_token_ids=eos) for p in rows], case
+        return
+    if len(rows) > 1 and ("repetition_penalty" in kw or "no_repeat_ngram_size" in kw):
+        batched = model.generate(ids, attention_mask=mask, pad_token_id=0, **kw)
+        want = [trim(row[width:].tolist(), eos) for row in batched]
+    else:
+        want = [trim(model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                    pad_token_id=0, **kw)[0, len(p):].tolist(), eos) for p in rows]
+    for p, g, w in zip(rows, got, want):
+        if g != w:
+            at = next((i for i, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
+            assert top2_gap(model, p + w[:at]) < TIE, f"{case}: parts from HF at new token {at}"
