@@ -850,7 +850,7 @@ inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G, int64_t
 
 template <typename TC>
 void attention_rows(const float* qp, const TC* kp, const TC* vp, const AttentionMeta& meta, int64_t R, int64_t Hq,
-                    int64_t Hkv, int64_t S, int64_t d, float sc, float* op) {
+                    int64_t Hkv, int64_t S, int64_t d, float sc, float softcap, float* op) {
   const int64_t G = Hq / Hkv, stride = (meta.keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
   auto scores = torch::empty({R * Hq, stride}, torch::dtype(torch::kFloat32));
   float* sp = scores.data_ptr<float>();
@@ -960,6 +960,8 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
         const int64_t end = pr.end, end8 = c0 + (end - c0 + 7) / 8 * 8;
         for (int64_t j = std::max(pr.Lp, c0); j < end; ++j)
           s[j] = dot<TC>(qs_all + c * dd, pr.kh + pr.path[j - pr.Lp] * d, d);
+        if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), per score
+          for (int64_t j = c0; j < end; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
         float m = s[c0];
         for (int64_t j = c0 + 1; j < end; ++j) m = std::max(m, s[j]);
         // lanes past the last key (only a pair's last chunk ends off a multiple of 8: no
@@ -1056,10 +1058,13 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
 // base[r] .. (its sequence's KV region); path slots stay absolute. The arithmetic runs over
 // logical keys j whatever the base, so a sequence's rows are bit-identical wherever its
 // region lies in the cache and whatever the other sequences of the step.
+//
+// softcap > 0: each score s (the scaled product) becomes softcap * tanh(s / softcap) before the
+// softmax (Gemma 2's attn_logit_softcapping); 0: as it is.
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path, torch::Tensor base);
+                             double scale, torch::Tensor path, torch::Tensor base, double softcap);
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path, torch::Tensor base) {
+                             double scale, torch::Tensor path, torch::Tensor base, double softcap) {
   const char* fn = "rows_attention";
   TORCH_CHECK(q.defined() && q.device().is_cpu(), "rows_attention: q must be a CPU tensor");
   TORCH_CHECK(float_kind(q), "rows_attention: q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
@@ -1072,6 +1077,8 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   TORCH_CHECK(R > 0 && Hq > 0, "rows_attention: empty q (rows and query heads must be >= 1), got ", q.sizes());
   TORCH_CHECK(Hq % Hkv == 0, "rows_attention: query heads must be a multiple of KV heads, got ", Hq, " and ", Hkv);
   TORCH_CHECK(std::isfinite(scale), "rows_attention: scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "rows_attention: softcap must be finite and >= 0 (0: none), got ",
+              softcap);
   const AttentionMeta meta = check_attention_meta(limit, path, base, R, S, fn);
   if (q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
   auto out = torch::empty({R, Hq * d}, q.options());
@@ -1079,7 +1086,7 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     using TC = decltype(tag);
     attention_rows<TC>(q.data_ptr<float>(), static_cast<const TC*>(k.data_ptr()),
                        static_cast<const TC*>(v.data_ptr()), meta, R, Hq, Hkv, S, d, static_cast<float>(scale),
-                       out.data_ptr<float>());
+                       static_cast<float>(softcap), out.data_ptr<float>());
   });
   return out;
 }
@@ -1285,7 +1292,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
         store_row<TC>(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d);
       }
   });
-  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base);
+  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base, 0.0);
   // a block's output joins the residual stream times residual_scale (Granite's
   // residual_multiplier: HF multiplies, then adds); 1: added as it is
   auto scaled = [&](torch::Tensor t) { return residual_scale == 1.0 ? t : t.mul_(residual_scale); };

@@ -18,6 +18,8 @@ smollm3: (not in the default parts) a random-weight model of SmolLM3-3B's shape,
 phi3:    (not in the default parts) the same for Phi-3-mini's shape (15 GB; --phi3-layers).
 granite: (not in the default parts) the same for Granite-3.3-2B's shape (10 GB; --granite-layers).
 olmo2:   (not in the default parts) the same for OLMo-2-0425-1B's shape (6 GB; --olmo2-layers).
+gemma:   (not in the default parts) the same for Gemma-2B's shape (10 GB; --gemma-layers).
+gemma2:  (not in the default parts) the same for Gemma-2-2B's shape (10.5 GB; --gemma2-layers).
 """
 
 from __future__ import annotations
@@ -147,6 +149,32 @@ def part_olmo2(args):
     random_model_run(f"olmo2: random OLMo 2 ({args.olmo2_layers} layers)", Olmo2ForCausalLM(config).eval(), args)
 
 
+def part_gemma(args):
+    """Gemma-2B's shape (hidden 2048, 18 layers, 8 heads of 256 over one KV head, vocab
+    256000, tied; norms scaling by 1 + w, tanh-GELU MLP, scaled embedding), random weights:
+    as `smollm3`."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    config = GemmaConfig(vocab_size=256000, hidden_size=2048, intermediate_size=16384,
+                         num_hidden_layers=args.gemma_layers, num_attention_heads=8, num_key_value_heads=1,
+                         head_dim=256, max_position_embeddings=8192)
+    random_model_run(f"gemma: random Gemma ({args.gemma_layers} layers)", GemmaForCausalLM(config).eval(), args)
+
+
+def part_gemma2(args):
+    """Gemma-2-2B's shape (hidden 2304, 26 layers, 8 heads of 256 over 4 KV heads, vocab
+    256000, tied; norms on both sides of each block, soft caps 50 / 30, windows of 4096 in
+    every other layer), random weights: as `smollm3`."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                          num_hidden_layers=args.gemma2_layers, num_attention_heads=8, num_key_value_heads=4,
+                          head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256)
+    random_model_run(f"gemma2: random Gemma 2 ({args.gemma2_layers} layers)", Gemma2ForCausalLM(config).eval(), args)
+
+
 def random_model_run(label, model, args):
     """HF greedy vs assistant="self" (heads=False: prompt lookup) on a random-weight model:
     resident memory the engine adds, first / second / third call, identical outputs."""
@@ -204,11 +232,13 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite,olmo2")
+    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite,olmo2,gemma,gemma2")
     ap.add_argument("--smollm3-layers", type=int, default=36)
     ap.add_argument("--phi3-layers", type=int, default=32)
     ap.add_argument("--granite-layers", type=int, default=40)
     ap.add_argument("--olmo2-layers", type=int, default=16)
+    ap.add_argument("--gemma-layers", type=int, default=18)
+    ap.add_argument("--gemma2-layers", type=int, default=26)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -216,7 +246,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     for part in args.parts.split(","):
         {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3,
-         "phi3": part_phi3, "granite": part_granite, "olmo2": part_olmo2}[part](args)
+         "phi3": part_phi3, "granite": part_granite, "olmo2": part_olmo2,
+         "gemma": part_gemma, "gemma2": part_gemma2}[part](args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     "phi3_partial" (the same, RoPE on half of each head's dimensions) or
     "granite" (embedding, attention, residual and logits multipliers, Granite 3's values) or
     "olmo2" (norms on the blocks' outputs, q/k norms over the whole projection; its norm
-    weights random: HF initialises them to one).
+    weights random: HF initialises them to one), "gemma" (norms scaling by 1 + w, GELU, a
+    scaled embedding) or "gemma2" (also norms on both sides of each block, soft caps on the
+    attention scores and the logits); Gemma's LM head untied (a tied one repeats the last
+    token on a random model) and its norm weights random around 0.
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -31,6 +34,10 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GemmaConfig,
+        GemmaForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
         Phi3Config,
@@ -70,6 +77,17 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.uniform_(0.5, 1.5)
+    elif kind in ("gemma", "gemma2"):
+        common.update(head_dim=hidden // 4, tie_word_embeddings=False)
+        if kind == "gemma":
+            model = GemmaForCausalLM(GemmaConfig(**common))
+        else:
+            model = Gemma2ForCausalLM(Gemma2Config(query_pre_attn_scalar=hidden // 4 + 8, attn_logit_softcapping=2.0,
+                                                   final_logit_softcapping=10.0, **common))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5)
     elif kind == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
     else:

@@ -27,13 +27,15 @@ def _measurement_cache(tmp_path, monkeypatch):
 
 
 def build(arch: str = "Llama", dtype=torch.float32, **overrides):
-    """A random `{arch}ForCausalLM` (Llama, Mistral, Qwen2, Qwen3, ...) from its config class."""
+    """A random `{arch}ForCausalLM` (Llama, Mistral, Qwen2, Qwen3, ...) from its config class
+    (`model_class` names another class, Gemma3ForCausalLM for Gemma3TextConfig)."""
     torch.manual_seed(0)
+    model_class = overrides.pop("model_class", f"{arch}ForCausalLM")
     config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     config.update(overrides)
-    model = getattr(transformers, f"{arch}ForCausalLM")(getattr(transformers, f"{arch}Config")(**config))
+    model = getattr(transformers, model_class)(getattr(transformers, f"{arch}Config")(**config))
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
@@ -110,6 +112,14 @@ SUPPORTED = {
     # norms on the blocks' outputs, q/k norms over the whole projection
     "olmo2-output-norms": dict(arch="Olmo2"),
     "olmo2-mqa": dict(arch="Olmo2", num_key_value_heads=1),
+    # norms scaling by 1 + w, GELU (tanh), the embedding scaled by sqrt(hidden); untied: a
+    # random tied model repeats its last token
+    "gemma": dict(arch="Gemma", head_dim=16, tie_word_embeddings=False),
+    "gemma-mqa-tied": dict(arch="Gemma", head_dim=16, num_key_value_heads=1),
+    # norms on both sides of each block, soft caps on the attention scores and the logits
+    # (small here, so that they change the tokens), query_pre_attn_scalar, a window
+    "gemma2": dict(arch="Gemma2", head_dim=16, tie_word_embeddings=False, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0, query_pre_attn_scalar=24, sliding_window=256),
 }
 
 
@@ -123,6 +133,24 @@ def test_supported_variant_gives_hf_greedy(case):
     attach_heads(model, heads=False)
     assert [self_greedy(model, [p])[0] for p in rows] == expected
     assert self_greedy(model, rows) == expected
+
+
+@pytest.mark.parametrize("case", ["gemma", "gemma2", "granite-multipliers", "olmo2-output-norms"])
+def test_logits_are_hfs_to_float32_rounding(case):
+    """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
+    GELU without the tanh approximation, a soft cap left off the logits: the argmax
+    survives both)."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch", "Llama"), **overrides)
+    ids = torch.tensor(prompts(30))
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    expected = model.generate(ids, **kw)
+    attach_heads(model, heads=False)
+    got = model.generate(ids, assistant="self", **kw)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(expected.logits, got.logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -190,9 +218,9 @@ def test_a_window_serves_requests_within_it(arch, overrides):
 
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
-    ("Gemma", dict(head_dim=16), "gemma"),
-    # a window shorter than the context: the architecture is named, not the window
-    ("Gemma2", dict(head_dim=16, sliding_window=16), "gemma2"),
+    # Gemma 3's RoPE differs per layer type; a window shorter than the context: the
+    # architecture is named, not the window
+    ("Gemma3Text", dict(model_class="Gemma3ForCausalLM", head_dim=16, sliding_window=16), "gemma3_text"),
     # OLMo 3's RoPE differs per layer type (sliding / full attention layers)
     ("Olmo3", dict(sliding_window=16), "olmo3"),
     ("Mixtral", dict(sliding_window=16), "mixtral"),
@@ -220,7 +248,7 @@ def test_a_model_without_an_lm_head_is_refused(cls):
 
 
 def test_other_activation_refused():
-    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*SiLU.*plain model.generate"):
+    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*'silu'.*'gelu_pytorch_tanh'.*plain model.generate"):
         attach_heads(build(hidden_act="gelu"), heads=False)
 
 

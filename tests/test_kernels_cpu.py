@@ -85,7 +85,8 @@ def test_bad_input_is_refused(kernel):
 def attention():
     fn = load_rows_attention()
     assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
-    return lambda q, k, v, limit, scale, path=NO_PATH, base=NO_BASE: fn(q, k, v, limit, scale, path, base)
+    return lambda q, k, v, limit, scale, path=NO_PATH, base=NO_BASE, softcap=0.0: fn(q, k, v, limit, scale, path,
+                                                                                  base, softcap)
 
 
 def _cache(gen, hkv, slots, d):
@@ -199,6 +200,27 @@ def test_attention_scores_are_the_same_whichever_dot_product_computes_them(atten
         path = torch.arange(L).repeat(2, 1)
         as_path = attention(q, k, v, torch.tensor([L - 1] * 2), 0.125, path)
         assert torch.equal(as_path, contiguous), (d, L)
+
+
+def test_attention_soft_cap_matches_float64_reference(attention):
+    """softcap > 0 (Gemma 2): every score s becomes softcap * tanh(s / softcap) before the
+    softmax, on contiguous and tree keys, over several key chunks; a row alone computes what
+    it computes among others."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = _cache(gen, 2, 1100, 16)
+    q = 3 * torch.randn(6, 4, 16, generator=gen)  # scores of several units: the cap matters
+    lim = torch.tensor([0, 7, 300, 511, 700, 1099])
+    o = attention(q, k, v, lim, 0.25, softcap=2.0)
+    torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, 0.25, softcap=2.0), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(o, attention(q, k, v, lim, 0.25), rtol=1e-3, atol=1e-3)
+    alone = attention(q[3:4].contiguous(), k, v, lim[3:4], 0.25, softcap=2.0)
+    assert torch.equal(alone[0], o[3])
+    path = torch.tensor([[100, -1], [100, 102]])
+    tree = attention(q[:2].contiguous(), k, v, torch.tensor([100, 101]), 0.25, path, softcap=2.0)
+    torch.testing.assert_close(tree, rows_attention_reference(q[:2], k, v, torch.tensor([100, 101]), 0.25, path,
+                                                              softcap=2.0), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+        attention(q, k, v, lim, 0.25, softcap=-1.0)
 
 
 def test_attention_tree_matches_float64_reference(attention):

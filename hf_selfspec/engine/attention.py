@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .layered import soft_cap
+
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
     from .meta import StepMeta
     from .programs import Engine
@@ -58,7 +60,7 @@ def visible_bias(key_limit: torch.Tensor, num_keys: int, group: int) -> torch.Te
 
 
 def block_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor, softcap: float | None = None
 ) -> torch.Tensor:
     """Online-softmax attention over fixed key blocks.
 
@@ -70,7 +72,8 @@ def block_attention(
     returns   [Hkv, G*W, d] in q's dtype
 
     A bf16/fp16 cache is widened block by block (exact, elementwise), so the softmax and
-    the sums run in q's dtype whatever the model's.
+    the sums run in q's dtype whatever the model's. softcap: each score s becomes
+    softcap * tanh(s / softcap) before the mask (Gemma 2); None: as it is.
     """
     num_blocks = bias.shape[1] // KEY_BLOCK
     acc = l_sum = m_max = None
@@ -78,7 +81,7 @@ def block_attention(
         lo, hi = b * KEY_BLOCK, (b + 1) * KEY_BLOCK
         keys = k_cache[:, lo:hi].to(q.dtype)  # no copy when the dtypes agree
         values = v_cache[:, lo:hi].to(q.dtype)
-        scores = torch.matmul(q, keys.transpose(1, 2)) + bias[:, lo:hi]  # [Hkv, GW, B]
+        scores = soft_cap(torch.matmul(q, keys.transpose(1, 2)), softcap) + bias[:, lo:hi]  # [Hkv, GW, B]
         block_max = scores.amax(-1, keepdim=True)
         if b == 0:  # block 0 holds slot 0, which every row sees: block_max is finite
             m_max = block_max
@@ -114,12 +117,13 @@ class BlockAttention:
         q_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
         o_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
         k_cache, v_cache, scaling, biases = engine.k_cache, engine.v_cache, v.scaling, meta.biases
+        softcap = v.attention_softcap
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             q_all[:, :R] = q.to(dtype) * scaling
             for c, bias in enumerate(biases):
                 qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, group * A, d)
-                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias)
+                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias, softcap)
                 o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
             return o_all[:, :R].to(q.dtype).transpose(0, 1).reshape(R, Hq * d)
 
@@ -141,11 +145,12 @@ class CppRowAttention:
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         fn, limits = self.kernel, meta.key_limit[:meta.rows]
         k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
-        base = meta.base
+        base, softcap = meta.base, engine.view.attention_softcap or 0.0
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             # float32 out (bf16/fp16 q and caches widened exactly): back to q's dtype
-            o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path, base)
+            o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path, base,
+                   softcap)
             return o.to(q.dtype)
 
         return attend

@@ -6,7 +6,9 @@ so the engine can run any row range through any layer range. Supported: Llama, M
 Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
 q/k/v and gate/up projections, read as row ranges; partial rotary), Granite (embedding,
 attention, residual and logits multipliers), OLMo 2 (norms on the blocks' outputs
-instead of their inputs, q/k norms over the whole projection); GQA, MQA and MHA; tied or untied LM head; linear
+instead of their inputs, q/k norms over the whole projection), Gemma and Gemma 2 (norms
+scaling by 1 + w, a GELU-gated MLP, a scaled embedding; Gemma 2: norms on both sides of
+each block and tanh soft caps on the attention scores and the logits); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
@@ -18,9 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2")
-# HF's ACT2FN names of the gated MLP's activation that are SiLU
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
+                         "gemma2")
+# HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
+GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
+CUDA_SOFTCAP_REFUSAL = (
+    "this model soft-caps its attention scores (Gemma 2's attn_logit_softcapping), which the "
+    "engine's CUDA attention kernel does not: use it on the CPU, or plain model.generate()")
+# models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
+NORM_PLUS_ONE_TYPES = ("gemma", "gemma2")
 
 
 class UnsupportedModelError(ValueError):
@@ -160,12 +169,20 @@ def check_engine_prefill(config, prompt_len: int) -> None:
             "prefill='hf' (the default) or a shorter prompt")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics); plus_one: as
+    Gemma's, x * (1 + w) in float32, rounded to x's dtype after."""
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (x32 * (1.0 + weight.float())).to(dtype)
     return weight * x32.to(dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft cap: cap * tanh(x / cap), as HF computes it (None: x)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -182,6 +199,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return x * cos + rotate_half(x) * sin
     turned = x[..., :rot]
     return torch.cat((turned * cos + rotate_half(turned) * sin, x[..., rot:]), dim=-1)
+
+
+def _activation(config) -> str:
+    """The gated MLP's activation name (Gemma 2 and 3 read `hidden_activation`)."""
+    act = getattr(config, "hidden_activation", None) if config.model_type == "gemma2" else None
+    return act or getattr(config, "hidden_act", "silu")
 
 
 class LayeredModel:
@@ -211,9 +234,20 @@ class LayeredModel:
         # logits divided
         granite = config.model_type == "granite"
         self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
+        # Gemma's embedding module scales its rows by sqrt(hidden), rounded to the weights'
+        # dtype first (a buffer of the module: read when used, so a .to() is followed)
+        self._embed_module = inner.embed_tokens
+        self.scaled_embedding = isinstance(getattr(inner.embed_tokens, "embed_scale", None), torch.Tensor)
+        self.norm_plus_one = config.model_type in NORM_PLUS_ONE_TYPES
+        self.gelu = _activation(config) in GELU_TANH_NAMES
+        gemma2 = config.model_type == "gemma2"
+        self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
+        self.logits_softcap = getattr(config, "final_logit_softcapping", None) if gemma2 else None
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
         self.logits_scaling = float(config.logits_scaling) if granite else 1.0
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
+        if gemma2:
+            self.scaling = float(config.query_pre_attn_scalar) ** -0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
@@ -255,6 +289,9 @@ class LayeredModel:
                        for name in names]
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
+        if config.model_type == "gemma2" and getattr(config, "attn_logit_softcapping", None) is not None \
+                and model.lm_head.weight.device.type == "cuda":
+            raise UnsupportedModelError(CUDA_SOFTCAP_REFUSAL)
 
     def set_max_positions(self, max_positions: int) -> None:
         """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank),
@@ -282,11 +319,16 @@ class LayeredModel:
                 f"this model is quantized (quantization_config: {method}); the engine runs "
                 "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
-        act = getattr(config, "hidden_act", "silu")
-        if act not in SILU_NAMES:
+        act = _activation(config)
+        if act not in SILU_NAMES + GELU_TANH_NAMES:
             raise UnsupportedModelError(
-                f"hidden_act={act!r}: the engine implements the SiLU-gated MLP only (hidden_act "
-                f"{' or '.join(repr(a) for a in SILU_NAMES)}); use plain model.generate() for this model")
+                f"hidden_act={act!r}: the engine implements gated MLPs with "
+                f"{', '.join(repr(a) for a in SILU_NAMES + GELU_TANH_NAMES)} only; use plain "
+                "model.generate() for this model")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError(
+                "use_bidirectional_attention=True: the engine decodes causally only; use plain "
+                "model.generate() for this model")
 
     def _layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
@@ -356,23 +398,43 @@ class LayeredModel:
     # ---- maths on a block of rows -------------------------------------------------------
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [W] -> hidden [W, H] (times embedding_multiplier, as HF's model)."""
-        rows = F.embedding(token_ids, self.embed)
-        return rows if self.embedding_multiplier == 1.0 else rows * self.embedding_multiplier
+        """token_ids [W] -> hidden [W, H] (times embedding_multiplier or Gemma's scale, as
+        HF's model)."""
+        return self._scale_embedding(F.embedding(token_ids, self.embed))
 
     def embed_row(self, token: int) -> torch.Tensor:
         """One token's hidden row [H], as embed_rows gives it (no index tensor made)."""
-        row = self.embed[token]
-        return row if self.embedding_multiplier == 1.0 else row * self.embedding_multiplier
+        return self._scale_embedding(self.embed[token])
+
+    def _scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.scaled_embedding:
+            return rows * self._embed_module.embed_scale.to(rows.dtype)
+        return rows if self.embedding_multiplier == 1.0 else rows * self.embedding_multiplier
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of x's rows by `weight` (Gemma's scales by 1 + w)."""
+        return rms_norm(x, weight, self.eps, self.norm_plus_one)
+
+    def act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's act(gate) * up (SiLU, or Gemma's tanh-approximated GELU)."""
+        return (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
 
     def residual(self, block_output: torch.Tensor) -> torch.Tensor:
         """A block's output as it joins the residual stream (times residual_multiplier)."""
         return block_output if self.residual_multiplier == 1.0 else block_output * self.residual_multiplier
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The LM head's output as HF's model returns it (divided by logits_scaling)."""
+        """The LM head's output as HF's model returns it (divided by logits_scaling; Gemma 2's
+        soft cap)."""
+        logits = soft_cap(logits, self.logits_softcap)
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+
+    @property
+    def logits_transformed(self) -> bool:
+        """Whether HF's logits are a rounding function of the LM head's (scaled, capped):
+        two logits may then round to one value where HF's argmax takes the lower id."""
+        return self.logits_scaling != 1.0 or self.logits_softcap is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [W, H] after the last layer -> logits [W, V]."""
-        return self.scale_logits(self.lm_head(rms_norm(hidden, self.final_norm, self.eps)))
+        return self.scale_logits(self.lm_head(self.norm(hidden, self.final_norm)))

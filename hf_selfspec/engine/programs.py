@@ -37,16 +37,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
 from ..logs import logger
 from . import costs
 from . import screen as screen_lib
-from .attention import KEY_BLOCK, select_attention, visible_bias
+from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import LayeredModel, apply_rope, check_engine_prefill, rms_norm
+from .layered import CUDA_SOFTCAP_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -157,6 +156,8 @@ class Engine:
                                           enabled=self.config.measurement_cache)
         self.layout = self._choose_layout()
         self.attention = select_attention(v.device, self.layout)
+        if v.attention_softcap is not None and uses_row_attention(self):
+            raise UnsupportedModelError(CUDA_SOFTCAP_REFUSAL)
         # metadata rows: every product row and every attention query row of the widest step
         a = self.layout.attention_rows
         self.meta_rows = max(self.width, -(-self.width // a) * a)
@@ -203,8 +204,9 @@ class Engine:
         """Per layer, the weights `rows_layer(s)` takes (see cpu_rows.cpp), or None when the
         layers run as PyTorch ops (another layout, or linear biases). Detached views of the
         model's own parameters: the same storage, no copy."""
-        if self.layout.kernel_layers is None:
-            return None
+        v = self.view
+        if self.layout.kernel_layers is None or v.norm_plus_one or v.gelu or v.attention_softcap is not None:
+            return None  # Gemma's norms, GELU and soft caps: the PyTorch layers (C++ products)
         fused = []
         for lw in self.view.layers:
             linears = (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)
@@ -229,9 +231,10 @@ class Engine:
         head = self.view.lm_head
         if self.layout.kernel_layers is None or screen_refusal(head.weight, head.bias) is not None:
             return
-        if self.view.logits_scaling != 1.0:
-            # the argmax of the scaled logits: dividing can round two logits to one value,
-            # where HF's argmax takes the lower id; the screen ranks the unscaled ones
+        if self.view.logits_transformed:
+            # the argmax of the scaled (Granite) or capped (Gemma 2) logits: the transform can
+            # round two logits to one value, where HF's argmax takes the lower id; the screen
+            # ranks the untransformed ones
             return
         kernel = load_rows_screen()
         if kernel is None:
@@ -500,14 +503,15 @@ class Engine:
         h = self._pad(h, R)
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
-        if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed:
+        if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed \
+                and not (v.norm_plus_one or v.gelu):
             # the Triton RoPE rotates all of d; its add + norm fuses the Llama form's norms
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
             cos, sin = self._rope_tables(meta, li, R)
             cos, sin = cos[None], sin[None]  # [1, R, d]
-            x = h if lw.input_norm is None else rms_norm(h, lw.input_norm, v.eps)
+            x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
             q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
@@ -517,12 +521,12 @@ class Engine:
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
             if lw.attn_out_norm is not None:
-                o = rms_norm(o, lw.attn_out_norm, v.eps)
+                o = v.norm(o, lw.attn_out_norm)
             h = h + v.residual(o)
-            x = h if lw.post_norm is None else rms_norm(h, lw.post_norm, v.eps)
+            x = h if lw.post_norm is None else v.norm(h, lw.post_norm)
             m = self._mlp(x, lw)
             if lw.mlp_out_norm is not None:
-                m = rms_norm(m, lw.mlp_out_norm, v.eps)
+                m = v.norm(m, lw.mlp_out_norm)
             h = h + v.residual(m)
         return h[:n]
 
@@ -564,18 +568,18 @@ class Engine:
         q, k = lin(x, lw.q), lin(x, lw.k)
         whole = lw.q_norm is not None and lw.q_norm.shape[-1] != v.head_dim
         if whole:
-            q, k = rms_norm(q, lw.q_norm, v.eps), rms_norm(k, lw.k_norm, v.eps)
+            q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
         q = q.view(rows, v.num_heads, v.head_dim)
         k = k.view(rows, v.num_kv_heads, v.head_dim)
         val = lin(x, lw.v).view(rows, v.num_kv_heads, v.head_dim)
         if lw.q_norm is not None and not whole:
-            q = rms_norm(q, lw.q_norm, v.eps)
-            k = rms_norm(k, lw.k_norm, v.eps)
+            q = v.norm(q, lw.q_norm)
+            k = v.norm(k, lw.k_norm)
         return q, k, val
 
     def _mlp(self, x: torch.Tensor, lw) -> torch.Tensor:
         lin = self.layout.linear
-        return lin(F.silu(lin(x, lw.gate)) * lin(x, lw.up), lw.down)
+        return lin(self.view.act_mul(lin(x, lw.gate), lin(x, lw.up)), lw.down)
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
         """`run_layers`' PyTorch-ops branch with the fused Triton kernels (fused_small_ops):
@@ -604,7 +608,7 @@ class Engine:
         state after the final norm [n, H]), row-invariantly."""
         v = self.view
         n = h.shape[0]
-        x = rms_norm(self._pad(h, self.layout.rows(n)), v.final_norm, v.eps)
+        x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
         return v.scale_logits(self.layout.linear(x, v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -613,7 +617,7 @@ class Engine:
         there is no screen or it cannot decide. The argmax is the float32 logits' either way."""
         if self.screen is not None:
             v = self.view
-            final = rms_norm(h, v.final_norm, v.eps)
+            final = v.norm(h, v.final_norm)
             argmax = self.screen.argmax(final)
             if argmax is not None:
                 return None, argmax, final

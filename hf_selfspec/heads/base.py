@@ -70,6 +70,17 @@ def final_norm(model) -> nn.Module:
     return norm
 
 
+def final_norm_weight(model) -> torch.Tensor:
+    """The final norm's scale as `rms_norm` takes it: its weight, or 1 + weight for models
+    whose norm scales by (1 + w) (Gemma), in float32 there."""
+    from hf_selfspec.engine.layered import NORM_PLUS_ONE_TYPES
+
+    weight = final_norm(model).weight.detach()
+    if getattr(model.config, "model_type", None) in NORM_PLUS_ONE_TYPES:
+        return 1.0 + weight.float()
+    return weight
+
+
 def norm_eps(model, default: float = 1e-5) -> float:
     """The final norm's epsilon (HF names it variance_epsilon or eps)."""
     norm = final_norm(model)

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import checks
 from .base import (
-    final_norm,
+    final_norm_weight,
     fingerprint,
     lm_head_weight,
     model_name,
@@ -115,9 +115,8 @@ class ExitHead(nn.Module):
 
     def init_from_model(self, model) -> ExitHead:
         """Start w_out (and eps) from the model's final norm, then bind: a logit lens."""
-        norm = final_norm(model)
         with torch.no_grad():
-            self.out_norm.copy_(norm.weight.detach().float().to(self.out_norm.device))
+            self.out_norm.copy_(final_norm_weight(model).float().to(self.out_norm.device))
         self.eps = norm_eps(model, self.eps)
         return self.bind(model)
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checks
-from .base import final_norm, fingerprint, lm_head_weight, rms_norm, weight_probe
+from .base import final_norm_weight, fingerprint, lm_head_weight, rms_norm, weight_probe
 
 TOP_KIND = "top_draft"
 FORMAT_VERSION = 1
@@ -219,7 +219,7 @@ class TopDraftHeads(nn.Module):
     def init_from_model(self, model) -> TopDraftHeads:
         """Start the output norm from the model's final norm, then bind. Heads made for this
         very model (same fingerprint) record its weight probe in their config."""
-        norm = final_norm(model).weight.detach()
+        norm = final_norm_weight(model)
         with torch.no_grad():
             self.out_norm.copy_(norm.to(self.out_norm.dtype))
         if not self.config.base_probe and self.config.base_fingerprint == fingerprint(model):
