@@ -2,7 +2,7 @@
 
 Two ways to use it, as the transformers docs describe:
 
-    # 1. any Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Granite / OLMo 2 / Gemma (2) model, with this
+    # 1. any Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 / Granite / OLMo 2-3 / Gemma 1-3 model, with this
     #    repo (or a local folder that holds custom_generate/generate.py) as the generation method
     out = model.generate(**inputs, custom_generate="<repo id or folder>", trust_remote_code=True)
 

@@ -20,6 +20,7 @@ granite: (not in the default parts) the same for Granite-3.3-2B's shape (10 GB; 
 olmo2:   (not in the default parts) the same for OLMo-2-0425-1B's shape (6 GB; --olmo2-layers).
 gemma:   (not in the default parts) the same for Gemma-2B's shape (10 GB; --gemma-layers).
 gemma2:  (not in the default parts) the same for Gemma-2-2B's shape (10.5 GB; --gemma2-layers).
+gemma3:  (not in the default parts) the same for Gemma-3-1B's shape (4 GB; --gemma3-layers).
 """
 
 from __future__ import annotations
@@ -175,6 +176,21 @@ def part_gemma2(args):
     random_model_run(f"gemma2: random Gemma 2 ({args.gemma2_layers} layers)", Gemma2ForCausalLM(config).eval(), args)
 
 
+def part_gemma3(args):
+    """Gemma-3-1B's shape (hidden 1152, 26 layers, 4 heads of 256 over one KV head, vocab
+    262144, tied; per-head q/k norms, five sliding layers (window 512, RoPE base 10000) to a
+    full one (base 1000000)), random weights: as `smollm3` (200 + 32 tokens: within the window)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                              num_hidden_layers=args.gemma3_layers, num_attention_heads=4, num_key_value_heads=1,
+                              head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256,
+                              sliding_window=512)
+    random_model_run(f"gemma3: random Gemma 3 text ({args.gemma3_layers} layers)", Gemma3ForCausalLM(config).eval(),
+                     args)
+
+
 def random_model_run(label, model, args):
     """HF greedy vs assistant="self" (heads=False: prompt lookup) on a random-weight model:
     resident memory the engine adds, first / second / third call, identical outputs."""
@@ -232,13 +248,14 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite,olmo2,gemma,gemma2")
+    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite,olmo2,gemma,gemma2,gemma3")
     ap.add_argument("--smollm3-layers", type=int, default=36)
     ap.add_argument("--phi3-layers", type=int, default=32)
     ap.add_argument("--granite-layers", type=int, default=40)
     ap.add_argument("--olmo2-layers", type=int, default=16)
     ap.add_argument("--gemma-layers", type=int, default=18)
     ap.add_argument("--gemma2-layers", type=int, default=26)
+    ap.add_argument("--gemma3-layers", type=int, default=26)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -247,7 +264,7 @@ def main(argv=None):
     for part in args.parts.split(","):
         {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3,
          "phi3": part_phi3, "granite": part_granite, "olmo2": part_olmo2,
-         "gemma": part_gemma, "gemma2": part_gemma2}[part](args)
+         "gemma": part_gemma, "gemma2": part_gemma2, "gemma3": part_gemma3}[part](args)
 
 
 if __name__ == "__main__":

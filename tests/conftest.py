@@ -26,7 +26,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     weights random: HF initialises them to one), "gemma" (norms scaling by 1 + w, GELU, a
     scaled embedding) or "gemma2" (also norms on both sides of each block, soft caps on the
     attention scores and the logits); Gemma's LM head untied (a tied one repeats the last
-    token on a random model) and its norm weights random around 0.
+    token on a random model) and its norm weights random around 0; "gemma3" (Gemma 3 text:
+    per-head q/k norms, a RoPE per layer type) or "olmo3" (OLMo 2's layers, a RoPE per layer
+    type); both alternate sliding and full attention layers, with RoPE bases 10 and 10000.
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -36,10 +38,14 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
         LlamaForCausalLM,
         Gemma2Config,
         Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         GemmaConfig,
         GemmaForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
+        Olmo3Config,
+        Olmo3ForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -77,6 +83,19 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.uniform_(0.5, 1.5)
+    elif kind in ("gemma3", "olmo3"):
+        types = dict(layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2),
+                     sliding_window=1024, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        if kind == "gemma3":
+            common.update(head_dim=hidden // 4, tie_word_embeddings=False)
+            model = Gemma3ForCausalLM(Gemma3TextConfig(query_pre_attn_scalar=hidden // 4, **types, **common))
+        else:
+            model = Olmo3ForCausalLM(Olmo3Config(**types, **common))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(-0.5, 0.5) if kind == "gemma3" else p.uniform_(0.5, 1.5)
     elif kind in ("gemma", "gemma2"):
         common.update(head_dim=hidden // 4, tie_word_embeddings=False)
         if kind == "gemma":

@@ -120,6 +120,16 @@ SUPPORTED = {
     # (small here, so that they change the tokens), query_pre_attn_scalar, a window
     "gemma2": dict(arch="Gemma2", head_dim=16, tie_word_embeddings=False, attn_logit_softcapping=5.0,
                    final_logit_softcapping=3.0, query_pre_attn_scalar=24, sliding_window=256),
+    # per-head q/k norms scaling by 1 + w, a RoPE per layer type (here far apart: base 10 in
+    # the sliding layers, linear scaling in the full ones)
+    "gemma3": dict(arch="Gemma3Text", model_class="Gemma3ForCausalLM", head_dim=16, tie_word_embeddings=False,
+                   query_pre_attn_scalar=24, sliding_window=256, layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                    "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    # OLMo 2's layers with a RoPE per layer type and windows
+    "olmo3": dict(arch="Olmo3", sliding_window=256, layer_types=["sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 
@@ -135,7 +145,7 @@ def test_supported_variant_gives_hf_greedy(case):
     assert self_greedy(model, rows) == expected
 
 
-@pytest.mark.parametrize("case", ["gemma", "gemma2", "granite-multipliers", "olmo2-output-norms"])
+@pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -218,11 +228,8 @@ def test_a_window_serves_requests_within_it(arch, overrides):
 
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
-    # Gemma 3's RoPE differs per layer type; a window shorter than the context: the
-    # architecture is named, not the window
-    ("Gemma3Text", dict(model_class="Gemma3ForCausalLM", head_dim=16, sliding_window=16), "gemma3_text"),
-    # OLMo 3's RoPE differs per layer type (sliding / full attention layers)
-    ("Olmo3", dict(sliding_window=16), "olmo3"),
+    # a window shorter than the context: the architecture is named, not the window
+    ("Cohere", dict(sliding_window=16), "cohere"),
     ("Mixtral", dict(sliding_window=16), "mixtral"),
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):

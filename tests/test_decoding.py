@@ -99,7 +99,7 @@ def test_speculative_equals_engine_ar(setup, case):
         assert stats.drafted > 0 and stats.head_evaluations > 0
 
 
-@pytest.mark.parametrize("kind", ["granite", "smollm3", "olmo2", "gemma2"])
+@pytest.mark.parametrize("kind", ["granite", "smollm3", "olmo2", "gemma2", "gemma3"])
 def test_exit_heads_on_llama_variants_equal_hf_greedy(kind):
     """Exit heads' rows start from the embedding as the model's own (Granite: times its
     embedding_multiplier) and climb layers with and without RoPE (SmolLM3): the output is

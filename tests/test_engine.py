@@ -37,7 +37,7 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
 
 
 @pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
-@pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2"])
+@pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2", "gemma3", "olmo3"])
 def test_engine_ar_matches_hf_greedy_on_llama_variants(kind, layout, prefill):
     """SmolLM3 leaves layers 1 and 3 here unrotated (no_rope_layers; the C++ layers run in
     one call per run of layers with or without RoPE); Phi-3 fuses q/k/v and gate/up into
@@ -88,7 +88,7 @@ LAYOUT_DTYPES = [(name, dtype) for name in KEPT for dtype in (torch.float32, tor
 
 
 @pytest.mark.parametrize("layout,dtype", LAYOUT_DTYPES)
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "smollm3", "phi3_partial", "granite", "olmo2", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "smollm3", "phi3_partial", "granite", "olmo2", "gemma2", "gemma3"])
 def test_rows_are_invariant_to_the_other_rows(kind, layout, dtype):
     """Row i of a step with n real rows == the same row computed alone (same width), for
     seg and verify: hidden states and logits bit for bit, in every dtype a layout serves."""

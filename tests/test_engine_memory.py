@@ -81,7 +81,9 @@ def _model_storages(model):
 # a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head),
 # and the empty tensor the fused layers get for a norm a layer does not have (OLMo 2)
 OWNED = ("k_cache", "v_cache", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
-         "screen.rows.2", "screen.rows.3", "_no_norm")
+         "screen.rows.2", "screen.rows.3", "_no_norm",
+         # the RoPE tables (view.cos / view.sin are the first; Gemma 3 has one per layer type)
+         "view.rope_tables.0.0", "view.rope_tables.0.1", "view.rope_tables.1.0", "view.rope_tables.1.1")
 
 
 def _weights_the_engine_reads(engine):
@@ -92,7 +94,7 @@ def _weights_the_engine_reads(engine):
 
 @pytest.mark.parametrize("layout", KEPT)
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("phi3", False), ("smollm3", True),
-                                      ("olmo2", False), ("gemma2", False)])
+                                      ("olmo2", False), ("gemma2", False), ("gemma3", False)])
 def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, tie):
     """Per layout kept: every tensor the engine (its view, layout, attention, fused-layer
     lists) holds, other than its KV cache and small buffers, lives in the storage of one of

@@ -6,30 +6,35 @@ so the engine can run any row range through any layer range. Supported: Llama, M
 Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
 q/k/v and gate/up projections, read as row ranges; partial rotary), Granite (embedding,
 attention, residual and logits multipliers), OLMo 2 (norms on the blocks' outputs
-instead of their inputs, q/k norms over the whole projection), Gemma and Gemma 2 (norms
-scaling by 1 + w, a GELU-gated MLP, a scaled embedding; Gemma 2: norms on both sides of
-each block and tanh soft caps on the attention scores and the logits); GQA, MQA and MHA; tied or untied LM head; linear
+instead of their inputs, q/k norms over the whole projection; OLMo 3: a RoPE per layer
+type), Gemma, Gemma 2 and Gemma 3 text (norms scaling by 1 + w, a GELU-gated MLP, a scaled
+embedding; Gemma 2 and 3: norms on both sides of each block; Gemma 2: tanh soft caps on the
+attention scores and the logits; Gemma 3: a RoPE per layer type); GQA, MQA and MHA; tied or untied LM head; linear
 biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
 dynamic, yarn, llama3, longrope), whose own tables the engine takes.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
-                         "gemma2")
+                         "gemma2", "gemma3_text", "olmo3")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
-CUDA_SOFTCAP_REFUSAL = (
-    "this model soft-caps its attention scores (Gemma 2's attn_logit_softcapping), which the "
-    "engine's CUDA attention kernel does not: use it on the CPU, or plain model.generate()")
+CUDA_GEMMA_REFUSAL = (
+    "this model soft-caps its attention scores (Gemma 2) or rotates its layer types by their own "
+    "RoPE (Gemma 3, OLMo 3), which the engine's CUDA programs do not: use it on the CPU, or plain "
+    "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
-NORM_PLUS_ONE_TYPES = ("gemma", "gemma2")
+NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
+# Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
+GEMMA_LATER_TYPES = ("gemma2", "gemma3_text")
 
 
 class UnsupportedModelError(ValueError):
@@ -203,8 +208,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _activation(config) -> str:
     """The gated MLP's activation name (Gemma 2 and 3 read `hidden_activation`)."""
-    act = getattr(config, "hidden_activation", None) if config.model_type == "gemma2" else None
+    act = getattr(config, "hidden_activation", None) if config.model_type in GEMMA_LATER_TYPES else None
     return act or getattr(config, "hidden_act", "silu")
+
+
+def _rope_layer_types(inner, config) -> tuple[str, ...] | None:
+    """The layer types whose RoPE differs, in first-seen layer order, where HF's rotary
+    module takes a layer type (Gemma 3); None where one RoPE serves every layer."""
+    rotary = getattr(inner, "rotary_emb", None)
+    if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        return None
+    return tuple(dict.fromkeys(config.layer_types))
 
 
 class LayeredModel:
@@ -240,20 +254,29 @@ class LayeredModel:
         self.scaled_embedding = isinstance(getattr(inner.embed_tokens, "embed_scale", None), torch.Tensor)
         self.norm_plus_one = config.model_type in NORM_PLUS_ONE_TYPES
         self.gelu = _activation(config) in GELU_TANH_NAMES
-        gemma2 = config.model_type == "gemma2"
+        gemma2 = config.model_type in GEMMA_LATER_TYPES
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
         self.logits_softcap = getattr(config, "final_logit_softcapping", None) if gemma2 else None
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
         self.logits_scaling = float(config.logits_scaling) if granite else 1.0
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
-        if gemma2:
+        if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
         self.rope_layers = tuple(bool(getattr(layer.self_attn, "use_rope", True)) for layer in inner.layers)
+        # Gemma 3 rotates each layer type (sliding / full attention) by its own RoPE: HF's
+        # rotary module takes the layer type. rope_types: the types in table order (None:
+        # one RoPE for every layer); layer_rope: each layer's table, -1 for none
+        self.rope_types = _rope_layer_types(inner, config)
+        self.layer_rope = tuple(
+            -1 if not rotated else (0 if self.rope_types is None else self.rope_types.index(kind))
+            for rotated, kind in zip(self.rope_layers, getattr(config, "layer_types", None) or
+                                     [None] * self.num_layers))
         self.max_positions = self._table_positions(config, max_positions)
-        self.cos, self.sin = self._rope_tables(inner, self.max_positions)  # [P, d] each
+        self.rope_tables = self._all_rope_tables(inner, self.max_positions)
+        self.cos, self.sin = self.rope_tables[0]  # [P, d] each
 
     @classmethod
     def check_supported(cls, model: torch.nn.Module, max_positions: int = 1) -> None:
@@ -289,9 +312,10 @@ class LayeredModel:
                        for name in names]
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
-        if config.model_type == "gemma2" and getattr(config, "attn_logit_softcapping", None) is not None \
-                and model.lm_head.weight.device.type == "cuda":
-            raise UnsupportedModelError(CUDA_SOFTCAP_REFUSAL)
+        if model.lm_head.weight.device.type == "cuda" and (
+                (config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None)
+                or _rope_layer_types(inner, config) is not None):
+            raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
 
     def set_max_positions(self, max_positions: int) -> None:
         """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank),
@@ -299,7 +323,8 @@ class LayeredModel:
         max_positions = self._table_positions(self.config, max_positions)
         self._check_features(self.config, max_positions)
         self.max_positions = max_positions
-        self.cos, self.sin = self._rope_tables(self.model.model, max_positions)
+        self.rope_tables = self._all_rope_tables(self.model.model, max_positions)
+        self.cos, self.sin = self.rope_tables[0]
 
     @staticmethod
     def _table_positions(config, max_positions: int) -> int:
@@ -366,7 +391,13 @@ class LayeredModel:
             mlp_out_norm=norm("post_feedforward_layernorm"),
         )
 
-    def _rope_tables(self, inner, max_positions: int):
+    def _all_rope_tables(self, inner, max_positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One (cos, sin) per RoPE the layers use (rope_types' order; one for most models)."""
+        if self.rope_types is None:
+            return [self._rope_tables(inner, max_positions)]
+        return [self._rope_tables(inner, max_positions, kind) for kind in self.rope_types]
+
+    def _rope_tables(self, inner, max_positions: int, layer_type: str | None = None):
         """cos/sin for positions [0, max_positions) from the HF rotary module itself, so
         every RoPE variant the HF model supports gives the same tables.
 
@@ -385,10 +416,11 @@ class LayeredModel:
           refuses such a prompt with prefill="engine"."""
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        kind = {} if layer_type is None else {"layer_type": layer_type}
         with torch.no_grad():
             if rope_type(self.config) == "dynamic":
-                inner.rotary_emb(probe, positions[:, :1])
-            cos, sin = inner.rotary_emb(probe, positions)
+                inner.rotary_emb(probe, positions[:, :1], **kind)
+            cos, sin = inner.rotary_emb(probe, positions, **kind)
             short = longrope_short_positions(self.config)
             if short is not None and short < max_positions:
                 cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])

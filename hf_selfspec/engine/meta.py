@@ -34,6 +34,10 @@ class StepMeta:
     # batched steps (C++ row attention only): [n] int64, the slot of each row's logical key 0
     # (its sequence's KV region); [0]: every row's keys start at slot 0
     base: torch.Tensor = NO_BASE
+    # models with a RoPE per layer type (Gemma 3: its sliding layers' own base): the other
+    # tables' cos/sin at the rows' positions, LayeredModel.rope_tables[1:] in order
+    extra_cos: tuple[torch.Tensor, ...] = ()
+    extra_sin: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass

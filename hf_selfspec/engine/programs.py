@@ -45,7 +45,7 @@ from . import costs
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import CUDA_SOFTCAP_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill
+from .layered import CUDA_GEMMA_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -156,8 +156,8 @@ class Engine:
                                           enabled=self.config.measurement_cache)
         self.layout = self._choose_layout()
         self.attention = select_attention(v.device, self.layout)
-        if v.attention_softcap is not None and uses_row_attention(self):
-            raise UnsupportedModelError(CUDA_SOFTCAP_REFUSAL)
+        if uses_row_attention(self) and (v.attention_softcap is not None or len(v.rope_tables) > 1):
+            raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
         # metadata rows: every product row and every attention query row of the widest step
         a = self.layout.attention_rows
         self.meta_rows = max(self.width, -(-self.width // a) * a)
@@ -205,8 +205,11 @@ class Engine:
         layers run as PyTorch ops (another layout, or linear biases). Detached views of the
         model's own parameters: the same storage, no copy."""
         v = self.view
-        if self.layout.kernel_layers is None or v.norm_plus_one or v.gelu or v.attention_softcap is not None:
-            return None  # Gemma's norms, GELU and soft caps: the PyTorch layers (C++ products)
+        if self.layout.kernel_layers is None or v.norm_plus_one or v.gelu or v.attention_softcap is not None \
+                or len(v.rope_tables) > 1:
+            # Gemma's norms, GELU, soft caps and RoPE per layer type: the PyTorch layers
+            # around the same row-invariant products
+            return None
         fused = []
         for lw in self.view.layers:
             linears = (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)
@@ -456,9 +459,11 @@ class Engine:
         base = NO_BASE if bases is None else torch.as_tensor(list(bases), dtype=torch.long)
         if len(base) not in (0, n):
             raise ValueError(f"{len(base)} bases given for {n} rows")
+        at = positions_t[:rows]
+        extra = v.rope_tables[1:]
         return StepMeta(
-            positions_t, slots_t, limit_t, n, rows, biases,
-            v.cos[positions_t[:rows]], v.sin[positions_t[:rows]], path, base,
+            positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
+            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra),
         )
 
     def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
@@ -557,8 +562,11 @@ class Engine:
 
     def _rope_tables(self, meta: StepMeta, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin [rows, d] layer `layer` rotates q and k by in this step."""
-        if self.view.rope_layers[layer]:
+        table = self.view.layer_rope[layer]
+        if table == 0:
             return meta.cos[:rows], meta.sin[:rows]
+        if table > 0:  # a layer type's own RoPE (Gemma 3's sliding layers)
+            return meta.extra_cos[table - 1][:rows], meta.extra_sin[table - 1][:rows]
         return self._no_rotation(rows, meta.cos.dtype)
 
     def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
