@@ -39,7 +39,7 @@ from .decoding.sampling import (
     unsupported_processors,
 )
 from .engine import costs
-from .engine.layered import attention_window, served_positions
+from .engine.layered import attention_window, served_positions, windows_served
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .import_hook import after_import
 from .logs import logger
@@ -244,7 +244,7 @@ class SelfSpecState:
         """The draft model's engine, with as many KV slots as the main engine, or as its
         max_position_embeddings allow where those are fewer: a draft model of shorter context
         serves every request that fits it (the request is checked against it up front)."""
-        limit = served_positions(draft_model.config) or capacity
+        limit = served_positions(draft_model.config, _windowed(draft_model)) or capacity
         capacity = min(capacity, limit)
         if self.draft_model is not draft_model or not self._current(self.draft_engine, draft_model):
             self.draft_engine = None  # free the old cache first
@@ -281,7 +281,7 @@ class SelfSpecState:
         warning where they cannot be set up or captured) and eager elsewhere."""
         from .engine.runner import resolve_executor
 
-        limit = served_positions(model.config) or need
+        limit = served_positions(model.config, _windowed(model)) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
         requested = self.engine_config.executor
         executor = resolve_executor(requested, next(model.parameters()).device)
@@ -299,6 +299,11 @@ class SelfSpecState:
             return Engine(model, replace(config, executor="eager"))
 
 
+def _windowed(model) -> bool:
+    """Whether the engine applies `model`'s sliding windows where it runs (layered.windows_served)."""
+    return windows_served(next(model.parameters()).device)
+
+
 def _check_positions(model, need: int, whose: str) -> None:
     limit = getattr(model.config, "max_position_embeddings", None) or need
     if need > limit:
@@ -308,12 +313,12 @@ def _check_positions(model, need: int, whose: str) -> None:
             "or lower max_new_tokens"
         )
     window = attention_window(model.config)
-    if window is not None and need > window:
+    if window is not None and need > window and not _windowed(model):
         raise ValueError(
             f"this request needs {need} positions (prompt + max_new_tokens), more than {whose} "
             f"sliding window ({window}): up to {window} positions the model attends to every earlier "
-            "token, as hf_selfspec's engine does; past it the model sees only the last "
-            f"{window}, which the engine does not implement. Shorten the prompt or lower "
+            "token, as hf_selfspec's CUDA engine does; past it the model sees only the last "
+            f"{window}, which the engine applies on the CPU only. Shorten the prompt or lower "
             "max_new_tokens, or run this request with plain model.generate() (no assistant='self')"
         )
 
@@ -395,7 +400,7 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     if decode is None:
         decode = DecodeConfig(lookup="first" if loaded is not None else "only")
     if engine is None:
-        limit = served_positions(model.config) or DEFAULT_CAPACITY
+        limit = served_positions(model.config, _windowed(model)) or DEFAULT_CAPACITY
         engine = EngineConfig(capacity=min(DEFAULT_CAPACITY, limit))
     # validate the pair once, here, with the real heads
     if loaded is not None and decode.lookup != "only" and decode.thresholds is None \
@@ -853,7 +858,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # the engine (built on the first call, or rebuilt for a larger request): its build time
     # and step-cost measurement are reported as stats.build_time, not as decoding time
     started, engine_before, draft_before = time.perf_counter(), state.engine, state.draft_engine
-    limit = served_positions(model.config) or need + state.engine_config.width
+    limit = served_positions(model.config, _windowed(model)) or need + state.engine_config.width
     engine = state.engine_for(model, min(need + state.engine_config.width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
     # the attention per row-key: for rows past the measured context, or for any request

@@ -850,7 +850,7 @@ inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G, int64_t
 
 template <typename TC>
 void attention_rows(const float* qp, const TC* kp, const TC* vp, const AttentionMeta& meta, int64_t R, int64_t Hq,
-                    int64_t Hkv, int64_t S, int64_t d, float sc, float softcap, float* op) {
+                    int64_t Hkv, int64_t S, int64_t d, float sc, float softcap, int64_t window, float* op) {
   const int64_t G = Hq / Hkv, stride = (meta.keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
   auto scores = torch::empty({R * Hq, stride}, torch::dtype(torch::kFloat32));
   float* sp = scores.data_ptr<float>();
@@ -861,6 +861,9 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
   const int64_t dd = (d + 7) / 8 * 8;  // keeps every pair's accumulators 32-byte aligned
   const int64_t chunks = (meta.keys + KEY_CHUNK - 1) / KEY_CHUNK;
   const AttentionItems items = attention_items(R, Hkv, G, chunks);
+  // a sliding window: row r sees logical keys j > limit[r] - window (as HF's sliding mask);
+  // the keys before are left out of its scores' maximum and sums, chunks without any skipped
+  auto first_key = [&](int64_t r) { return window > 0 ? std::max<int64_t>(0, lp[r] + 1 - window) : int64_t{0}; };
   // the chunks of pairs with more than one: per (pair, chunk) acc_c (dd floats), then m_c, l_c
   const int64_t part_floats = dd + 8;
   torch::Tensor parts;
@@ -875,6 +878,7 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       const int64_t* path;                        // [Lp, L) on the path; this chunk's keys end
       const TC *kh, *vh, *kb, *vb;                // at `end`, its contiguous ones at
       float* s;                                   // `contiguous_end` (<= its start: none)
+      int64_t from;                               // the first key it sees in this chunk
     };
     const int64_t most = items.rows_per_item * items.heads_per_item;
     std::vector<Pair> pairs;
@@ -900,13 +904,15 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
       pairs.clear();
       int64_t longest = c0;
       for (int64_t r = r0; r < r1; ++r) {
-        if (lp[r] + 1 <= c0) continue;  // the row's keys end before this chunk
+        // the row's keys end before this chunk, or its window starts after it
+        if (lp[r] + 1 <= c0 || first_key(r) >= c0 + KEY_CHUNK) continue;
         for (int64_t h = h0; h < h1; ++h) {
           Pair pr;
           pr.item = r * Hq + h;
           pr.L = lp[r] + 1;
           pr.Lp = pr.L - meta.tree_keys[r];
           pr.end = std::min(pr.L, c0 + KEY_CHUNK);
+          pr.from = std::max(c0, first_key(r));
           pr.contiguous_end = std::min(pr.Lp, pr.end);
           pr.path = pp + r * P;
           pr.kh = kp + g * S * d;  // path slots are absolute
@@ -962,8 +968,10 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
           s[j] = dot<TC>(qs_all + c * dd, pr.kh + pr.path[j - pr.Lp] * d, d);
         if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), per score
           for (int64_t j = c0; j < end; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
-        float m = s[c0];
-        for (int64_t j = c0 + 1; j < end; ++j) m = std::max(m, s[j]);
+        const int64_t from = pr.from;  // keys [c0, from) lie before the row's window
+        for (int64_t j = c0; j < from; ++j) s[j] = -INFINITY;
+        float m = s[from];
+        for (int64_t j = from + 1; j < end; ++j) m = std::max(m, s[j]);
         // lanes past the last key (only a pair's last chunk ends off a multiple of 8: no
         // other chunk's scores there): exp8 -> exp(-87), zeroed below
         for (int64_t j = end; j < end8; ++j) s[j] = -INFINITY;
@@ -971,9 +979,9 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
         __m256 lv = _mm256_setzero_ps();
         for (int64_t j = c0; j < end8; j += 8) {
           __m256 pj = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-          if (j + 8 > end) {  // lanes past the last key contribute exactly 0
+          if (j + 8 > end || j < from) {  // lanes past the last key or before the window: exactly 0
             alignas(32) float keep[8];
-            for (int i = 0; i < 8; ++i) keep[i] = j + i < end ? 1.0f : 0.0f;
+            for (int i = 0; i < 8; ++i) keep[i] = j + i < end && j + i >= from ? 1.0f : 0.0f;
             pj = _mm256_mul_ps(pj, _mm256_load_ps(keep));
           }
           _mm256_storeu_ps(s + j, pj);
@@ -995,7 +1003,7 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
         float* acc = acc_all + c * dd;
         for (int64_t j = std::max(pr.Lp, c0); j < pr.end; ++j)
           weighted_sum_d<TC>(pr.s + j, pr.vh + pr.path[j - pr.Lp] * d, d, 0, 1, acc);
-        if (pr.L <= KEY_CHUNK) {  // the pair's only chunk: its output
+        if (first_key(pr.item / Hq) / KEY_CHUNK == (pr.L - 1) / KEY_CHUNK) {  // its only chunk: its output
           float* o = op + pr.item * d;  // out[r, h*d : (h+1)*d]
           const __m256 lvec = _mm256_set1_ps(sums[c]);
           for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
@@ -1016,15 +1024,15 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
   alignas(32) float acc[kMaxHeadDim];
   for (int64_t r = 0; r < R; ++r) {
     const int64_t L = lp[r] + 1;
-    if (L <= KEY_CHUNK) continue;
-    const int64_t used = (L + KEY_CHUNK - 1) / KEY_CHUNK;
+    const int64_t first = first_key(r) / KEY_CHUNK, last = (L - 1) / KEY_CHUNK;  // the chunks it sees
+    if (first == last) continue;
     for (int64_t h = 0; h < Hq; ++h) {
       const float* pc = part + (r * Hq + h) * chunks * part_floats;
-      float top = pc[dd];
-      for (int64_t c = 1; c < used; ++c) top = std::max(top, pc[c * part_floats + dd]);
+      float top = pc[first * part_floats + dd];
+      for (int64_t c = first + 1; c <= last; ++c) top = std::max(top, pc[c * part_floats + dd]);
       for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
       float l = 0.f;
-      for (int64_t c = 0; c < used; ++c) {
+      for (int64_t c = first; c <= last; ++c) {
         const float* chunk_part = pc + c * part_floats;
         const float w = std::exp(chunk_part[dd] - top);
         l = std::fma(w, chunk_part[dd + 1], l);
@@ -1060,11 +1068,13 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
 // region lies in the cache and whatever the other sequences of the step.
 //
 // softcap > 0: each score s (the scaled product) becomes softcap * tanh(s / softcap) before the
-// softmax (Gemma 2's attn_logit_softcapping); 0: as it is.
+// softmax (Gemma 2's attn_logit_softcapping); 0: as it is. window > 0: a sliding window, row r
+// sees only its logical keys j > limit[r] - window (the keys a query at position limit[r]
+// sees in HF's sliding layers); 0: every key up to limit[r].
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path, torch::Tensor base, double softcap);
+                             double scale, torch::Tensor path, torch::Tensor base, double softcap, int64_t window);
 torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path, torch::Tensor base, double softcap) {
+                             double scale, torch::Tensor path, torch::Tensor base, double softcap, int64_t window) {
   const char* fn = "rows_attention";
   TORCH_CHECK(q.defined() && q.device().is_cpu(), "rows_attention: q must be a CPU tensor");
   TORCH_CHECK(float_kind(q), "rows_attention: q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
@@ -1079,6 +1089,7 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   TORCH_CHECK(std::isfinite(scale), "rows_attention: scale must be finite, got ", scale);
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "rows_attention: softcap must be finite and >= 0 (0: none), got ",
               softcap);
+  TORCH_CHECK(window >= 0, "rows_attention: window must be >= 0 (0: none), got ", window);
   const AttentionMeta meta = check_attention_meta(limit, path, base, R, S, fn);
   if (q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
   auto out = torch::empty({R, Hq * d}, q.options());
@@ -1086,7 +1097,7 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     using TC = decltype(tag);
     attention_rows<TC>(q.data_ptr<float>(), static_cast<const TC*>(k.data_ptr()),
                        static_cast<const TC*>(v.data_ptr()), meta, R, Hq, Hkv, S, d, static_cast<float>(scale),
-                       static_cast<float>(softcap), out.data_ptr<float>());
+                       static_cast<float>(softcap), window, out.data_ptr<float>());
   });
   return out;
 }
@@ -1292,7 +1303,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
         store_row<TC>(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d);
       }
   });
-  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base, 0.0);
+  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base, 0.0, 0);
   // a block's output joins the residual stream times residual_scale (Granite's
   // residual_multiplier: HF multiplies, then adds); 1: added as it is
   auto scaled = [&](torch::Tensor t) { return residual_scale == 1.0 ? t : t.mul_(residual_scale); };

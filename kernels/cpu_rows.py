@@ -1,5 +1,5 @@
 """Row-invariant kernels for the CPU engine (see cpu_rows.cpp): `rows_linear(x, w)` =
-x @ w^T, `rows_attention(q, k, v, limit, scale, path, base, softcap)` and a whole decoder layer built from them,
+x @ w^T, `rows_attention(q, k, v, limit, scale, path, base, softcap, window)` and a whole decoder layer built from them,
 `rows_layer`, each computed so that a row's result is bit-identical whatever the other rows.
 
 The C++ source is compiled once per machine with torch's own extension builder (ninja +
@@ -202,13 +202,14 @@ def load_rows_linear():
 
 def load_rows_attention():
     """The compiled `rows_attention(q [R, Hq, d], k [Hkv, S, d], v [Hkv, S, d], limit int64
-    [R], scale, path int64 [R, P], base int64 [R], softcap) -> o [R, Hq * d] float32` (q float32; k
+    [R], scale, path int64 [R, P], base int64 [R], softcap, window) -> o [R, Hq * d] float32` (q float32; k
     and v float32, bfloat16 or float16, the same; contiguous CPU tensors): row r sees
     logical keys [0, limit[r]]; key j is slot base[r] + j (`NO_BASE`: base 0), except that
     with P > 0 the row's last c_r keys are its c_r path slots (draft trees; -1 pads: see
     cpu_rows.cpp). With a base per row, the rows of several sequences (each in its own KV
     region) share one call, each computing exactly what it computes alone. softcap > 0
-    caps every score s at softcap * tanh(s / softcap) (Gemma 2); 0: none.
+    caps every score s at softcap * tanh(s / softcap) (Gemma 2); 0: none. window > 0: row r
+    sees only its keys j > limit[r] - window (a sliding window); 0: all up to limit[r].
     None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_attention
@@ -274,7 +275,8 @@ def rows_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              limit: torch.Tensor, scale: float,
                              path: torch.Tensor | None = None,
-                             base: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                             base: torch.Tensor | None = None, softcap: float = 0.0,
+                             window: int = 0) -> torch.Tensor:
     """What `rows_attention` computes, in float64 (for tests)."""
     R, Hq, d = q.shape
     group = Hq // k.shape[0]
@@ -290,6 +292,12 @@ def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         first = 0 if base is None or base.numel() == 0 else int(base[r])
         visible[r] = (slots >= first) & (slots <= first + int(limit[r]) - len(tree))
         visible[r, tree] = True
+        if window:  # logical key j at slot first + j (prefix) or at its path slot
+            logical = torch.full((k.shape[1],), -1)
+            logical[first:first + int(limit[r]) + 1 - len(tree)] = torch.arange(int(limit[r]) + 1 - len(tree))
+            for i, slot in enumerate(tree):
+                logical[slot] = int(limit[r]) + 1 - len(tree) + i
+            visible[r] &= logical > int(limit[r]) - window
     hidden = ~visible  # [R, S]
     scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
     o = torch.einsum("rhs,hsd->rhd", scores.softmax(-1), vv)

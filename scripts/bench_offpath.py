@@ -196,7 +196,7 @@ def random_model_run(label, model, args):
     resident memory the engine adds, first / second / third call, identical outputs."""
     params = sum(p.numel() for p in model.parameters()) / 1e9
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 64, (1, 200), generator=gen)  # a small alphabet: prompt lookup copies
+    ids = torch.randint(0, 64, (1, args.prompt_tokens), generator=gen)  # a small alphabet: prompt lookup copies
     greedy = dict(do_sample=False, max_new_tokens=args.max_new_tokens, attention_mask=torch.ones_like(ids))
     model.generate(ids[:, :8], do_sample=False, max_new_tokens=2)  # HF warm-up
     gc.collect()
@@ -214,7 +214,7 @@ def random_model_run(label, model, args):
     _, t_hf2 = timed(lambda: model.generate(ids, **greedy))
     n = hf.shape[1] - ids.shape[1]
     t_hf_med = statistics.median([t_hf, t_hf2])
-    print(f"{label} {params:.2f}B fp32, prompt 200, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
+    print(f"{label} {params:.2f}B fp32, prompt {args.prompt_tokens}, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
           f"first call {t_first:.1f} s (engine build {build:.1f} s), second call {t_second_call:.1f} s, "
           f"warm (third call) {n / t_second:.2f} tok/s = "
           f"{t_hf_med / t_second:.2f}x HF (tau {tau:.2f}); resident memory: HF greedy +{after_hf - base:.2f} GB, the engine "
@@ -258,6 +258,8 @@ def main(argv=None):
     ap.add_argument("--gemma3-layers", type=int, default=26)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=200,
+                    help="prompt length of the random-model parts (past a model's sliding window: its window applies)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -208,23 +208,27 @@ def test_dynamic_rope_after_a_long_hf_call():
     assert self_greedy(model, rows) == expected  # an engine of 64 positions, built now
 
 
+@pytest.mark.parametrize("layout", ["auto", "fixed"])
 @pytest.mark.parametrize("arch,overrides", [
     ("Qwen2", dict(max_window_layers=1)),  # slides from layer max_window_layers on (layer 1)
     ("SmolLM3", dict(num_hidden_layers=4)),  # slides in its layers without RoPE (layer 3)
     ("Phi3", {}),  # slides in every layer (Phi-3-mini-4k: a window of 2047 in 4096 positions)
-], ids=["qwen2", "smollm3", "phi3"])
-def test_a_window_serves_requests_within_it(arch, overrides):
-    """A window shorter than the context, in some layers or all: requests of up to `window`
-    positions are HF's greedy output (the attention is full there), a longer one is refused
-    before any work, naming the window, and the model is left as it was."""
-    model = build(arch, use_sliding_window=True, sliding_window=32, **overrides)
-    within, beyond = prompts(12, 13)  # + NEW = 32 and 33 positions
-    expected = hf_greedy(model, within)
-    attach_heads(model, heads=False)
-    assert self_greedy(model, [within]) == [expected]
-    with pytest.raises(ValueError, match=r"needs 33 positions.*sliding window \(32\)"):
-        self_greedy(model, [beyond])
-    assert self_greedy(model, [within]) == [expected]
+    ("Mistral", {}),  # every layer, from the config alone (no per-module window)
+    ("Gemma3Text", dict(model_class="Gemma3ForCausalLM", head_dim=16, tie_word_embeddings=False,
+                        layer_types=["sliding_attention", "full_attention"])),
+], ids=["qwen2", "smollm3", "phi3", "mistral", "gemma3"])
+def test_a_sliding_window_applies_past_it(arch, overrides, layout):
+    """A window shorter than the context, in some layers or all: every request is HF's greedy
+    output, alone and as a left-padded batch, within the window and past it (the rows then
+    see only their last `window` keys: the C++ attention skips the key chunks before them,
+    here past 512 keys; HF's prefill keeps window - 1 keys of a sliding layer)."""
+    model = build(arch, use_sliding_window=True, sliding_window=16, max_position_embeddings=1024, **overrides)
+    rows = prompts(5, 11, 40, 600)
+    expected = [hf_greedy(model, p) for p in rows]
+    attach_heads(model, heads=False, engine=EngineConfig(row_layout=layout))
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    assert self_greedy(model, rows[:3]) == expected[:3]
+    assert any(model._selfspec.engine.view.layer_window)
 
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [

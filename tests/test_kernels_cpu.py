@@ -85,8 +85,8 @@ def test_bad_input_is_refused(kernel):
 def attention():
     fn = load_rows_attention()
     assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
-    return lambda q, k, v, limit, scale, path=NO_PATH, base=NO_BASE, softcap=0.0: fn(q, k, v, limit, scale, path,
-                                                                                  base, softcap)
+    return lambda q, k, v, limit, scale, path=NO_PATH, base=NO_BASE, softcap=0.0, window=0: fn(
+        q, k, v, limit, scale, path, base, softcap, window)
 
 
 def _cache(gen, hkv, slots, d):
@@ -221,6 +221,37 @@ def test_attention_soft_cap_matches_float64_reference(attention):
                                                               softcap=2.0), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
         attention(q, k, v, lim, 0.25, softcap=-1.0)
+
+
+def test_attention_sliding_window_matches_float64_reference(attention):
+    """window > 0: row r sees only its logical keys j > limit[r] - window: rows within the
+    window, past it inside one key chunk, across a chunk edge, with whole chunks before the
+    window skipped (limit 1099, window 40); tree rows whose path reaches below the window
+    (window 2, paths of 3); rows of several sequences (base) alike; a row alone == among
+    others."""
+    gen = torch.Generator().manual_seed(9)
+    k, v = _cache(gen, 2, 1200, 16)
+    for window in (1, 2, 40, 600):
+        q = torch.randn(7, 4, 16, generator=gen)
+        lim = torch.tensor([0, 5, 39, 40, 530, 700, 1099])
+        o = attention(q, k, v, lim, 0.25, window=window)
+        torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, 0.25, window=window),
+                                   rtol=1e-5, atol=1e-5)
+        for r in (0, 4, 6):
+            assert torch.equal(attention(q[r:r + 1].contiguous(), k, v, lim[r:r + 1], 0.25, window=window)[0], o[r])
+    q = torch.randn(3, 4, 16, generator=gen)
+    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, 105]])
+    lim = torch.tensor([100, 101, 102])
+    tree = attention(q, k, v, lim, 0.25, path, window=2)
+    torch.testing.assert_close(tree, rows_attention_reference(q, k, v, lim, 0.25, path, window=2), rtol=1e-5,
+                               atol=1e-5)
+    base = torch.tensor([0, 300, 600])
+    lim = torch.tensor([20, 250, 590])
+    batched = attention(q, k, v, lim, 0.25, NO_PATH, base, window=30)
+    torch.testing.assert_close(batched, rows_attention_reference(q, k, v, lim, 0.25, None, base, window=30),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        attention(q, k, v, lim, 0.25, window=-1)
 
 
 def test_attention_tree_matches_float64_reference(attention):

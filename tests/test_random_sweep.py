@@ -1,7 +1,7 @@
 """A seeded random sweep off the happy path: each case draws an architecture, a dtype, a
 batch of left-padded prompts of mixed lengths, generation options and a drafter (none, exit
 heads or top-layer heads, thresholds, prompt lookup mode, either prefill, the C++ layers or
-the PyTorch ones) on a tiny random
+the PyTorch ones; sliding windows shorter than most requests) on a tiny random
 model, and checks generate(..., assistant="self") row by row against its reference: in fp32
 HF's greedy output for the prompt alone (HF's batched output where a processor reads the
 padded row: repetition penalty, no_repeat_ngram_size), in bf16/fp16 the engine's own AR
@@ -28,17 +28,18 @@ from hf_selfspec.engine.programs import EngineConfig
 TWO_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
              "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 ARCHS = {
-    "Llama": {}, "Qwen3": {}, "Qwen2": dict(use_sliding_window=False), "Mistral": {},
+    "Llama": {}, "Qwen3": {}, "Qwen2": dict(use_sliding_window=False), "Mistral": dict(sliding_window=24),
     "SmolLM3": dict(no_rope_layer_interval=2), "Phi3": {}, "Olmo2": {},
     "Granite": dict(embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
                     logits_scaling=8.0),
     "Gemma": dict(tie_word_embeddings=False),
     "Gemma2": dict(tie_word_embeddings=False, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                    query_pre_attn_scalar=24),
-    # a RoPE per layer type (Gemma 3 text, OLMo 3): bases 10 and 10000 in alternate layers
-    "Gemma3Text": dict(tie_word_embeddings=False, query_pre_attn_scalar=24, sliding_window=512,
+    # a RoPE per layer type (Gemma 3 text, OLMo 3): bases 10 and 10000 in alternate layers;
+    # their sliding windows (and Mistral's) shorter than most requests here
+    "Gemma3Text": dict(tie_word_embeddings=False, query_pre_attn_scalar=24, sliding_window=24,
                        layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=TWO_ROPES),
-    "Olmo3": dict(sliding_window=512, layer_types=["sliding_attention", "full_attention"] * 2,
+    "Olmo3": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2,
                   rope_parameters=TWO_ROPES),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}

@@ -46,14 +46,17 @@ KEY_BLOCK = 256
 Attend = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def visible_bias(key_limit: torch.Tensor, num_keys: int, group: int) -> torch.Tensor:
-    """Additive mask [group*W, num_keys]: 0 where slot <= key_limit[row], -inf elsewhere.
+def visible_bias(key_limit: torch.Tensor, num_keys: int, group: int, window: int = 0) -> torch.Tensor:
+    """Additive mask [group*W, num_keys]: 0 where slot <= key_limit[row] (and, with a sliding
+    window, slot > key_limit[row] - window, as HF's sliding mask), -inf elsewhere.
 
     key_limit: int64 [W], the last slot each row may see (its own position for a chain).
     Rows are laid out group-major to match `block_attention`'s query layout.
     """
     slots = torch.arange(num_keys, device=key_limit.device)
     hidden = slots[None, :] > key_limit[:, None]  # [W, K]
+    if window:
+        hidden |= slots[None, :] <= key_limit[:, None] - window
     bias = torch.zeros(hidden.shape, dtype=torch.float32, device=key_limit.device)
     bias.masked_fill_(hidden, float("-inf"))
     return bias.repeat(group, 1)  # [G*W, K]
@@ -82,8 +85,10 @@ def block_attention(
         keys = k_cache[:, lo:hi].to(q.dtype)  # no copy when the dtypes agree
         values = v_cache[:, lo:hi].to(q.dtype)
         scores = soft_cap(torch.matmul(q, keys.transpose(1, 2)), softcap) + bias[:, lo:hi]  # [Hkv, GW, B]
-        block_max = scores.amax(-1, keepdim=True)
-        if b == 0:  # block 0 holds slot 0, which every row sees: block_max is finite
+        # a block a sliding window hides from a row entirely has no finite score: its
+        # maximum floors at -1e30, so its exponentials are 0 (a visible score is above)
+        block_max = scores.amax(-1, keepdim=True).clamp_min(-1e30)
+        if b == 0:
             m_max = block_max
             p = torch.exp(scores - m_max)
             l_sum = p.sum(-1, keepdim=True)
@@ -116,11 +121,13 @@ class BlockAttention:
         QR = max(R, len(meta.biases) * A)  # query rows incl. attention padding
         q_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
         o_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
-        k_cache, v_cache, scaling, biases = engine.k_cache, engine.v_cache, v.scaling, meta.biases
+        k_cache, v_cache, scaling = engine.k_cache, engine.v_cache, v.scaling
         softcap = v.attention_softcap
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             q_all[:, :R] = q.to(dtype) * scaling
+            # the masks of this layer's window (meta.biases: full attention)
+            biases = meta.window_biases[v.layer_window[layer]] if v.layer_window[layer] else meta.biases
             for c, bias in enumerate(biases):
                 qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, group * A, d)
                 oc = block_attention(qc, k_cache[layer], v_cache[layer], bias, softcap)
@@ -145,12 +152,12 @@ class CppRowAttention:
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         fn, limits = self.kernel, meta.key_limit[:meta.rows]
         k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
-        base, softcap = meta.base, engine.view.attention_softcap or 0.0
+        base, softcap, windows = meta.base, engine.view.attention_softcap or 0.0, engine.view.layer_window
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             # float32 out (bf16/fp16 q and caches widened exactly): back to q's dtype
             o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path, base,
-                   softcap)
+                   softcap, windows[layer])
             return o.to(q.dtype)
 
         return attend

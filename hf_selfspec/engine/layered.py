@@ -132,13 +132,20 @@ def attention_window(config) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
-def served_positions(config) -> int | None:
+def windows_served(device) -> bool:
+    """Whether the engine's attention on `device` applies sliding windows (the CPU's C++ and
+    PyTorch attention do; the CUDA kernel does not, so there requests stay within them)."""
+    return torch.device(device).type == "cpu"
+
+
+def served_positions(config, windowed: bool = False) -> int | None:
     """The most positions a request may reach in the engine and get the model's own
-    attention: max_position_embeddings, and where a layer slides, at most its window (HF's
-    sliding window lets query position q see keys q - window < j <= q: every key while q is
-    below the window, so the engine's full attention is the model's there). None: no limit."""
+    attention: max_position_embeddings, and where a layer slides and the engine does not
+    apply windows (`windowed` False: its CUDA attention), at most the window (HF's sliding
+    window lets query position q see keys q - window < j <= q: every key while q is below the
+    window, so full attention is the model's there). None: no limit."""
     limit = getattr(config, "max_position_embeddings", None) or None
-    window = attention_window(config)
+    window = None if windowed else attention_window(config)
     if window is None:
         return limit
     return window if limit is None else min(limit, window)
@@ -274,7 +281,13 @@ class LayeredModel:
             -1 if not rotated else (0 if self.rope_types is None else self.rope_types.index(kind))
             for rotated, kind in zip(self.rope_layers, getattr(config, "layer_types", None) or
                                      [None] * self.num_layers))
-        self.max_positions = self._table_positions(config, max_positions)
+        # per layer, the sliding window of its attention (0: none): the module's own where it
+        # names one (Qwen2, Gemma 2/3, OLMo 3, SmolLM3: only its sliding layers), else the
+        # config's for every layer (Mistral, Phi-3)
+        window = attention_window(config) or 0
+        self.layer_window = tuple(
+            int(getattr(layer.self_attn, "sliding_window", window) or 0) for layer in inner.layers)
+        self.max_positions = self._table_positions(config, max_positions, self.device)
         self.rope_tables = self._all_rope_tables(inner, self.max_positions)
         self.cos, self.sin = self.rope_tables[0]  # [P, d] each
 
@@ -298,7 +311,7 @@ class LayeredModel:
                 f"{type(model).__name__} is not a causal LM with an LM head (model.model.layers and "
                 "model.lm_head); load the ...ForCausalLM class, e.g. with "
                 "AutoModelForCausalLM.from_pretrained(name)")
-        cls._check_features(config, cls._table_positions(config, max_positions))
+        cls._check_features(config, cls._table_positions(config, max_positions, model.lm_head.weight.device))
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:
             raise UnsupportedModelError(
@@ -320,18 +333,18 @@ class LayeredModel:
     def set_max_positions(self, max_positions: int) -> None:
         """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank),
         at most max_position_embeddings."""
-        max_positions = self._table_positions(self.config, max_positions)
+        max_positions = self._table_positions(self.config, max_positions, self.device)
         self._check_features(self.config, max_positions)
         self.max_positions = max_positions
         self.rope_tables = self._all_rope_tables(self.model.model, max_positions)
         self.cos, self.sin = self.rope_tables[0]
 
     @staticmethod
-    def _table_positions(config, max_positions: int) -> int:
+    def _table_positions(config, max_positions: int, device) -> int:
         """At most `served_positions`: no request reaches past them (generate() refuses such
         a request), past max_position_embeddings "dynamic" RoPE would rescale HF's rotary
-        module, and past a sliding window the model's attention is no longer full."""
-        limit = served_positions(config)
+        module, and past a sliding window the CUDA attention is no longer the model's."""
+        limit = served_positions(config, windows_served(device))
         return min(max_positions, limit) if limit else max_positions
 
     @staticmethod

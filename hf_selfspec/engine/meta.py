@@ -7,7 +7,7 @@ and the CUDA-graph executor (runner.py) can all name it without importing each o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,9 @@ class StepMeta:
     # tables' cos/sin at the rows' positions, LayeredModel.rope_tables[1:] in order
     extra_cos: tuple[torch.Tensor, ...] = ()
     extra_sin: tuple[torch.Tensor, ...] = ()
+    # the block attention's masks per sliding window of the model's layers (window -> masks
+    # per chunk, as `biases`); empty where no layer slides or the backend reads limits itself
+    window_biases: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass

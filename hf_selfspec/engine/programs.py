@@ -206,9 +206,9 @@ class Engine:
         model's own parameters: the same storage, no copy."""
         v = self.view
         if self.layout.kernel_layers is None or v.norm_plus_one or v.gelu or v.attention_softcap is not None \
-                or len(v.rope_tables) > 1:
-            # Gemma's norms, GELU, soft caps and RoPE per layer type: the PyTorch layers
-            # around the same row-invariant products
+                or len(v.rope_tables) > 1 or any(v.layer_window):
+            # Gemma's norms, GELU, soft caps, RoPE per layer type and sliding windows: the
+            # PyTorch layers around the same row-invariant products and C++ attention
             return None
         fused = []
         for lw in self.view.layers:
@@ -440,9 +440,12 @@ class Engine:
         a = self.layout.attention_rows
         # the block attention takes one mask per chunk of query rows; the Triton and C++
         # row attentions read limit_t themselves
+        chunks = range(self.layout.attention_chunks(n))
         biases = [] if not self.attention.needs_masks else [
-            visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group)
-            for c in range(self.layout.attention_chunks(n))]
+            visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group) for c in chunks]
+        window_biases = {} if not self.attention.needs_masks else {
+            w: [visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group, w) for c in chunks]
+            for w in set(self.view.layer_window) - {0}}
         rows = self.layout.rows(n)
         v = self.view
         path = NO_PATH
@@ -463,7 +466,7 @@ class Engine:
         extra = v.rope_tables[1:]
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
-            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra),
+            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases,
         )
 
     def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
@@ -771,8 +774,10 @@ class Engine:
         cache = DynamicCache(config=self.view.config)
         out = self.view.model.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
-            self.k_cache[li, :, base:base + n] = layer.keys[0]
-            self.v_cache[li, :, base:base + n] = layer.values[0]
+            # a sliding layer keeps only its last window - 1 positions: all a later query sees
+            kept = layer.keys.shape[-2]
+            self.k_cache[li, :, base + n - kept:base + n] = layer.keys[0]
+            self.v_cache[li, :, base + n - kept:base + n] = layer.values[0]
         last = out.last_hidden_state[0, -1]  # after the final norm
         return self.view.scale_logits(self.view.lm_head(last[None]))[0], last
 
