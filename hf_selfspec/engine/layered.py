@@ -63,7 +63,7 @@ class LayerWeights:
     The layer: h += residual(attn_out_norm(o(attention(input_norm(h))))), then
     h += residual(mlp_out_norm(mlp(post_norm(h)))), each norm left out where it is None:
     Llama-family layers norm the blocks' inputs (input_norm, post_norm), OLMo 2 their
-    outputs (attn_out_norm, mlp_out_norm)."""
+    outputs (attn_out_norm, mlp_out_norm), Gemma 2 and 3 both."""
 
     input_norm: torch.Tensor | None  # [H]
     q: torch.nn.Linear | RowSlice
