@@ -44,8 +44,11 @@ UNIT_ROUNDOFF = 2.0 ** -24  # float32
 MAX_CANDIDATES = 512
 # slack on each token's bound for the float32 rounding of ||x||
 SAFETY = 1.001
-# the int8 copy is made only up to this size: it is memory beyond the model's own
-MAX_COPY_BYTES = 128 * 2 ** 20
+# the int8 copy is made only up to this size: it is memory beyond the model's own (a
+# quarter of the float32 LM head's). Big-vocabulary small models need the most from it:
+# Qwen2.5-0.5B's head is 130 MiB of int8, Qwen3-0.6B's 148, Gemma-3-270M's 160, Llama-3.2-1B's
+# 250, Gemma-3-1B's 288, where the float32 head is half or more of what a step reads
+MAX_COPY_BYTES = 320 * 2 ** 20
 # ... and one over this size not at the engine's first request but at its second: making it
 # writes fresh pages, whose first touch right after a big model was built cost a 0.82B
 # model's first call ~2 s here (docs/benchmarks_2026-12-05.md, session 6)
