@@ -1113,7 +1113,7 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
 namespace {
 
 void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t rows,
-                   int64_t n, float eps) {
+                   int64_t n, float eps, float offset = 0.f) {
   const int64_t n8 = n - n % 8;
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
@@ -1127,9 +1127,17 @@ void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* 
     for (int64_t i = n8; i < n; ++i) ss = std::fma(xr[i], xr[i], ss);
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
     const __m256 iv = _mm256_set1_ps(inv);
-    for (int64_t i = 0; i < n8; i += 8)
-      _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), iv)));
-    for (int64_t i = n8; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
+    if (offset == 0.f) {
+      for (int64_t i = 0; i < n8; i += 8)
+        _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), iv)));
+      for (int64_t i = n8; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
+    } else {  // Gemma: (offset + w) * (x * inv), the sum rounded to float32 first as HF's 1 + w
+      const __m256 ov = _mm256_set1_ps(offset);
+      for (int64_t i = 0; i < n8; i += 8)
+        _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_add_ps(ov, _mm256_loadu_ps(w + i)),
+                                               _mm256_mul_ps(_mm256_loadu_ps(xr + i), iv)));
+      for (int64_t i = n8; i < n; ++i) yr[i] = (offset + w[i]) * (xr[i] * inv);
+    }
   }
 }
 
@@ -1173,6 +1181,17 @@ void silu_mul(const float* __restrict g, const float* __restrict u, float* __res
   }
 }
 
+// a = gelu(g) * u with GELU's tanh approximation, 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715
+// g^3))) as torch's gelu(approximate="tanh") (Gemma's gelu_pytorch_tanh), elementwise
+void gelu_tanh_mul(const float* __restrict g, const float* __restrict u, float* __restrict a, int64_t n) {
+  constexpr float beta = 0.7978845608028654f, kappa = 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i];
+    const float inner = beta * (x + kappa * x * x * x);
+    a[i] = 0.5f * x * (1.0f + std::tanh(inner)) * u[i];
+  }
+}
+
 // one row's K or V (float32) into a cache slot of type TC (round to nearest even, as
 // torch's .to(dtype))
 template <typename TC>
@@ -1195,16 +1214,18 @@ inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d
 // (widened to float32). cos / sin [R, d] float32 at the rows' positions; slots
 // int64 [R]; limit int64 [R] the last (logical) key each row sees, path [R, P] its tree slots
 // (see rows_attention; P = 0 for chains), base int64 [R] or [0] the slot of each row's
-// logical key 0 (see rows_attention). All CPU and contiguous, no biases (the caller uses
+// logical key 0 (see rows_attention). norm_offset 1: every norm scales by (1 + w) (Gemma;
+// 0: by w); gelu: the MLP's activation is GELU's tanh approximation (Gemma; else SiLU);
+// softcap, window: as rows_attention's. All CPU and contiguous, no biases (the caller uses
 // the PyTorch path for biased layers). Everything is checked before the cache is written.
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
-                         torch::Tensor base);
+                         torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window);
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
-                         torch::Tensor base) {
+                         torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window) {
   const char* fn = "rows_layer";
   TORCH_CHECK(weights.size() == 9 || weights.size() == 11 || weights.size() == 13,
               "rows_layer: 9 weights, 11 with q/k norms or 13 with output norms, got ", weights.size());
@@ -1259,6 +1280,8 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rows_layer: eps must be finite and >= 0, got ", eps);
   TORCH_CHECK(std::isfinite(scale), "rows_layer: scale must be finite, got ", scale);
   TORCH_CHECK(std::isfinite(residual_scale), "rows_layer: residual_scale must be finite, got ", residual_scale);
+  TORCH_CHECK(norm_offset == 0.0 || norm_offset == 1.0, "rows_layer: norm_offset must be 0 or 1 (Gemma), got ",
+              norm_offset);
   auto sl = index_vector(slots, R, fn, "slots");
   const int64_t* sp = sl.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r)
@@ -1270,12 +1293,12 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   for (int i : {0, 5, 9, 10, 11, 12})
     if (i < static_cast<int>(weights.size()) && !absent(i)) norm[i] = weights[i].to(at::kFloat).contiguous();
 
-  const float e = static_cast<float>(eps);
+  const float e = static_cast<float>(eps), off = static_cast<float>(norm_offset);
   // norm i of the rows of t [R, H] into out (out may be t), where the layer has that norm;
   // t itself where it has not
   auto normed = [&](const torch::Tensor& t, int i, const torch::Tensor& out) {
     if (!norm[i].defined()) return t;
-    rms_norm_rows(t.data_ptr<float>(), norm[i].data_ptr<float>(), out.data_ptr<float>(), R, H, e);
+    rms_norm_rows(t.data_ptr<float>(), norm[i].data_ptr<float>(), out.data_ptr<float>(), R, H, e, off);
     return out;
   };
   auto buffer = torch::empty_like(h);  // the blocks' normed inputs
@@ -1285,9 +1308,9 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   auto v = rows_linear(x, weights[3]);
   if (norm[9].defined()) {  // q/k norms before RoPE, on each head or on the whole projection
     rms_norm_rows(q.data_ptr<float>(), norm[9].data_ptr<float>(), q.data_ptr<float>(), whole_qk ? R : R * Hq,
-                  whole_qk ? Hq * d : d, e);
+                  whole_qk ? Hq * d : d, e, off);
     rms_norm_rows(k.data_ptr<float>(), norm[10].data_ptr<float>(), k.data_ptr<float>(), whole_qk ? R : R * Hkv,
-                  whole_qk ? Hkv * d : d, e);
+                  whole_qk ? Hkv * d : d, e, off);
   }
   rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d, rot);
   rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d, rot);
@@ -1303,7 +1326,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
         store_row<TC>(vc + (g * S + sp[r]) * d, vp + (r * Hkv + g) * d, d);
       }
   });
-  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base, 0.0, 0);
+  auto o = rows_attention(q.view({R, Hq, d}), k_cache, v_cache, limit, scale, path, base, softcap, window);
   // a block's output joins the residual stream times residual_scale (Granite's
   // residual_multiplier: HF multiplies, then adds); 1: added as it is
   auto scaled = [&](torch::Tensor t) { return residual_scale == 1.0 ? t : t.mul_(residual_scale); };
@@ -1312,7 +1335,8 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   const auto x1 = normed(h1, 5, buffer);
   auto gate = rows_linear(x1, weights[6]);
   auto up = rows_linear(x1, weights[7]);
-  silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
+  if (gelu) gelu_tanh_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
+  else silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
   auto mlp_out = rows_linear(gate, weights[8]);
   return h1 + scaled(normed(mlp_out, 12, mlp_out));
 }
@@ -1725,11 +1749,13 @@ torch::Tensor rows_screen(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
 torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
-                          torch::Tensor path, torch::Tensor base, int64_t start, int64_t end);
+                          torch::Tensor path, torch::Tensor base, int64_t start, int64_t end, double norm_offset,
+                          bool gelu, double softcap, int64_t window);
 torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
-                          torch::Tensor path, torch::Tensor base, int64_t start, int64_t end) {
+                          torch::Tensor path, torch::Tensor base, int64_t start, int64_t end, double norm_offset,
+                          bool gelu, double softcap, int64_t window) {
   TORCH_CHECK(per_layer == 9 || per_layer == 11 || per_layer == 13, "rows_layers: 9, 11 or 13 weights per layer, got ",
               per_layer);
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
@@ -1742,7 +1768,8 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
   const auto wtype = weights[1].scalar_type();
   for (int64_t li = start; li < end; ++li) {
     std::vector<torch::Tensor> w(weights.begin() + li * per_layer, weights.begin() + (li + 1) * per_layer);
-    h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, residual_scale, path, base);
+    h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, residual_scale, path, base,
+                   norm_offset, gelu, softcap, window);
     if (wtype != at::kFloat) h = h.to(wtype).to(at::kFloat);
   }
   return h;

@@ -278,7 +278,8 @@ def test_rows_do_not_depend_on_where_segs_split_the_layers(layout, dtype):
         assert torch.equal(logits, whole), splits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma",
+                                  "gemma2", "gemma3", "olmo3"])
 def test_kernel_layout_fused_layers_match_the_pytorch_layer(kind):
     """The kernel layout runs a step's decoder layers in one C++ call (rows_layers) unless a
     layer has biases: its hidden states, KV and logits agree with the same engine running the

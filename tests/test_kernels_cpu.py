@@ -398,11 +398,13 @@ def layer():
     return fn
 
 
-def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, out_norms=False,
+def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, out_norms=False, gemma=False,
                 dtype=torch.float32, cache_dtype=torch.float32):
     """Random weights (dtype), cache (cache_dtype) and R chain rows at slots 20.. of a
     cache whose slots before them hold earlier keys. out_norms: OLMo 2's form (no input or
-    post norm, q/k norms over the whole projection, the blocks' outputs normed)."""
+    post norm, q/k norms over the whole projection, the blocks' outputs normed); gemma: Gemma
+    2/3's (all four norms and per-head q/k norms, scaling by 1 + w around 0; GELU; scores
+    soft-capped at 2; a sliding window of 9 keys)."""
     def mat(o, i):
         return (torch.randn(o, i, generator=gen) / i ** 0.5).to(dtype)
 
@@ -417,6 +419,10 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, o
         none = torch.empty(0, dtype=dtype)
         w[0], w[5] = none, none
         w += [norm(Hq * d), norm(Hkv * d), norm(H), norm(H)]
+    if gemma:
+        w += [norm(d), norm(d), norm(H), norm(H)]
+        for i in (0, 5, 9, 10, 11, 12):  # weights around 0: the norms scale by 1 + w
+            w[i] = w[i] - 1
     k_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
     v_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
     h = torch.randn(R, H, generator=gen)
@@ -424,15 +430,23 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, o
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     ang = pos[:, None].float() * inv[None]
     ang = torch.cat([ang, ang], -1)
+    if gemma:
+        h = 4 * h  # scores of several units: the cap matters
     return dict(h=h, weights=w, k_cache=k_cache, v_cache=v_cache, cos=ang.cos(), sin=ang.sin(),
                 slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, residual_scale=1.0, path=NO_PATH,
-                base=NO_BASE)
+                base=NO_BASE, norm_offset=1.0 if gemma else 0.0, gelu=gemma, softcap=2.0 if gemma else 0.0,
+                window=9 if gemma else 0)
 
 
 def _call(layer, case, **changes):
     c = {**case, **changes}
     return layer(c["h"], c["weights"], c["k_cache"], c["v_cache"], c["cos"], c["sin"], c["slots"],
-                 c["limit"], c["eps"], c["scale"], c["residual_scale"], c["path"], c["base"])
+                 c["limit"], c["eps"], c["scale"], c["residual_scale"], c["path"], c["base"], *_layer_form(c))
+
+
+def _layer_form(case) -> tuple:
+    """rows_layer(s)'s last arguments: norm_offset, gelu, softcap, window."""
+    return case["norm_offset"], case["gelu"], case["softcap"], case["window"]
 
 
 def _layer_reference(case):
@@ -443,8 +457,8 @@ def _layer_reference(case):
     R, H = c["h"].shape
     Hq = W[1].shape[0] // d
 
-    def rms(x, g):  # an empty weight: no norm
-        return x if g.numel() == 0 else g * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
+    def rms(x, g):  # an empty weight: no norm; Gemma's scale by 1 + w
+        return x if g.numel() == 0 else (g + c["norm_offset"]) * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
 
     def rope(t):  # on the first cos.shape[-1] dimensions of each head (partial rotary)
         r = c["cos"].shape[-1]
@@ -466,20 +480,22 @@ def _layer_reference(case):
     for r in range(R):  # the kernel stores its float32 K/V rounded to the cache dtype
         kc[:, c["slots"][r]] = k[r].float().to(c["k_cache"].dtype).double()
         vc[:, c["slots"][r]] = v[r].float().to(c["v_cache"].dtype).double()
-    o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"], c["base"])
+    o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"], c["base"], c["softcap"], c["window"])
     no_norm = W[0].new_empty(0)
     attn_norm, mlp_norm = (W[11], W[12]) if len(W) == 13 else (no_norm, no_norm)
     h1 = h + rms(o @ W[4].T, attn_norm) * c["residual_scale"]
     x = rms(h1, W[5])
-    return h1 + rms((F.silu(x @ W[6].T) * (x @ W[7].T)) @ W[8].T, mlp_norm) * c["residual_scale"]
+    act = F.gelu(x @ W[6].T, approximate="tanh") if c["gelu"] else F.silu(x @ W[6].T)
+    return h1 + rms((act * (x @ W[7].T)) @ W[8].T, mlp_norm) * c["residual_scale"]
 
 
 LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d 12 and 64
     dict(H=76, Hq=4, Hkv=2, d=12, I=150),
     dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True),
     dict(H=76, Hq=4, Hkv=2, d=12, I=150, out_norms=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, I=150, gemma=True),
 ]
-LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms"]
+LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms", "d12-gemma"]
 
 
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)
@@ -562,22 +578,23 @@ def test_all_layers_in_one_call_equal_one_call_per_layer(layer, dtype):
     c0 = cases[0]
     args = (c0["cos"], c0["sin"], c0["slots"], c0["limit"], c0["eps"], c0["scale"], c0["residual_scale"], c0["path"],
             c0["base"])
+    form = _layer_form(c0)
     h = c0["h"]
     k_ref, v_ref = k_all.clone(), v_all.clone()
     expected = h
     for li in (1, 2):
-        expected = layer(expected, cases[li]["weights"], k_ref[li], v_ref[li], *args)
+        expected = layer(expected, cases[li]["weights"], k_ref[li], v_ref[li], *args, *form)
         if dtype != torch.float32:
             expected = expected.to(dtype).float()
-    got = layers(h, flat, 11, k_all, v_all, *args, 1, 3)
+    got = layers(h, flat, 11, k_all, v_all, *args, 1, 3, *form)
     assert torch.equal(got, expected)
     assert torch.equal(k_all, k_ref) and torch.equal(v_all, v_ref)
     with pytest.raises(RuntimeError, match="outside the 3 given"):
-        layers(h, flat, 11, k_all, v_all, *args, 2, 4)
+        layers(h, flat, 11, k_all, v_all, *args, 2, 4, *form)
     with pytest.raises(RuntimeError, match="whole layers"):
-        layers(h, flat[:-1], 11, k_all, v_all, *args, 0, 1)
+        layers(h, flat[:-1], 11, k_all, v_all, *args, 0, 1, *form)
     with pytest.raises(RuntimeError, match=r"\[L, Hkv, S, d\] with L = 3"):
-        layers(h, flat, 11, k_all[:2], v_all[:2], *args, 0, 1)
+        layers(h, flat, 11, k_all[:2], v_all[:2], *args, 0, 1, *form)
 
 
 def test_layer_bad_arguments_are_refused_before_any_write(layer):
@@ -591,6 +608,7 @@ def test_layer_bad_arguments_are_refused_before_any_write(layer):
 
     cases = [
         (dict(weights=w[:8]), "9 weights, 11 with q/k norms or 13"),
+        (dict(norm_offset=0.5), "norm_offset must be 0 or 1"),
         (dict(weights=w + [w[0]]), "9 weights, 11 with q/k norms or 13"),
         (dict(weights=w + [w[0], w[0][:-1]]), "MLP output norm weight must be \\[76\\] or empty"),
         (dict(weights=swap(9, w[9][:0])), "q norm and k norm must both be given or both be empty"),

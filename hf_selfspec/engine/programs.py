@@ -164,6 +164,7 @@ class Engine:
         self._meta_host = torch.zeros(3, self.meta_rows, dtype=torch.long)
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
         self._all_rotary = all(v.rope_layers)
+        self._uniform_layers = len(set(zip(v.layer_rope, v.layer_window))) == 1
         self._inputs_normed = all(lw.norms_inputs_only for lw in v.layers)
         if not self._all_rotary:  # made now, not inside a CUDA graph's capture
             for dtype in {v.cos.dtype, torch.float32}:
@@ -204,11 +205,7 @@ class Engine:
         """Per layer, the weights `rows_layer(s)` takes (see cpu_rows.cpp), or None when the
         layers run as PyTorch ops (another layout, or linear biases). Detached views of the
         model's own parameters: the same storage, no copy."""
-        v = self.view
-        if self.layout.kernel_layers is None or v.norm_plus_one or v.gelu or v.attention_softcap is not None \
-                or len(v.rope_tables) > 1 or any(v.layer_window):
-            # Gemma's norms, GELU, soft caps, RoPE per layer type and sliding windows: the
-            # PyTorch layers around the same row-invariant products and C++ attention
+        if self.layout.kernel_layers is None:
             return None
         fused = []
         for lw in self.view.layers:
@@ -498,14 +495,17 @@ class Engine:
             # registers); the residual stream rounds to the model's dtype at EVERY layer
             # boundary, so a row's bits never depend on where a seg ends (AR: one run of all
             # layers; a chain: several segs), as with the PyTorch layers in that dtype
-            cos, sin = meta.cos[:n].float().contiguous(), meta.sin[:n].float().contiguous()
             dtype = h.dtype
             h = h.float().contiguous()
-            for lo, hi, rotary in self._rope_runs(start, end):  # one call unless layers skip RoPE
-                c, s = (cos, sin) if rotary else self._no_rotation(n, torch.float32)
+            offset, softcap = 1.0 if v.norm_plus_one else 0.0, v.attention_softcap or 0.0
+            # one call unless layers differ in RoPE (SmolLM3's unrotated, Gemma 3's per type)
+            # or window (the sliding layers of Gemma 2/3, Qwen2, ...)
+            for lo, hi, table, window in self._layer_runs(start, end):
+                c, s = self._run_tables(meta, table, n)
                 h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
                                               self.v_cache, c, s, slots, limits, v.eps, v.scaling,
-                                              v.residual_multiplier, meta.path, meta.base, lo, hi)
+                                              v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
+                                              softcap, window)
             return h.to(dtype)
         lin = self.layout.linear
         h = self._pad(h, R)
@@ -538,19 +538,28 @@ class Engine:
             h = h + v.residual(m)
         return h[:n]
 
-    def _rope_runs(self, start: int, end: int) -> list[tuple[int, int, bool]]:
-        """Layers [start, end) as maximal runs (lo, hi, rotary) of layers that all rotate q
-        and k, or all do not (LayeredModel.rope_layers): one run for most models."""
-        flags = self.view.rope_layers
-        if self._all_rotary:  # every model but SmolLM3: no loop over the layers per step
-            return [(start, end, True)]
-        runs: list[tuple[int, int, bool]] = []
+    def _layer_runs(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """Layers [start, end) as maximal runs (lo, hi, table, window) of layers with one
+        RoPE table (LayeredModel.layer_rope: -1 none) and one sliding window (0: none): one
+        run for most models."""
+        v = self.view
+        if self._uniform_layers:  # no loop over the layers per step
+            return [(start, end, v.layer_rope[0], v.layer_window[0])]
+        runs: list[tuple[int, int, int, int]] = []
         for li in range(start, end):
-            if runs and runs[-1][2] == flags[li]:
-                runs[-1] = (runs[-1][0], li + 1, flags[li])
+            kind = (v.layer_rope[li], v.layer_window[li])
+            if runs and runs[-1][2:] == kind:
+                runs[-1] = (runs[-1][0], li + 1, *kind)
             else:
-                runs.append((li, li + 1, flags[li]))
+                runs.append((li, li + 1, *kind))
         return runs
+
+    def _run_tables(self, meta: StepMeta, table: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos/sin [rows, d] of RoPE table `table` (-1: no rotation) in this step."""
+        if table < 0:
+            return self._no_rotation(rows, torch.float32)
+        cos, sin = (meta.cos, meta.sin) if table == 0 else (meta.extra_cos[table - 1], meta.extra_sin[table - 1])
+        return cos[:rows].float().contiguous(), sin[:rows].float().contiguous()
 
     def _no_rotation(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos = 1, sin = 0 for `rows` rows: apply_rope(q, cos, sin) is q bit for bit (a
