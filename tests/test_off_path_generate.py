@@ -89,6 +89,24 @@ def test_batch_rows_stopped_without_eos_decode_on_as_in_hf(pair, monkeypatch):
     assert torch.equal(got.sequences, expected.sequences)
 
 
+def test_a_text_generation_pipeline_passes_assistant_self(pair):
+    """pipeline("text-generation") forwards assistant="self" to generate(): the same text as
+    the plain pipeline (greedy), for one prompt and a batch of two."""
+    from transformers import pipeline
+
+    ref, model = pair
+    tokenizer = char_tokenizer()
+    tokenizer.pad_token, tokenizer.padding_side = "0", "left"
+    plain = pipeline("text-generation", model=ref, tokenizer=tokenizer)
+    ours = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    for texts in (["123456789:;<=>123456789"], ["123456789:;<=>123456789", "::;;<<==>>"]):
+        kw = dict(max_new_tokens=12, do_sample=False, batch_size=len(texts))
+        expected = [r[0]["generated_text"] for r in plain(texts, **kw)]
+        model.selfspec_stats = None
+        assert [r[0]["generated_text"] for r in ours(texts, assistant="self", **kw)] == expected
+        assert model.selfspec_stats is not None  # our loop ran
+
+
 def test_repetition_penalty_on_a_left_padded_batch(pair):
     """HF's repetition penalty holds each batch row's padding length (it does not penalise
     the pad id there); every row is scored alone here, with its own length: HF's batch
