@@ -219,6 +219,14 @@ def _activation(config) -> str:
     return act or getattr(config, "hidden_act", "silu")
 
 
+def cpu_only(config, inner) -> bool:
+    """Whether the model needs what only the engine's CPU programs do: Gemma 2's attention
+    soft cap (the Triton attention has none) or a RoPE per layer type (the CUDA-graph runner
+    gathers one table)."""
+    softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
+    return softcap or _rope_layer_types(inner, config) is not None
+
+
 def _rope_layer_types(inner, config) -> tuple[str, ...] | None:
     """The layer types whose RoPE differs, in first-seen layer order, where HF's rotary
     module takes a layer type (Gemma 3); None where one RoPE serves every layer."""
@@ -325,9 +333,7 @@ class LayeredModel:
                        for name in names]
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
-        if model.lm_head.weight.device.type == "cuda" and (
-                (config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None)
-                or _rope_layer_types(inner, config) is not None):
+        if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
             raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
 
     def set_max_positions(self, max_positions: int) -> None:

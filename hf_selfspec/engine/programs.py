@@ -45,7 +45,7 @@ from . import costs
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import CUDA_GEMMA_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill
+from .layered import CUDA_GEMMA_REFUSAL, LayeredModel, cpu_only, UnsupportedModelError, apply_rope, check_engine_prefill
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -156,7 +156,7 @@ class Engine:
                                           enabled=self.config.measurement_cache)
         self.layout = self._choose_layout()
         self.attention = select_attention(v.device, self.layout)
-        if uses_row_attention(self) and (v.attention_softcap is not None or len(v.rope_tables) > 1):
+        if uses_row_attention(self) and cpu_only(v.config, v.model.model):
             raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
         # metadata rows: every product row and every attention query row of the widest step
         a = self.layout.attention_rows
@@ -165,6 +165,7 @@ class Engine:
         self._meta = torch.zeros(3, self.meta_rows, dtype=torch.long, device=v.device)
         self._all_rotary = all(v.rope_layers)
         self._uniform_layers = len(set(zip(v.layer_rope, v.layer_window))) == 1
+        self._windows = sorted(set(v.layer_window) - {0})  # the sliding windows among the layers
         self._inputs_normed = all(lw.norms_inputs_only for lw in v.layers)
         if not self._all_rotary:  # made now, not inside a CUDA graph's capture
             for dtype in {v.cos.dtype, torch.float32}:
@@ -442,7 +443,7 @@ class Engine:
             visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group) for c in chunks]
         window_biases = {} if not self.attention.needs_masks else {
             w: [visible_bias(limit_t[c * a:(c + 1) * a], num_keys, self.group, w) for c in chunks]
-            for w in set(self.view.layer_window) - {0}}
+            for w in self._windows}
         rows = self.layout.rows(n)
         v = self.view
         path = NO_PATH
@@ -499,9 +500,12 @@ class Engine:
             h = h.float().contiguous()
             offset, softcap = 1.0 if v.norm_plus_one else 0.0, v.attention_softcap or 0.0
             # one call unless layers differ in RoPE (SmolLM3's unrotated, Gemma 3's per type)
-            # or window (the sliding layers of Gemma 2/3, Qwen2, ...)
+            # or window (the sliding layers of Gemma 2/3, Qwen2, ...); each table widened once
+            widened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             for lo, hi, table, window in self._layer_runs(start, end):
-                c, s = self._run_tables(meta, table, n)
+                if table not in widened:
+                    widened[table] = self._float_tables(meta, table, n)
+                c, s = widened[table]
                 h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
                                               self.v_cache, c, s, slots, limits, v.eps, v.scaling,
                                               v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
@@ -554,12 +558,12 @@ class Engine:
                 runs.append((li, li + 1, *kind))
         return runs
 
-    def _run_tables(self, meta: StepMeta, table: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float32 cos/sin [rows, d] of RoPE table `table` (-1: no rotation) in this step."""
-        if table < 0:
+    def _float_tables(self, meta: StepMeta, table: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_table_rows` in float32, contiguous (what rows_layers reads)."""
+        if table < 0:  # made in float32 at build
             return self._no_rotation(rows, torch.float32)
-        cos, sin = (meta.cos, meta.sin) if table == 0 else (meta.extra_cos[table - 1], meta.extra_sin[table - 1])
-        return cos[:rows].float().contiguous(), sin[:rows].float().contiguous()
+        cos, sin = self._table_rows(meta, table, rows)
+        return cos.float().contiguous(), sin.float().contiguous()
 
     def _no_rotation(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos = 1, sin = 0 for `rows` rows: apply_rope(q, cos, sin) is q bit for bit (a
@@ -574,10 +578,14 @@ class Engine:
 
     def _rope_tables(self, meta: StepMeta, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos/sin [rows, d] layer `layer` rotates q and k by in this step."""
-        table = self.view.layer_rope[layer]
+        return self._table_rows(meta, self.view.layer_rope[layer], rows)
+
+    def _table_rows(self, meta: StepMeta, table: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin [rows, d] of RoPE table `table` in this step (LayeredModel.layer_rope:
+        0 the first, k > 0 a layer type's own, Gemma 3's sliding layers; -1 no rotation)."""
         if table == 0:
             return meta.cos[:rows], meta.sin[:rows]
-        if table > 0:  # a layer type's own RoPE (Gemma 3's sliding layers)
+        if table > 0:
             return meta.extra_cos[table - 1][:rows], meta.extra_sin[table - 1][:rows]
         return self._no_rotation(rows, meta.cos.dtype)
 
