@@ -39,7 +39,7 @@ from .decoding.sampling import (
     unsupported_processors,
 )
 from .engine import costs
-from .engine.layered import attention_window, served_positions, windows_served
+from .engine.layered import attention_window, served_positions, text_config, text_decoder, windows_served
 from .engine.programs import DEFAULT_CAPACITY, Engine, EngineConfig
 from .import_hook import after_import
 from .logs import logger
@@ -244,7 +244,7 @@ class SelfSpecState:
         """The draft model's engine, with as many KV slots as the main engine, or as its
         max_position_embeddings allow where those are fewer: a draft model of shorter context
         serves every request that fits it (the request is checked against it up front)."""
-        limit = served_positions(draft_model.config, _windowed(draft_model)) or capacity
+        limit = served_positions(text_config(draft_model), _windowed(draft_model)) or capacity
         capacity = min(capacity, limit)
         if self.draft_model is not draft_model or not self._current(self.draft_engine, draft_model):
             self.draft_engine = None  # free the old cache first
@@ -281,7 +281,7 @@ class SelfSpecState:
         warning where they cannot be set up or captured) and eager elsewhere."""
         from .engine.runner import resolve_executor
 
-        limit = served_positions(model.config, _windowed(model)) or need
+        limit = served_positions(text_config(model), _windowed(model)) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
         requested = self.engine_config.executor
         executor = resolve_executor(requested, next(model.parameters()).device)
@@ -305,14 +305,14 @@ def _windowed(model) -> bool:
 
 
 def _check_positions(model, need: int, whose: str) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None) or need
+    limit = getattr(text_config(model), "max_position_embeddings", None) or need
     if need > limit:
         raise ValueError(
             f"this request needs {need} positions (prompt + max_new_tokens), "
             f"more than {whose} max_position_embeddings ({limit}); shorten the prompt "
             "or lower max_new_tokens"
         )
-    window = attention_window(model.config)
+    window = attention_window(text_config(model))
     if window is not None and need > window and not _windowed(model):
         raise ValueError(
             f"this request needs {need} positions (prompt + max_new_tokens), more than {whose} "
@@ -328,7 +328,7 @@ def _check_engine_prefill(model, config: EngineConfig, prompt_len: int) -> None:
     from .engine.layered import check_engine_prefill
 
     if config.prefill == "engine":
-        check_engine_prefill(model.config, prompt_len)
+        check_engine_prefill(text_config(model), prompt_len)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -400,7 +400,7 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     if decode is None:
         decode = DecodeConfig(lookup="first" if loaded is not None else "only")
     if engine is None:
-        limit = served_positions(model.config, _windowed(model)) or DEFAULT_CAPACITY
+        limit = served_positions(text_config(model), _windowed(model)) or DEFAULT_CAPACITY
         engine = EngineConfig(capacity=min(DEFAULT_CAPACITY, limit))
     # validate the pair once, here, with the real heads
     if loaded is not None and decode.lookup != "only" and decode.thresholds is None \
@@ -446,7 +446,8 @@ def _default_or_no_heads(model, revision):
     base = _read_base(folder / "config.json")
     name = getattr(model.config, "_name_or_path", "") or ""
     if base is not None:
-        dims = (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size)
+        text = text_config(model)
+        dims = (text.num_hidden_layers, text.hidden_size, text.vocab_size)
         if dims == (base.get("num_layers"), base.get("hidden_size"), base.get("vocab_size")):
             if fingerprint(model) == base.get("base_fingerprint"):
                 return _load_heads(model, None, revision)  # the default model: errors are real
@@ -557,6 +558,9 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported with assistant='self': pass input_ids")
+    # an image-text model's media, refused before HF's generate() encodes them (the loop's
+    # _check_text_inputs refuses any other input it would leave unread)
+    _check_text_inputs({name: kwargs.get(name) for name in MEDIA_INPUTS})
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     _check_passed_cache(ids, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
     _check_input_ids(ids, kwargs.get("attention_mask"))
@@ -578,8 +582,12 @@ def _check_module_hooks(model) -> None:
     the model's forward): a forward hook or pre-hook on one of its modules (activation
     steering, a patched norm or LM head) would change the prompt's pass and no decoded token,
     a silently different output. Refused, naming the module. transformers' own hooks are left
-    alone: they record outputs, or act in training only."""
+    alone: they record outputs, or act in training only. An image-text model's other parts
+    (its vision tower) take no part in decoding text."""
+    decoding = {id(model)} | {id(m) for part in (text_decoder(model), model.lm_head) for m in part.modules()}
     for name, module in model.named_modules():
+        if id(module) not in decoding:
+            continue
         for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
             for hook in hooks.values():
                 where = getattr(hook, "__module__", None) or type(hook).__module__ or ""
@@ -709,6 +717,32 @@ def _prepare_generation_config(self, generation_config, *args, **kwargs):
     return config, model_kwargs
 
 
+# image-text models' inputs beside the text (HF's generate() turns pixel_values into
+# mm_encoder_outputs before the loop is reached)
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_sizes", "input_features", "mm_encoder_outputs")
+# what HF's generate() passes the loop beside the prompt, all read or rebuilt by the engine
+_ENGINE_MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                                  "position_ids", "cache_position"})
+
+
+def _check_text_inputs(model_kwargs: dict) -> None:
+    """The engine decodes text: another input the model's forward would read (an image-text
+    model's pixel_values, ...) would be silently dropped, so it is refused by name (an empty
+    container, as HF's own mm_encoder_outputs={}, holds nothing).
+    token_type_ids marking no image (all 0: Gemma 3's processor gives them for text) are the
+    text's own."""
+    for name, value in model_kwargs.items():
+        if name in _ENGINE_MODEL_INPUTS or value is None:
+            continue
+        if name == "token_type_ids" and isinstance(value, torch.Tensor) and not bool(value.any()):
+            continue
+        if isinstance(value, torch.Tensor) or (isinstance(value, (dict, list, tuple)) and value):
+            raise ValueError(
+                f"{name} is not supported with assistant='self': the engine decodes text only, and "
+                "plain model.generate() would read it (an image, ...). Drop it, or drop "
+                "assistant='self' for this call")
+
+
 def _check_request(generation_config, logits_processor) -> bool:
     """Refuse what the loop cannot honour; True when the processors must be applied row by
     row (sampling, or greedy with more than min_new_tokens / min_length)."""
@@ -828,6 +862,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     logits_processor = logits_processor if logits_processor is not None else []
     # every check first, then the engine: a bad request costs no work
     row_processing = _check_request(gc, logits_processor)
+    _check_text_inputs(model_kwargs)
     stopping_criteria = _with_stop_strings(stopping_criteria, call)
     state: SelfSpecState = model._selfspec
     # this call's drafting options (bad values refused here, before any work)
@@ -858,7 +893,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # the engine (built on the first call, or rebuilt for a larger request): its build time
     # and step-cost measurement are reported as stats.build_time, not as decoding time
     started, engine_before, draft_before = time.perf_counter(), state.engine, state.draft_engine
-    limit = served_positions(model.config, _windowed(model)) or need + state.engine_config.width
+    limit = served_positions(text_config(model), _windowed(model)) or need + state.engine_config.width
     engine = state.engine_for(model, min(need + state.engine_config.width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
     # the attention per row-key: for rows past the measured context, or for any request

@@ -130,6 +130,20 @@ SUPPORTED = {
     "olmo3": dict(arch="Olmo3", sliding_window=256, layer_types=["sliding_attention", "full_attention"],
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # EXAONE 3 and InternLM 3 load as LlamaForCausalLM under their own model_type
+    "exaone": dict(arch="Exaone", model_class="LlamaForCausalLM"),
+    "internlm3-biases": dict(arch="InternLM3", model_class="LlamaForCausalLM", head_dim=16, attention_bias=True,
+                             mlp_bias=True),
+    # q/k/v biases and the o projection's under a flag of its own
+    "seed_oss-biases": dict(arch="SeedOss", head_dim=16, attention_bias=True, attention_out_bias=True,
+                            mlp_bias=True),
+    # a window on its sliding layers only (the module's sliding_window is None on the others)
+    "ministral": dict(arch="Ministral", head_dim=16, sliding_window=256,
+                      layer_types=["sliding_attention", "full_attention"]),
+    # OLMo 2's output norms with per-head q/k norms; with a window, its full-attention layers
+    # go unrotated ("global NoPE")
+    "exaone4-global-nope": dict(arch="Exaone4", sliding_window=256, layer_types=["sliding_attention", "full_attention"]),
+    "exaone4-all-full": dict(arch="Exaone4", sliding_window=None, layer_types=["full_attention", "full_attention"]),
 }
 
 
@@ -216,7 +230,10 @@ def test_dynamic_rope_after_a_long_hf_call():
     ("Mistral", {}),  # every layer, from the config alone (no per-module window)
     ("Gemma3Text", dict(model_class="Gemma3ForCausalLM", head_dim=16, tie_word_embeddings=False,
                         layer_types=["sliding_attention", "full_attention"])),
-], ids=["qwen2", "smollm3", "phi3", "mistral", "gemma3"])
+    ("Ministral", dict(head_dim=16, layer_types=["sliding_attention", "full_attention"])),
+    # every module holds the window; only its sliding layers apply it (is_sliding)
+    ("Exaone4", dict(layer_types=["full_attention", "sliding_attention"])),
+], ids=["qwen2", "smollm3", "phi3", "mistral", "gemma3", "ministral", "exaone4"])
 def test_a_sliding_window_applies_past_it(arch, overrides, layout):
     """A window shorter than the context, in some layers or all: every request is HF's greedy
     output, alone and as a left-padded batch, within the window and past it (the rows then
@@ -278,3 +295,61 @@ def test_direct_engine_guards_positions_and_longrope_prefill():
     with pytest.raises(ValueError, match="original_max_position_embeddings .128.*prefill='hf'"):
         engine.generate_ar(prompts(140)[0], 4)
     assert engine.generate_ar(prompts(40)[0], 4)
+
+
+def gemma3_image_text():
+    """A random Gemma3ForConditionalGeneration (what AutoModelForCausalLM loads for Gemma 3 4B
+    and up): a vision tower beside Gemma 3 text layers with a window of 32 in one layer."""
+    torch.manual_seed(0)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=512,
+                sliding_window=32, layer_types=["sliding_attention", "full_attention"], bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, (2.0 if name.endswith(("q_proj", "k_proj")) else 1.0)
+                                      * module.in_features**-0.5)
+        for name, param in model.named_parameters():
+            if "norm" in name:  # Gemma's norms scale by 1 + w: zeros would hide a dropped 1
+                param.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def test_gemma3_image_text_class_decodes_its_text():
+    """Text prompts, alone and as a batch, within its window and past it: HF's greedy output;
+    the engine reads the language model's layers and the text config's window."""
+    model = gemma3_image_text()
+    rows = prompts(11, 30, 120)
+    expected = [hf_greedy(model, p) for p in rows]
+    attach_heads(model, heads=False)
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    assert self_greedy(model, rows) == expected
+    assert model._selfspec.engine.view.layer_window == (32, 0)
+    # the processor's token_type_ids of a text prompt (all 0) are the text's own
+    ids = torch.tensor(rows[:1])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
+                         do_sample=False, max_new_tokens=NEW, pad_token_id=0, assistant="self")
+    assert out[0, ids.shape[1]:].tolist()[:len(expected[0])] == expected[0]
+
+
+@pytest.mark.parametrize("media", ["pixel_values", "token_type_ids"])
+def test_gemma3_image_inputs_refused(media):
+    """An image (its pixels, or token_type_ids marking image tokens) would be dropped by the
+    engine: refused by name, before HF encodes it."""
+    model = gemma3_image_text()
+    attach_heads(model, heads=False)
+    ids = torch.tensor(prompts(12))
+    kw = {"pixel_values": torch.zeros(1, 3, 28, 28),
+          "token_type_ids": torch.zeros_like(ids).index_fill_(1, torch.tensor([3, 4]), 1)}
+    encoded = []
+    model.model.vision_tower.register_forward_hook(lambda *args: encoded.append(1))
+    with pytest.raises(ValueError, match=f"{media} is not supported with assistant='self'.*text only"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4,
+                       assistant="self", **{media: kw[media]})
+    assert not encoded

@@ -30,9 +30,9 @@ def check_draft_model(model, draft_model) -> None:
     the main model's token ids."""
     if draft_model is model:
         return
-    from ..engine.layered import SUPPORTED_MODEL_TYPES, LayeredModel
+    from ..engine.layered import SUPPORTED_MODEL_TYPES, LayeredModel, text_config
 
-    LayeredModel._check_features(draft_model.config, 1)
+    LayeredModel._check_features(text_config(draft_model), 1)
     if getattr(draft_model.config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         LayeredModel(draft_model, 1)  # raises UnsupportedModelError naming the architecture
     main_vocab = model.get_output_embeddings().weight.shape[0]

@@ -23,7 +23,12 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
-                         "gemma2", "gemma3_text", "olmo3")
+                         "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
+                         "ministral", "seed_oss")
+# image-text classes served for their text decoder: the model type and the attribute of
+# model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
+# carry a vision tower, as Gemma3ForConditionalGeneration)
+IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
@@ -33,6 +38,8 @@ CUDA_GEMMA_REFUSAL = (
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
+# models whose full-attention layers go unrotated when the model has a sliding window
+GLOBAL_NOPE_TYPES = ("exaone4",)
 # Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
 GEMMA_LATER_TYPES = ("gemma2", "gemma3_text")
 
@@ -227,6 +234,26 @@ def cpu_only(config, inner) -> bool:
     return softcap or _rope_layer_types(inner, config) is not None
 
 
+def _rotates(attention, config) -> bool:
+    """Whether HF rotates this attention module's q and k: SmolLM3's modules say so
+    (`use_rope`); EXAONE 4 leaves its full-attention layers unrotated where the model has a
+    sliding window (its "global NoPE")."""
+    if hasattr(attention, "use_rope"):
+        return bool(attention.use_rope)
+    if config.model_type in GLOBAL_NOPE_TYPES:
+        return getattr(attention, "sliding_window", None) is None or bool(attention.is_sliding)
+    return True
+
+
+def _layer_window(attention, config_window: int) -> int:
+    """The sliding window of one attention module (0: none): its own `sliding_window` where
+    it holds one (Qwen2, Gemma 2/3, OLMo 3, Ministral: set on sliding layers only; EXAONE 4:
+    on every layer, applied where `is_sliding`), else the config's (Mistral, Phi-3)."""
+    if not getattr(attention, "is_sliding", True):
+        return 0
+    return int(getattr(attention, "sliding_window", config_window) or 0)
+
+
 def _rope_layer_types(inner, config) -> tuple[str, ...] | None:
     """The layer types whose RoPE differs, in first-seen layer order, where HF's rotary
     module takes a layer type (Gemma 3); None where one RoPE serves every layer."""
@@ -236,15 +263,33 @@ def _rope_layer_types(inner, config) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(config.layer_types))
 
 
+def text_config(model: torch.nn.Module):
+    """The config of the model's text decoder: model.config, or an image-text model's
+    text_config (its top-level config has no max_position_embeddings, windows, ...)."""
+    config = model.config
+    if getattr(config, "model_type", None) in IMAGE_TEXT_DECODERS:
+        return config.get_text_config()
+    return config
+
+
+def text_decoder(model: torch.nn.Module):
+    """The module holding the decoder stack (embed_tokens, layers, norm, rotary_emb):
+    model.model, or an image-text model's language model (None where there is none)."""
+    inner = getattr(model, "model", None)
+    attribute = IMAGE_TEXT_DECODERS.get(getattr(model.config, "model_type", None))
+    return inner if attribute is None else getattr(inner, attribute, None)
+
+
 class LayeredModel:
     """Embedding, decoder layers, final norm, LM head and RoPE tables of an HF causal LM."""
 
     def __init__(self, model: torch.nn.Module, max_positions: int):
         self.check_supported(model, max_positions)
-        config = model.config
-        inner = model.model
+        config = text_config(model)
+        inner = text_decoder(model)
         self.model = model
-        self.config = config
+        self.decoder = inner  # model.model, or an image-text model's language model
+        self.config = config  # the text decoder's
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -280,7 +325,7 @@ class LayeredModel:
         self.layers = [self._layer(layer) for layer in inner.layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
-        self.rope_layers = tuple(bool(getattr(layer.self_attn, "use_rope", True)) for layer in inner.layers)
+        self.rope_layers = tuple(_rotates(layer.self_attn, config) for layer in inner.layers)
         # Gemma 3 rotates each layer type (sliding / full attention) by its own RoPE: HF's
         # rotary module takes the layer type. rope_types: the types in table order (None:
         # one RoPE for every layer); layer_rope: each layer's table, -1 for none
@@ -289,12 +334,9 @@ class LayeredModel:
             -1 if not rotated else (0 if self.rope_types is None else self.rope_types.index(kind))
             for rotated, kind in zip(self.rope_layers, getattr(config, "layer_types", None) or
                                      [None] * self.num_layers))
-        # per layer, the sliding window of its attention (0: none): the module's own where it
-        # names one (Qwen2, Gemma 2/3, OLMo 3, SmolLM3: only its sliding layers), else the
-        # config's for every layer (Mistral, Phi-3)
+        # per layer, the sliding window of its attention (0: none; _layer_window)
         window = attention_window(config) or 0
-        self.layer_window = tuple(
-            int(getattr(layer.self_attn, "sliding_window", window) or 0) for layer in inner.layers)
+        self.layer_window = tuple(_layer_window(layer.self_attn, window) for layer in inner.layers)
         self.max_positions = self._table_positions(config, max_positions, self.device)
         self.rope_tables = self._all_rope_tables(inner, self.max_positions)
         self.cos, self.sin = self.rope_tables[0]  # [P, d] each
@@ -304,15 +346,14 @@ class LayeredModel:
         """Raise (UnsupportedModelError, a ValueError) naming what the engine cannot run:
         the architecture, a feature (sliding window, activation), quantization, or a
         projection that is not a plain float nn.Linear. Cheap: attach_heads may call it."""
-        config = model.config
-        model_type = getattr(config, "model_type", None)
+        model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
                 f"got model_type={model_type!r} ({type(model).__name__}). "
                 "Use plain model.generate() for this model."
             )
-        inner = getattr(model, "model", None)
+        config, inner = text_config(model), text_decoder(model)
         if not isinstance(getattr(model, "lm_head", None), torch.nn.Module) \
                 or not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
             raise UnsupportedModelError(
@@ -320,6 +361,7 @@ class LayeredModel:
                 "model.lm_head); load the ...ForCausalLM class, e.g. with "
                 "AutoModelForCausalLM.from_pretrained(name)")
         cls._check_features(config, cls._table_positions(config, max_positions, model.lm_head.weight.device))
+        cls._check_quantization(model.config)  # an image-text model's is its top config's
         quantizer = getattr(model, "hf_quantizer", None)
         if quantizer is not None:
             raise UnsupportedModelError(
@@ -342,7 +384,7 @@ class LayeredModel:
         max_positions = self._table_positions(self.config, max_positions, self.device)
         self._check_features(self.config, max_positions)
         self.max_positions = max_positions
-        self.rope_tables = self._all_rope_tables(self.model.model, max_positions)
+        self.rope_tables = self._all_rope_tables(self.decoder, max_positions)
         self.cos, self.sin = self.rope_tables[0]
 
     @staticmethod
@@ -353,16 +395,9 @@ class LayeredModel:
         limit = served_positions(config, windows_served(device))
         return min(max_positions, limit) if limit else max_positions
 
-    @staticmethod
-    def _check_features(config, max_positions: int) -> None:
-        quantization = getattr(config, "quantization_config", None)
-        if quantization:  # attach_heads calls this before the model's modules are looked at
-            method = quantization.get("quant_method") if isinstance(quantization, dict) \
-                else getattr(quantization, "quant_method", type(quantization).__name__)
-            raise UnsupportedModelError(
-                f"this model is quantized (quantization_config: {method}); the engine runs "
-                "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
-                "model.generate()")
+    @classmethod
+    def _check_features(cls, config, max_positions: int) -> None:
+        cls._check_quantization(config)
         act = _activation(config)
         if act not in SILU_NAMES + GELU_TANH_NAMES:
             raise UnsupportedModelError(
@@ -373,6 +408,17 @@ class LayeredModel:
             raise UnsupportedModelError(
                 "use_bidirectional_attention=True: the engine decodes causally only; use plain "
                 "model.generate() for this model")
+
+    @staticmethod
+    def _check_quantization(config) -> None:
+        quantization = getattr(config, "quantization_config", None)
+        if quantization:  # attach_heads calls this before the model's modules are looked at
+            method = quantization.get("quant_method") if isinstance(quantization, dict) \
+                else getattr(quantization, "quant_method", type(quantization).__name__)
+            raise UnsupportedModelError(
+                f"this model is quantized (quantization_config: {method}); the engine runs "
+                "float weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
+                "model.generate()")
 
     def _layer(self, layer) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp

@@ -45,7 +45,8 @@ from . import costs
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import CUDA_GEMMA_REFUSAL, LayeredModel, cpu_only, UnsupportedModelError, apply_rope, check_engine_prefill
+from .layered import (CUDA_GEMMA_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
+                      text_decoder)
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -118,7 +119,7 @@ def weight_signature(model: torch.nn.Module) -> tuple:
     """Storage, dtype, device and shape of every parameter the engine reads: a change means
     the engine's view (and its cache dtype, RoPE tables, layout) is stale. In-place edits
     of the same tensors keep the signature (and need no rebuild: the engine reads them)."""
-    params = list(model.model.parameters()) + list(model.lm_head.parameters())
+    params = list(text_decoder(model).parameters()) + list(model.lm_head.parameters())
     return tuple((p.data_ptr(), p.dtype, p.device, tuple(p.shape)) for p in params)
 
 
@@ -156,7 +157,7 @@ class Engine:
                                           enabled=self.config.measurement_cache)
         self.layout = self._choose_layout()
         self.attention = select_attention(v.device, self.layout)
-        if uses_row_attention(self) and cpu_only(v.config, v.model.model):
+        if uses_row_attention(self) and cpu_only(v.config, v.decoder):
             raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
         # metadata rows: every product row and every attention query row of the widest step
         a = self.layout.attention_rows
@@ -181,7 +182,7 @@ class Engine:
         self._screen_deferred = False  # a big LM head's screen waits for the second request
         self._make_screen(first_request=True)
         # transformers renamed forward(past_key_values=) to forward(cache=) in 5.x
-        params = inspect.signature(model.model.forward).parameters
+        params = inspect.signature(v.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._step_costs: tuple[float, ...] | None = None
         self._batch_costs: tuple[float, ...] | None = None
@@ -789,7 +790,7 @@ class Engine:
         n = len(prompt_ids)
         ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=self.view.device)
         cache = DynamicCache(config=self.view.config)
-        out = self.view.model.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
+        out = self.view.decoder(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]

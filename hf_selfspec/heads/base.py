@@ -59,9 +59,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def final_norm(model) -> nn.Module:
-    """The final norm of a Llama-family HF causal LM (`model.model.norm`)."""
-    inner = getattr(model, "model", None)
-    norm = getattr(inner, "norm", None)
+    """The final norm of a Llama-family HF causal LM (`model.model.norm`; an image-text
+    model's language model's)."""
+    from hf_selfspec.engine.layered import text_decoder
+
+    norm = getattr(text_decoder(model), "norm", None)
     if norm is None or not hasattr(norm, "weight"):
         raise ValueError(
             f"{type(model).__name__} has no final norm at model.model.norm: heads support "
@@ -73,10 +75,10 @@ def final_norm(model) -> nn.Module:
 def final_norm_weight(model) -> torch.Tensor:
     """The final norm's scale as `rms_norm` takes it: its weight, or 1 + weight for models
     whose norm scales by (1 + w) (Gemma), in float32 there."""
-    from hf_selfspec.engine.layered import NORM_PLUS_ONE_TYPES
+    from hf_selfspec.engine.layered import NORM_PLUS_ONE_TYPES, text_config
 
     weight = final_norm(model).weight.detach()
-    if getattr(model.config, "model_type", None) in NORM_PLUS_ONE_TYPES:
+    if getattr(text_config(model), "model_type", None) in NORM_PLUS_ONE_TYPES:
         return 1.0 + weight.float()
     return weight
 
@@ -101,7 +103,9 @@ def model_name(model) -> str:
 
 def model_dims(model) -> dict:
     """The dimensions heads depend on, plus what else the fingerprint hashes."""
-    cfg = model.config
+    from hf_selfspec.engine.layered import text_config
+
+    cfg = text_config(model)
     return {
         "model_type": getattr(cfg, "model_type", type(model).__name__),
         "num_layers": cfg.num_hidden_layers,
@@ -121,7 +125,9 @@ def probe_parts(model) -> list[torch.Tensor]:
     embed = model.get_input_embeddings().weight
     rows = torch.linspace(0, embed.shape[0] - 1, _PROBE_EMBED_ROWS).long()
     parts.append(embed[rows.to(embed.device), :_PROBE_VALUES].reshape(-1))
-    layers = model.model.layers
+    from hf_selfspec.engine.layered import text_decoder
+
+    layers = text_decoder(model).layers
     for i in sorted({0, len(layers) // 2, len(layers) - 1}):
         for _name, p in layers[i].named_parameters():
             if p.ndim == 2:

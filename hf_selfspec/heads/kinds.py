@@ -320,7 +320,9 @@ class ExitHeads(nn.Module):
             vocab_ids: one LongTensor[V_k] per head (or one shared by all heads).
             adapter_dims: r per head or one int.
         """
-        cfg = model.config
+        from hf_selfspec.engine.layered import text_config
+
+        cfg = text_config(model)
         layers = [int(l) for l in layers]
         if isinstance(vocab_ids, torch.Tensor):
             vocab_ids = [vocab_ids] * len(layers)

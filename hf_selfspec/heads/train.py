@@ -126,7 +126,9 @@ def collect_features(
 
     store = FeatureStore(out_dir)
     store.folder.mkdir(parents=True, exist_ok=True)
-    num_layers = model.config.num_hidden_layers
+    from hf_selfspec.engine.layered import text_config
+
+    num_layers = text_config(model).num_hidden_layers
     if any(not 1 <= l < num_layers for l in layers):
         raise ValueError(f"layers {layers} must be in [1, {num_layers - 1}]")
     settings = {

@@ -113,7 +113,9 @@ def depth_of(settings: FitSettings, init: TopDraftHeads | None) -> FitSettings:
 def new_heads(model, base_model: str, train: Examples, settings: FitSettings) -> TopDraftHeads:
     """Untrained heads for `model`: the reduced vocabulary is the `settings.vocab` most
     frequent targets of `train`; the output norm starts as the model's final norm."""
-    cfg = model.config
+    from hf_selfspec.engine.layered import text_config
+
+    cfg = text_config(model)
     vocab_size = int(model.get_output_embeddings().weight.shape[0])
     counts = torch.bincount(train.y.reshape(-1), minlength=vocab_size)
     vocab_ids = counts.argsort(descending=True, stable=True)[: min(settings.vocab, vocab_size)].sort().values
