@@ -41,6 +41,10 @@ ARCHS = {
                        layer_types=["sliding_attention", "full_attention"] * 2, rope_parameters=TWO_ROPES),
     "Olmo3": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2,
                   rope_parameters=TWO_ROPES),
+    # output norms, per-head q/k norms, a window on the sliding layers, the full ones unrotated
+    "Exaone4": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2),
+    "Ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2),
+    "SeedOss": dict(attention_bias=True, attention_out_bias=True),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -61,7 +65,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
-    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text"):
+    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
