@@ -1143,9 +1143,11 @@ void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* 
 
 // x [R, heads, d] in place: x * cos + rotate_half(x) * sin on each head's first `rot`
 // dimensions, cos/sin [R, rot]; the other d - rot pass unchanged (partial rotary, as HF
-// rotates x[..., :rot] and concatenates the rest: Phi-4-mini's partial_rotary_factor)
+// rotates x[..., :rot] and concatenates the rest: Phi-4-mini's partial_rotary_factor).
+// pairs: the rotation turns adjacent pairs (x[2j], x[2j + 1]) instead of the halves (GLM,
+// ERNIE 4.5: their rotate_half is (-x[2j + 1], x[2j]) interleaved)
 void rope_rows(float* __restrict x, const float* __restrict cos, const float* __restrict sin, int64_t rows,
-               int64_t heads, int64_t d, int64_t rot) {
+               int64_t heads, int64_t d, int64_t rot, bool pairs) {
   const int64_t half = rot / 2;
   alignas(32) float t[kMaxHeadDim];
   for (int64_t r = 0; r < rows; ++r) {
@@ -1153,8 +1155,15 @@ void rope_rows(float* __restrict x, const float* __restrict cos, const float* __
     const float* s = sin + r * rot;
     for (int64_t h = 0; h < heads; ++h) {
       float* xh = x + (r * heads + h) * d;
-      for (int64_t i = 0; i < half; ++i) t[i] = xh[i] * c[i] + (-xh[i + half]) * s[i];
-      for (int64_t i = half; i < rot; ++i) t[i] = xh[i] * c[i] + xh[i - half] * s[i];
+      if (pairs) {
+        for (int64_t i = 0; i < rot; i += 2) {
+          t[i] = xh[i] * c[i] + (-xh[i + 1]) * s[i];
+          t[i + 1] = xh[i + 1] * c[i + 1] + xh[i] * s[i + 1];
+        }
+      } else {
+        for (int64_t i = 0; i < half; ++i) t[i] = xh[i] * c[i] + (-xh[i + half]) * s[i];
+        for (int64_t i = half; i < rot; ++i) t[i] = xh[i] * c[i] + xh[i - half] * s[i];
+      }
       for (int64_t i = 0; i < rot; ++i) xh[i] = t[i];
     }
   }
@@ -1216,16 +1225,18 @@ inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d
 // (see rows_attention; P = 0 for chains), base int64 [R] or [0] the slot of each row's
 // logical key 0 (see rows_attention). norm_offset 1: every norm scales by (1 + w) (Gemma;
 // 0: by w); gelu: the MLP's activation is GELU's tanh approximation (Gemma; else SiLU);
-// softcap, window: as rows_attention's. All CPU and contiguous, no biases (the caller uses
+// softcap, window: as rows_attention's; rope_pairs: RoPE turns adjacent pairs (rope_rows). All CPU and contiguous, no biases (the caller uses
 // the PyTorch path for biased layers). Everything is checked before the cache is written.
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
-                         torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window);
+                         torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window,
+                         bool rope_pairs);
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
-                         torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window) {
+                         torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window,
+                         bool rope_pairs) {
   const char* fn = "rows_layer";
   TORCH_CHECK(weights.size() == 9 || weights.size() == 11 || weights.size() == 13,
               "rows_layer: 9 weights, 11 with q/k norms or 13 with output norms, got ", weights.size());
@@ -1312,8 +1323,8 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
     rms_norm_rows(k.data_ptr<float>(), norm[10].data_ptr<float>(), k.data_ptr<float>(), whole_qk ? R : R * Hkv,
                   whole_qk ? Hkv * d : d, e, off);
   }
-  rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d, rot);
-  rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d, rot);
+  rope_rows(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hq, d, rot, rope_pairs);
+  rope_rows(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), R, Hkv, d, rot, rope_pairs);
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   by_dtype(k_cache.scalar_type(), [&](auto tag) {
@@ -1750,12 +1761,12 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
                           torch::Tensor path, torch::Tensor base, int64_t start, int64_t end, double norm_offset,
-                          bool gelu, double softcap, int64_t window);
+                          bool gelu, double softcap, int64_t window, bool rope_pairs);
 torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, int64_t per_layer,
                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin,
                           torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
                           torch::Tensor path, torch::Tensor base, int64_t start, int64_t end, double norm_offset,
-                          bool gelu, double softcap, int64_t window) {
+                          bool gelu, double softcap, int64_t window, bool rope_pairs) {
   TORCH_CHECK(per_layer == 9 || per_layer == 11 || per_layer == 13, "rows_layers: 9, 11 or 13 weights per layer, got ",
               per_layer);
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
@@ -1769,7 +1780,7 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
   for (int64_t li = start; li < end; ++li) {
     std::vector<torch::Tensor> w(weights.begin() + li * per_layer, weights.begin() + (li + 1) * per_layer);
     h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, residual_scale, path, base,
-                   norm_offset, gelu, softcap, window);
+                   norm_offset, gelu, softcap, window, rope_pairs);
     if (wtype != at::kFloat) h = h.to(wtype).to(at::kFloat);
   }
   return h;

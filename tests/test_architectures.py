@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from hf_selfspec import attach_heads
-from hf_selfspec.engine.layered import UnsupportedModelError
+from hf_selfspec.engine.layered import UnsupportedModelError, cpu_only, text_config, text_decoder
 from hf_selfspec.engine.programs import EngineConfig
 
 NEW = 20  # new tokens per request
@@ -144,6 +144,10 @@ SUPPORTED = {
     # go unrotated ("global NoPE")
     "exaone4-global-nope": dict(arch="Exaone4", sliding_window=256, layer_types=["sliding_attention", "full_attention"]),
     "exaone4-all-full": dict(arch="Exaone4", sliding_window=None, layer_types=["full_attention", "full_attention"]),
+    # RoPE turning adjacent pairs: GLM on half of each head (partial_rotary_factor 0.5), its
+    # gate/up fused, q/k/v biases; ERNIE 4.5 on all of it, a bias on every projection
+    "glm-rope-pairs": dict(arch="Glm", head_dim=16, attention_bias=True),
+    "ernie4_5-rope-pairs": dict(arch="Ernie4_5", head_dim=16, use_bias=True),
 }
 
 
@@ -175,6 +179,21 @@ def test_logits_are_hfs_to_float32_rounding(case):
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(expected.logits, got.logits):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["kernel", "fixed"])
+@pytest.mark.parametrize("arch", ["Glm", "Ernie4_5"])
+def test_rope_pairs_in_both_layer_paths(arch, layout):
+    """The C++ layers (kernel; no biases, which would send them to the PyTorch layers) and
+    the PyTorch ones (fixed) turn the same pairs: HF's greedy tokens alone and batched."""
+    model = build(arch, head_dim=16, attention_bias=False, use_bias=False)
+    rows = prompts(11, 30)
+    expected = [hf_greedy(model, p) for p in rows]
+    attach_heads(model, heads=False, engine=EngineConfig(row_layout=layout))
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    assert self_greedy(model, rows) == expected
+    engine = model._selfspec.engine
+    assert engine.view.rope_pairs and (engine._fused_weights is not None) == (layout == "kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -353,3 +372,17 @@ def test_gemma3_image_inputs_refused(media):
         model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=4,
                        assistant="self", **{media: kw[media]})
     assert not encoded
+
+
+@pytest.mark.parametrize("case,cuda", [("llama-tied", False), ("olmo2-output-norms", False), ("gemma2", True),
+                                       ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
+                                       ("ernie4_5-rope-pairs", True)])
+def test_what_only_the_cpu_programs_serve(case, cuda):
+    """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
+    type, RoPE pairs), decided from the model alone."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch", "Llama"), **overrides)
+    assert cpu_only(text_config(model), text_decoder(model)) is cuda
+    image_text = gemma3_image_text()
+    assert cpu_only(text_config(image_text), text_decoder(image_text))
+

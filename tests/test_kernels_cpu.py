@@ -399,12 +399,13 @@ def layer():
 
 
 def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, out_norms=False, gemma=False,
-                dtype=torch.float32, cache_dtype=torch.float32):
+                pairs=False, dtype=torch.float32, cache_dtype=torch.float32):
     """Random weights (dtype), cache (cache_dtype) and R chain rows at slots 20.. of a
     cache whose slots before them hold earlier keys. out_norms: OLMo 2's form (no input or
     post norm, q/k norms over the whole projection, the blocks' outputs normed); gemma: Gemma
     2/3's (all four norms and per-head q/k norms, scaling by 1 + w around 0; GELU; scores
-    soft-capped at 2; a sliding window of 9 keys)."""
+    soft-capped at 2; a sliding window of 9 keys); pairs: RoPE turning adjacent pairs (GLM,
+    ERNIE 4.5), its tables each angle twice in a row."""
     def mat(o, i):
         return (torch.randn(o, i, generator=gen) / i ** 0.5).to(dtype)
 
@@ -429,13 +430,13 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, o
     pos = torch.arange(20, 20 + R)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     ang = pos[:, None].float() * inv[None]
-    ang = torch.cat([ang, ang], -1)
+    ang = ang.repeat_interleave(2, -1) if pairs else torch.cat([ang, ang], -1)
     if gemma:
         h = 4 * h  # scores of several units: the cap matters
     return dict(h=h, weights=w, k_cache=k_cache, v_cache=v_cache, cos=ang.cos(), sin=ang.sin(),
                 slots=pos.clone(), limit=pos.clone(), eps=1e-5, scale=d ** -0.5, residual_scale=1.0, path=NO_PATH,
                 base=NO_BASE, norm_offset=1.0 if gemma else 0.0, gelu=gemma, softcap=2.0 if gemma else 0.0,
-                window=9 if gemma else 0)
+                window=9 if gemma else 0, rope_pairs=pairs)
 
 
 def _call(layer, case, **changes):
@@ -445,8 +446,8 @@ def _call(layer, case, **changes):
 
 
 def _layer_form(case) -> tuple:
-    """rows_layer(s)'s last arguments: norm_offset, gelu, softcap, window."""
-    return case["norm_offset"], case["gelu"], case["softcap"], case["window"]
+    """rows_layer(s)'s last arguments: norm_offset, gelu, softcap, window, rope_pairs."""
+    return case["norm_offset"], case["gelu"], case["softcap"], case["window"], case["rope_pairs"]
 
 
 def _layer_reference(case):
@@ -463,7 +464,10 @@ def _layer_reference(case):
     def rope(t):  # on the first cos.shape[-1] dimensions of each head (partial rotary)
         r = c["cos"].shape[-1]
         turned, half = t[..., :r], r // 2
-        rot = torch.cat([-turned[..., half:], turned[..., :half]], -1)
+        if c["rope_pairs"]:  # (-x[2j + 1], x[2j]) interleaved
+            rot = torch.stack([-turned[..., 1::2], turned[..., 0::2]], -1).flatten(-2)
+        else:
+            rot = torch.cat([-turned[..., half:], turned[..., :half]], -1)
         return torch.cat([turned * c["cos"].double()[:, None] + rot * c["sin"].double()[:, None], t[..., r:]], -1)
 
     h = c["h"].double()
@@ -494,8 +498,9 @@ LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d
     dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True),
     dict(H=76, Hq=4, Hkv=2, d=12, I=150, out_norms=True),
     dict(H=76, Hq=4, Hkv=2, d=12, I=150, gemma=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, I=150, pairs=True),
 ]
-LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms", "d12-gemma"]
+LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms", "d12-gemma", "d12-rope-pairs"]
 
 
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)

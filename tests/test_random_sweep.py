@@ -45,6 +45,8 @@ ARCHS = {
     "Exaone4": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2),
     "Ministral": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2),
     "SeedOss": dict(attention_bias=True, attention_out_bias=True),
+    # RoPE turning adjacent pairs (GLM: on half of each head, gate/up fused)
+    "Glm": {}, "Ernie4_5": dict(use_bias=False),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -65,7 +67,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
-    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss"):
+    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
-                         "ministral", "seed_oss")
+                         "ministral", "seed_oss", "glm", "ernie4_5")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -33,11 +33,13 @@ IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CUDA_GEMMA_REFUSAL = (
-    "this model soft-caps its attention scores (Gemma 2) or rotates its layer types by their own "
-    "RoPE (Gemma 3, OLMo 3), which the engine's CUDA programs do not: use it on the CPU, or plain "
-    "model.generate()")
+    "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
+    "RoPE (Gemma 3, OLMo 3) or turns adjacent pairs in its RoPE (GLM, ERNIE 4.5), which the engine's "
+    "CUDA programs do not: use it on the CPU, or plain model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
+# models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
+ROPE_PAIRS_TYPES = ("glm", "ernie4_5")
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4",)
 # Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
@@ -209,15 +211,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's and ERNIE 4.5's rotate_half: (-x[2j + 1], x[2j]) interleaved."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin over x's last dimension, or where the tables are
     narrower (partial rotary: Phi-4-mini's partial_rotary_factor) over its first
-    cos.shape[-1] dimensions, the rest unchanged, as HF's apply_rotary_pos_emb."""
+    cos.shape[-1] dimensions, the rest unchanged, as HF's apply_rotary_pos_emb. pairs: the
+    rotation turns adjacent pairs (rotate_pairs; the tables hold each angle twice in a row)."""
+    rotate = rotate_pairs if pairs else rotate_half
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + rotate(x) * sin
     turned = x[..., :rot]
-    return torch.cat((turned * cos + rotate_half(turned) * sin, x[..., rot:]), dim=-1)
+    return torch.cat((turned * cos + rotate(turned) * sin, x[..., rot:]), dim=-1)
 
 
 def _activation(config) -> str:
@@ -231,7 +240,7 @@ def cpu_only(config, inner) -> bool:
     soft cap (the Triton attention has none) or a RoPE per layer type (the CUDA-graph runner
     gathers one table)."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
-    return softcap or _rope_layer_types(inner, config) is not None
+    return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -338,6 +347,8 @@ class LayeredModel:
         window = attention_window(config) or 0
         self.layer_window = tuple(_layer_window(layer.self_attn, window) for layer in inner.layers)
         self.max_positions = self._table_positions(config, max_positions, self.device)
+        # GLM, ERNIE 4.5: RoPE turns adjacent pairs (apply_rope's pairs)
+        self.rope_pairs = config.model_type in ROPE_PAIRS_TYPES
         self.rope_tables = self._all_rope_tables(inner, self.max_positions)
         self.cos, self.sin = self.rope_tables[0]  # [P, d] each
 
@@ -489,8 +500,12 @@ class LayeredModel:
             short = longrope_short_positions(self.config)
             if short is not None and short < max_positions:
                 cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])
+        cos, sin = cos[0], sin[0]
+        if self.config.model_type in ROPE_PAIRS_TYPES:  # as their apply_rotary_pos_emb
+            cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
         # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model)
-        return cos[0].to(self.dtype).contiguous(), sin[0].to(self.dtype).contiguous()
+        return cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
 
     # ---- maths on a block of rows -------------------------------------------------------
 

@@ -510,14 +510,14 @@ class Engine:
                 h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
                                               self.v_cache, c, s, slots, limits, v.eps, v.scaling,
                                               v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
-                                              softcap, window)
+                                              softcap, window, v.rope_pairs)
             return h.to(dtype)
         lin = self.layout.linear
         h = self._pad(h, R)
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
         if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed \
-                and not (v.norm_plus_one or v.gelu):
+                and not (v.norm_plus_one or v.gelu or v.rope_pairs):
             # the Triton RoPE rotates all of d; its add + norm fuses the Llama form's norms
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
@@ -528,8 +528,8 @@ class Engine:
             q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            q = apply_rope(q, cos, sin, v.rope_pairs)
+            k = apply_rope(k, cos, sin, v.rope_pairs)
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
