@@ -31,6 +31,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
     (`model_class` names another class, Gemma3ForCausalLM for Gemma3TextConfig)."""
     torch.manual_seed(0)
     model_class = overrides.pop("model_class", f"{arch}ForCausalLM")
+    random_norms = overrides.pop("random_norms", False)  # else HF's ones and zeros
     config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -43,6 +44,9 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 module.weight.normal_(0.0, sharp * module.in_features**-0.5)
                 if module.bias is not None:  # HF initialises biases to zero: that would hide them
                     module.bias.normal_(0.0, 0.5)
+        for name, param in model.named_parameters():
+            if random_norms and "norm" in name:  # a norm mistaken for another, a bias dropped
+                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
     return model.to(dtype).eval()
 
 
@@ -148,6 +152,25 @@ SUPPORTED = {
     # gate/up fused, q/k/v biases; ERNIE 4.5 on all of it, a bias on every projection
     "glm-rope-pairs": dict(arch="Glm", head_dim=16, attention_bias=True),
     "ernie4_5-rope-pairs": dict(arch="Ernie4_5", head_dim=16, use_bias=True),
+    # LayerNorm models (their layers as PyTorch ops around the engine's products):
+    # StableLM's LayerNorms with biases, RoPE on a quarter of each head, one after the other
+    # or in parallel from one norm
+    "stablelm": dict(arch="StableLm", random_norms=True),
+    "stablelm-parallel-biases": dict(arch="StableLm", random_norms=True, use_parallel_residual=True, use_qkv_bias=True),
+    # OLMo's parameter-free LayerNorms; q, k and v clamped
+    "olmo-clip-qkv": dict(arch="Olmo", random_norms=True, clip_qkv=0.5),
+    # Phi: parallel blocks from one norm, a plain gelu_new MLP, half the head rotated, biases
+    # everywhere (its LM head's too), `dense` and `final_layernorm`
+    "phi": dict(arch="Phi", random_norms=True),
+    # StarCoder 2: plain GELU MLP (c_fc / c_proj), biases, a window
+    "starcoder2-window": dict(arch="Starcoder2", random_norms=True, sliding_window=16),
+    # Cohere: float32 LayerNorms without bias, parallel blocks, RoPE pairs, logits times
+    # logit_scale, per-head q/k LayerNorms
+    "cohere-qk-norm": dict(arch="Cohere", random_norms=True, use_qk_norm=True, logit_scale=0.5),
+    # GPT-NeoX (model.gpt_neox, embed_in): q/k/v fused per head, parallel blocks from two
+    # norms, exact GELU, RoPE on a quarter of each head; and its sequential form
+    "gpt_neox": dict(arch="GPTNeoX", random_norms=True, attention_bias=True),
+    "gpt_neox-sequential": dict(arch="GPTNeoX", random_norms=True, use_parallel_residual=False),
 }
 
 
@@ -163,7 +186,8 @@ def test_supported_variant_gives_hf_greedy(case):
     assert self_greedy(model, rows) == expected
 
 
-@pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms"])
+@pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
+                                  "cohere-qk-norm", "gpt_neox"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -269,7 +293,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
-    ("Cohere", dict(sliding_window=16), "cohere"),
+    ("GPT2", dict(model_class="GPT2LMHeadModel"), "gpt2"),  # Conv1D projections: weights transposed
     ("Mixtral", dict(sliding_window=16), "mixtral"),
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):

@@ -47,6 +47,10 @@ ARCHS = {
     "SeedOss": dict(attention_bias=True, attention_out_bias=True),
     # RoPE turning adjacent pairs (GLM: on half of each head, gate/up fused)
     "Glm": {}, "Ernie4_5": dict(use_bias=False),
+    # LayerNorm models: parallel blocks (Phi, Cohere, GPT-NeoX), plain MLPs, q/k/v clamped
+    # (OLMo), fused per head (GPT-NeoX), per-head q/k LayerNorms (Cohere)
+    "StableLm": dict(partial_rotary_factor=0.5), "Olmo": dict(clip_qkv=2.0), "Phi": {},
+    "Starcoder2": dict(sliding_window=24), "Cohere": dict(use_qk_norm=True), "GPTNeoX": dict(rotary_pct=0.5),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

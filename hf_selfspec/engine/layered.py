@@ -24,11 +24,20 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
-                         "ministral", "seed_oss", "glm", "ernie4_5")
+                         "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
+                         "cohere", "gpt_neox")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
+# where a causal LM holds its decoder stack, if not at model.model
+DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox"}
+# LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
+# (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
+# around the engine's products
+LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox")
+# models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
@@ -39,7 +48,10 @@ CUDA_GEMMA_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "ernie4_5")
+ROPE_PAIRS_TYPES = ("glm", "ernie4_5", "cohere")
+# of them, those whose rotary module gives the halves' tables, interleaved by their
+# apply_rotary_pos_emb (Cohere's module interleaves its own)
+HALF_TABLE_PAIRS_TYPES = ("glm", "ernie4_5")
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4",)
 # Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
@@ -72,22 +84,37 @@ class LayerWeights:
     The layer: h += residual(attn_out_norm(o(attention(input_norm(h))))), then
     h += residual(mlp_out_norm(mlp(post_norm(h)))), each norm left out where it is None:
     Llama-family layers norm the blocks' inputs (input_norm, post_norm), OLMo 2 their
-    outputs (attn_out_norm, mlp_out_norm), Gemma 2 and 3 both."""
+    outputs (attn_out_norm, mlp_out_norm), Gemma 2 and 3 both. A parallel layer (Phi,
+    Cohere, GPT-NeoX; LayeredModel.parallel) adds the attention's and the MLP's outputs of
+    the same input to h at once. A norm is an RMSNorm's weight, or (LayerNorm models) the
+    HF norm module itself, called as HF calls it. The MLP is act(gate) * up -> down, or
+    where `gate` is None (a plain MLP: Phi's fc1/fc2) act(up) -> down with the model's own
+    activation module `act`."""
 
-    input_norm: torch.Tensor | None  # [H]
-    q: torch.nn.Linear | RowSlice
-    k: torch.nn.Linear | RowSlice
-    v: torch.nn.Linear | RowSlice
+    input_norm: torch.Tensor | torch.nn.Module | None  # [H]
+    q: torch.nn.Linear | RowSlice | None  # None: q, k and v come from `qkv`
+    k: torch.nn.Linear | RowSlice | None
+    v: torch.nn.Linear | RowSlice | None
     o: torch.nn.Linear
     # q/k norms: [d] on each head (Qwen3), [Hq*d] / [Hkv*d] on the whole projection (OLMo 2)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    post_norm: torch.Tensor | None  # [H], the MLP's input norm
-    gate: torch.nn.Linear | RowSlice
+    post_norm: torch.Tensor | torch.nn.Module | None  # [H], the MLP's input norm
+    gate: torch.nn.Linear | RowSlice | None
     up: torch.nn.Linear | RowSlice
     down: torch.nn.Linear
     attn_out_norm: torch.Tensor | None = None  # [H]
     mlp_out_norm: torch.Tensor | None = None  # [H]
+    act: torch.nn.Module | None = None  # a plain MLP's activation (HF's own module)
+    # GPT-NeoX's q, k and v in one weight, their rows per head [heads, 3, head_dim]: one
+    # product, split by a view
+    qkv: torch.nn.Linear | None = None
+
+    @property
+    def linears(self) -> tuple:
+        """The layer's projections (a plain MLP has no gate)."""
+        return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
+                     if lin is not None)
 
     @property
     def norms_inputs_only(self) -> bool:
@@ -100,16 +127,27 @@ class LayerWeights:
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-# a fused projection (Phi-3) and the separate ones it stands for
-FUSED_QKV = ("qkv_proj", ("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"))
-FUSED_GATE_UP = ("gate_up_proj", ("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"))
+# the projections an attention block may hold: separate q/k/v, Phi-3's fused rows, Phi's
+# `dense` output, GPT-NeoX's q/k/v fused per head
+ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
+                         ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"))
+# and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX)
+MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
+                   ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"))
 
 
-def _projection_names(module, fused) -> tuple[str, ...]:
-    """The projection modules an attention or MLP block holds: the fused form's names where
-    it has the fused projection, else the separate ones."""
-    name, separate, together = fused
-    return together if hasattr(module, name) else separate
+def _projection_names(module, options) -> tuple[str, ...]:
+    """The first of `options` (names of projections) the block holds all of; the first
+    option where none fits (its missing projection is then refused by name)."""
+    for names in options:
+        if all(hasattr(module, name) for name in names):
+            return names
+    return options[0]
+
+
+def _attention(layer):
+    """A decoder layer's attention block (GPT-NeoX names it `attention`)."""
+    return layer.self_attn if hasattr(layer, "self_attn") else getattr(layer, "attention", None)
 
 
 def _check_plain_linear(name: str, module) -> None:
@@ -240,7 +278,8 @@ def cpu_only(config, inner) -> bool:
     soft cap (the Triton attention has none) or a RoPE per layer type (the CUDA-graph runner
     gathers one table)."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
-    return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES
+    return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
+        or config.model_type in LAYER_NORM_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -282,11 +321,37 @@ def text_config(model: torch.nn.Module):
 
 
 def text_decoder(model: torch.nn.Module):
-    """The module holding the decoder stack (embed_tokens, layers, norm, rotary_emb):
-    model.model, or an image-text model's language model (None where there is none)."""
-    inner = getattr(model, "model", None)
-    attribute = IMAGE_TEXT_DECODERS.get(getattr(model.config, "model_type", None))
-    return inner if attribute is None else getattr(inner, attribute, None)
+    """The module holding the decoder stack (embedding, layers, final norm, rotary_emb):
+    model.model (GPT-NeoX: model.gpt_neox), or an image-text model's language model (None
+    where there is none)."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type in IMAGE_TEXT_DECODERS:
+        return getattr(getattr(model, "model", None), IMAGE_TEXT_DECODERS[model_type], None)
+    return getattr(model, DECODER_ATTRIBUTES.get(model_type, "model"), None)
+
+
+def _embedding(inner):
+    """The decoder's token embedding (GPT-NeoX: embed_in)."""
+    return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embed_in
+
+
+def _final_norm(inner):
+    """The decoder's final norm module (Phi: final_layernorm, GPT-NeoX: final_layer_norm)."""
+    for name in ("norm", "final_layernorm", "final_layer_norm"):
+        if getattr(inner, name, None) is not None:
+            return getattr(inner, name)
+    raise UnsupportedModelError(f"{type(inner).__name__} has no final norm the engine knows")
+
+
+def _parallel_form(config) -> str | None:
+    """How a layer's blocks read h (LayeredModel.parallel): None one after the other,
+    "shared" both from one input norm, "two" each from its own."""
+    model_type = config.model_type
+    if model_type in ("phi", "cohere") or (model_type == "stablelm" and config.use_parallel_residual):
+        return "shared"
+    if model_type == "gpt_neox" and config.use_parallel_residual:
+        return "two"
+    return None
 
 
 class LayeredModel:
@@ -302,13 +367,18 @@ class LayeredModel:
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        # GPT-NeoX has no GQA (a num_key_value_heads its config carries is not read)
+        self.num_kv_heads = (None if config.model_type == "gpt_neox" else getattr(config, "num_key_value_heads", None)) \
+            or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
-        self.eps = float(config.rms_norm_eps)
+        self.layer_norm = config.model_type in LAYER_NORM_TYPES
+        self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
         self.vocab_size = config.vocab_size
-        self.embed = inner.embed_tokens.weight  # [V, H]
-        self.final_norm = inner.norm.weight  # [H]
-        self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not)
+        embedding = _embedding(inner)
+        self.embed = embedding.weight  # [V, H]
+        final = _final_norm(inner)
+        self.final_norm = final if self.layer_norm else final.weight  # [H] (an RMSNorm's weight)
+        self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not; Phi's has a bias)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model, whatever
@@ -319,8 +389,8 @@ class LayeredModel:
         self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
         # Gemma's embedding module scales its rows by sqrt(hidden), rounded to the weights'
         # dtype first (a buffer of the module: read when used, so a .to() is followed)
-        self._embed_module = inner.embed_tokens
-        self.scaled_embedding = isinstance(getattr(inner.embed_tokens, "embed_scale", None), torch.Tensor)
+        self._embed_module = embedding
+        self.scaled_embedding = isinstance(getattr(embedding, "embed_scale", None), torch.Tensor)
         self.norm_plus_one = config.model_type in NORM_PLUS_ONE_TYPES
         self.gelu = _activation(config) in GELU_TANH_NAMES
         gemma2 = config.model_type in GEMMA_LATER_TYPES
@@ -328,13 +398,22 @@ class LayeredModel:
         self.logits_softcap = getattr(config, "final_logit_softcapping", None) if gemma2 else None
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
         self.logits_scaling = float(config.logits_scaling) if granite else 1.0
+        # Cohere multiplies its logits by logit_scale
+        self.logit_scale = float(config.logit_scale) if config.model_type == "cohere" else 1.0
+        # OLMo (1) clamps q, k and v to [-clip_qkv, clip_qkv] after their products
+        self.clip_qkv = getattr(config, "clip_qkv", None) if config.model_type == "olmo" else None
+        # parallel layers (LayerWeights): "shared" one input norm for both blocks (Phi,
+        # Cohere, StableLM's option), "two" each block its own (GPT-NeoX); the outputs join h
+        # in HF's order: (attention + MLP) + h (Phi, GPT-NeoX) or (h + attention) + MLP
+        self.parallel = _parallel_form(config)
+        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox")
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
         self.layers = [self._layer(layer) for layer in inner.layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
-        self.rope_layers = tuple(_rotates(layer.self_attn, config) for layer in inner.layers)
+        self.rope_layers = tuple(_rotates(_attention(layer), config) for layer in inner.layers)
         # Gemma 3 rotates each layer type (sliding / full attention) by its own RoPE: HF's
         # rotary module takes the layer type. rope_types: the types in table order (None:
         # one RoPE for every layer); layer_rope: each layer's table, -1 for none
@@ -345,7 +424,7 @@ class LayeredModel:
                                      [None] * self.num_layers))
         # per layer, the sliding window of its attention (0: none; _layer_window)
         window = attention_window(config) or 0
-        self.layer_window = tuple(_layer_window(layer.self_attn, window) for layer in inner.layers)
+        self.layer_window = tuple(_layer_window(_attention(layer), window) for layer in inner.layers)
         self.max_positions = self._table_positions(config, max_positions, self.device)
         # GLM, ERNIE 4.5: RoPE turns adjacent pairs (apply_rope's pairs)
         self.rope_pairs = config.model_type in ROPE_PAIRS_TYPES
@@ -381,8 +460,9 @@ class LayeredModel:
                 "model.generate()")
         projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name, None))
                        for i, layer in enumerate(inner.layers)
-                       for part, names in (("self_attn", _projection_names(layer.self_attn, FUSED_QKV)),
-                                           ("mlp", _projection_names(layer.mlp, FUSED_GATE_UP)))
+                       for part, names in (("self_attn" if hasattr(layer, "self_attn") else "attention",
+                                            _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
+                                           ("mlp", _projection_names(layer.mlp, MLP_PROJECTIONS)))
                        for name in names]
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
@@ -409,8 +489,13 @@ class LayeredModel:
     @classmethod
     def _check_features(cls, config, max_positions: int) -> None:
         cls._check_quantization(config)
+        for flag in ("qk_layernorm",):  # StableLM's per-head LayerNorms, Phi's shared one
+            if getattr(config, flag, False) and config.model_type in ("stablelm", "phi"):
+                raise UnsupportedModelError(
+                    f"{flag}=True ({config.model_type}): the engine does not implement these q/k "
+                    "LayerNorms; use plain model.generate() for this model")
         act = _activation(config)
-        if act not in SILU_NAMES + GELU_TANH_NAMES:
+        if act not in SILU_NAMES + GELU_TANH_NAMES and config.model_type not in PLAIN_MLP_TYPES:
             raise UnsupportedModelError(
                 f"hidden_act={act!r}: the engine implements gated MLPs with "
                 f"{', '.join(repr(a) for a in SILU_NAMES + GELU_TANH_NAMES)} only; use plain "
@@ -432,39 +517,58 @@ class LayeredModel:
                 "model.generate()")
 
     def _layer(self, layer) -> LayerWeights:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = _attention(layer), layer.mlp
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
+        qkv = None
         if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
             qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = (RowSlice(attn.qkv_proj, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
                                                                         (qd + kvd, qd + 2 * kvd)))
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: per head, its q, k and v rows
+            q = k = v = None
+            qkv = attn.query_key_value
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        gate = act = None
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: the gate's rows, then the up projection's
             inter = mlp.gate_up_proj.out_features // 2
             gate, up = RowSlice(mlp.gate_up_proj, 0, inter), RowSlice(mlp.gate_up_proj, inter, 2 * inter)
-        else:
-            gate, up = mlp.gate_proj, mlp.up_proj
+            down = mlp.down_proj
+        elif hasattr(mlp, "gate_proj"):
+            gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        else:  # a plain MLP: Phi's fc1/fc2, StarCoder 2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/...
+            up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
+            up, down = getattr(mlp, up_name), getattr(mlp, down_name)
+            act = next(getattr(mlp, name) for name in ("act", "act_fn", "activation_fn") if hasattr(mlp, name))
         # a layer with a feed-forward norm of its own (OLMo 2: post_feedforward_layernorm)
         # norms the attention's output with post_attention_layernorm; otherwise (Llama)
         # that name is the MLP's input norm
         out_norms = hasattr(layer, "post_feedforward_layernorm") or hasattr(layer, "pre_feedforward_layernorm")
-        norm = lambda name: None if getattr(layer, name, None) is None else getattr(layer, name).weight  # noqa: E731
+
+        def norm(name):  # an RMSNorm's weight, a LayerNorm model's module
+            module = getattr(layer, name, None)
+            return None if module is None else module if self.layer_norm else module.weight
+
+        def qk(module):  # a q/k norm: Cohere's LayerNorm modules, else RMSNorm weights
+            return None if module is None else module if self.layer_norm else module.weight
+
         return LayerWeights(
             input_norm=norm("input_layernorm"),
             q=q,
             k=k,
             v=v,
-            o=attn.o_proj,
-            q_norm=None if q_norm is None else q_norm.weight,
-            k_norm=None if k_norm is None else k_norm.weight,
+            o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense,
+            q_norm=qk(q_norm),
+            k_norm=qk(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm("post_attention_layernorm"),
             gate=gate,
             up=up,
-            down=mlp.down_proj,
+            down=down,
             attn_out_norm=norm("post_attention_layernorm") if out_norms else None,
             mlp_out_norm=norm("post_feedforward_layernorm"),
+            act=act,
+            qkv=qkv,
         )
 
     def _all_rope_tables(self, inner, max_positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -501,13 +605,20 @@ class LayeredModel:
             if short is not None and short < max_positions:
                 cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])
         cos, sin = cos[0], sin[0]
-        if self.config.model_type in ROPE_PAIRS_TYPES:  # as their apply_rotary_pos_emb
+        if self.config.model_type in HALF_TABLE_PAIRS_TYPES:  # as their apply_rotary_pos_emb
             cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
             sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
         # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model)
         return cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
 
     # ---- maths on a block of rows -------------------------------------------------------
+
+    @property
+    def rms_sequential_gated(self) -> bool:
+        """Whether the layers are the form the C++ layer kernel computes: RMSNorms, the blocks
+        one after the other, gated MLPs, q/k/v products of their own, nothing clamped."""
+        return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
+                and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [W] -> hidden [W, H] (times embedding_multiplier or Gemma's scale, as
@@ -523,8 +634,12 @@ class LayeredModel:
             return rows * self._embed_module.embed_scale.to(rows.dtype)
         return rows if self.embedding_multiplier == 1.0 else rows * self.embedding_multiplier
 
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The model's RMSNorm of x's rows by `weight` (Gemma's scales by 1 + w)."""
+    def norm(self, x: torch.Tensor, weight: torch.Tensor | torch.nn.Module) -> torch.Tensor:
+        """The model's RMSNorm of x's rows by `weight` (Gemma's scales by 1 + w), or a
+        LayerNorm model's norm module applied to them (its own maths: nn.LayerNorm, OLMo's
+        parameter-free one, Cohere's float32 one; a row's result is its own)."""
+        if isinstance(weight, torch.nn.Module):
+            return weight(x)
         return rms_norm(x, weight, self.eps, self.norm_plus_one)
 
     def act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -539,13 +654,15 @@ class LayeredModel:
         """The LM head's output as HF's model returns it (divided by logits_scaling; Gemma 2's
         soft cap)."""
         logits = soft_cap(logits, self.logits_softcap)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
 
     @property
     def logits_transformed(self) -> bool:
         """Whether HF's logits are a rounding function of the LM head's (scaled, capped):
         two logits may then round to one value where HF's argmax takes the lower id."""
-        return self.logits_scaling != 1.0 or self.logits_softcap is not None
+        return self.logits_scaling != 1.0 or self.logits_softcap is not None or self.logit_scale != 1.0
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [W, H] after the last layer -> logits [W, V]."""

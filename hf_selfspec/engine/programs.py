@@ -207,12 +207,11 @@ class Engine:
         """Per layer, the weights `rows_layer(s)` takes (see cpu_rows.cpp), or None when the
         layers run as PyTorch ops (another layout, or linear biases). Detached views of the
         model's own parameters: the same storage, no copy."""
-        if self.layout.kernel_layers is None:
+        if self.layout.kernel_layers is None or not self.view.rms_sequential_gated:
             return None
         fused = []
         for lw in self.view.layers:
-            linears = (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)
-            if any(lin.bias is not None for lin in linears):
+            if any(lin.bias is not None for lin in lw.linears):
                 return None
             # a norm the layer does not have goes as an empty tensor (rows_layer skips it)
             w = [lw.input_norm, lw.q.weight, lw.k.weight, lw.v.weight, lw.o.weight, lw.post_norm,
@@ -252,7 +251,7 @@ class Engine:
 
     def _all_linears(self) -> list[torch.nn.Linear]:
         v = self.view
-        return [lin for lw in v.layers for lin in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)] + [v.lm_head]
+        return [lin for lw in v.layers for lin in lw.linears] + [v.lm_head]
 
     def _choose_layout(self) -> RowLayout:
         """The configured layout, or `auto`'s choice (cached on disk with what it depends on)."""
@@ -517,7 +516,7 @@ class Engine:
         slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
         if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed \
-                and not (v.norm_plus_one or v.gelu or v.rope_pairs):
+                and v.rms_sequential_gated and not (v.norm_plus_one or v.gelu or v.rope_pairs):
             # the Triton RoPE rotates all of d; its add + norm fuses the Llama form's norms
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
@@ -533,6 +532,10 @@ class Engine:
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
+            if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
+                m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw)
+                h = (o + m) + h if v.parallel_sum_first else (h + o) + m
+                continue
             if lw.attn_out_norm is not None:
                 o = v.norm(o, lw.attn_out_norm)
             h = h + v.residual(o)
@@ -594,20 +597,27 @@ class Engine:
         """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
         (q/k norms applied: Qwen3's on each head, OLMo 2's on the whole projection)."""
         v, lin = self.view, self.layout.linear
-        q, k = lin(x, lw.q), lin(x, lw.k)
-        whole = lw.q_norm is not None and lw.q_norm.shape[-1] != v.head_dim
+        if lw.qkv is not None:  # GPT-NeoX: one product, each head's q, k, v rows in turn
+            fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
+            return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
+        q, k, val = lin(x, lw.q), lin(x, lw.k), lin(x, lw.v)
+        if v.clip_qkv is not None:  # OLMo: clamped before anything else, as HF
+            q, k, val = (t.clamp(-v.clip_qkv, v.clip_qkv) for t in (q, k, val))
+        whole = isinstance(lw.q_norm, torch.Tensor) and lw.q_norm.shape[-1] != v.head_dim
         if whole:
             q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
         q = q.view(rows, v.num_heads, v.head_dim)
         k = k.view(rows, v.num_kv_heads, v.head_dim)
-        val = lin(x, lw.v).view(rows, v.num_kv_heads, v.head_dim)
-        if lw.q_norm is not None and not whole:
+        val = val.view(rows, v.num_kv_heads, v.head_dim)
+        if lw.q_norm is not None and not whole:  # on each head (Cohere's module: [R, heads, d])
             q = v.norm(q, lw.q_norm)
             k = v.norm(k, lw.k_norm)
         return q, k, val
 
     def _mlp(self, x: torch.Tensor, lw) -> torch.Tensor:
         lin = self.layout.linear
+        if lw.gate is None:  # a plain MLP (Phi, StarCoder 2, GPT-NeoX): HF's own activation
+            return lin(lw.act(lin(x, lw.up)), lw.down)
         return lin(self.view.act_mul(lin(x, lw.gate), lin(x, lw.up)), lw.down)
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:

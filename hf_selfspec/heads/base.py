@@ -59,25 +59,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def final_norm(model) -> nn.Module:
-    """The final norm of a Llama-family HF causal LM (`model.model.norm`; an image-text
-    model's language model's)."""
-    from hf_selfspec.engine.layered import text_decoder
+    """The final norm module of an HF causal LM (`model.model.norm`; Phi's final_layernorm,
+    GPT-NeoX's final_layer_norm; an image-text model's language model's)."""
+    from hf_selfspec.engine.layered import UnsupportedModelError, _final_norm, text_decoder
 
-    norm = getattr(text_decoder(model), "norm", None)
-    if norm is None or not hasattr(norm, "weight"):
+    decoder = text_decoder(model)
+    try:
+        return _final_norm(decoder)
+    except (UnsupportedModelError, AttributeError):
         raise ValueError(
-            f"{type(model).__name__} has no final norm at model.model.norm: heads support "
-            "Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3, SmolLM)"
-        )
-    return norm
+            f"{type(model).__name__} has no final norm the heads know (model.model.norm, "
+            "final_layernorm, final_layer_norm): heads support the causal LMs the engine runs"
+        ) from None
 
 
 def final_norm_weight(model) -> torch.Tensor:
     """The final norm's scale as `rms_norm` takes it: its weight, or 1 + weight for models
-    whose norm scales by (1 + w) (Gemma), in float32 there."""
+    whose norm scales by (1 + w) (Gemma), in float32 there; ones for a norm without a weight
+    (OLMo's LayerNorm). A head's own RMSNorm starts from it."""
     from hf_selfspec.engine.layered import NORM_PLUS_ONE_TYPES, text_config
 
-    weight = final_norm(model).weight.detach()
+    norm = final_norm(model)
+    if getattr(norm, "weight", None) is None:
+        embed = model.get_input_embeddings().weight
+        return torch.ones(embed.shape[1], dtype=embed.dtype, device=embed.device)
+    weight = norm.weight.detach()
     if getattr(text_config(model), "model_type", None) in NORM_PLUS_ONE_TYPES:
         return 1.0 + weight.float()
     return weight
@@ -132,7 +138,9 @@ def probe_parts(model) -> list[torch.Tensor]:
         for _name, p in layers[i].named_parameters():
             if p.ndim == 2:
                 parts.append(p[0, :_PROBE_VALUES])
-    parts.append(final_norm(model).weight[:_PROBE_VALUES])
+    norm_weight = getattr(final_norm(model), "weight", None)
+    if norm_weight is not None:  # OLMo's final LayerNorm has none
+        parts.append(norm_weight[:_PROBE_VALUES])
     return [p.detach().float().cpu() for p in parts]
 
 
