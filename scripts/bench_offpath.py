@@ -13,14 +13,9 @@ big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 
          lookup only).
 process: a fresh Python process loads the default model and times its first and second
          assistant="self" calls (the engine's measurements come from the on-disk cache).
-smollm3: (not in the default parts) a random-weight model of SmolLM3-3B's shape, fp32 (12 GB;
-         --smollm3-layers fewer for a quicker run): as `big`.
-phi3:    (not in the default parts) the same for Phi-3-mini's shape (15 GB; --phi3-layers).
-granite: (not in the default parts) the same for Granite-3.3-2B's shape (10 GB; --granite-layers).
-olmo2:   (not in the default parts) the same for OLMo-2-0425-1B's shape (6 GB; --olmo2-layers).
-gemma:   (not in the default parts) the same for Gemma-2B's shape (10 GB; --gemma-layers).
-gemma2:  (not in the default parts) the same for Gemma-2-2B's shape (10.5 GB; --gemma2-layers).
-gemma3:  (not in the default parts) the same for Gemma-3-1B's shape (4 GB; --gemma3-layers).
+smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
+phi: (not in the default parts) a random-weight model of a real checkpoint's shape
+         (RANDOM_SHAPES; --layers fewer for a quicker run), fp32: as `big`.
 """
 
 from __future__ import annotations
@@ -97,98 +92,85 @@ def part_big(args):
     random_model_run("big: random Llama", LlamaForCausalLM(config).eval(), args)
 
 
-def part_smollm3(args):
-    """SmolLM3-3B's shape (hidden 2048, 36 layers, GQA 16/4, vocab 128256, tied; every 4th
-    layer without RoPE), random weights: exactness, speed, memory of the engine on it."""
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+# random-weight models of real checkpoints' shapes (parts not in the default run): the
+# config class, the model class, the config (num_hidden_layers: the checkpoint's, --layers
+# fewer for a quicker run), what the shape is and what of the architecture it exercises
+RANDOM_SHAPES = {
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+        num_key_value_heads=4, max_position_embeddings=65536, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0}),
+        "SmolLM3-3B (12 GB; every 4th layer without RoPE)"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, tie_word_embeddings=False),
+        "Phi-3-mini (15 GB; q/k/v and gate/up fused)"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        vocab_size=49159, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True, embedding_multiplier=12.0,
+        attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0),
+        "Granite-3.3-2B (10 GB; its four multipliers)"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        "OLMo-2-0425-1B (6 GB; norms on the blocks' outputs, q/k norms over the whole projection)"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
+        vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=8192),
+        "Gemma-2B (10 GB; norms by 1 + w, tanh-GELU MLP, scaled embedding)"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256),
+        "Gemma-2-2B (10.5 GB; sandwich norms, soft caps 50 / 30, windows of 4096 in every other layer)"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256,
+        sliding_window=512),
+        "Gemma-3-1B (4 GB; per-head q/k norms, five sliding layers (window 512) to a full one, a RoPE each)"),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=4096, num_hidden_layers=30, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=65536, tie_word_embeddings=True,
+        sliding_window=None, layer_types=["full_attention"] * 30,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+        "EXAONE-4.0-1.2B (5 GB; output norms, per-head q/k norms)"),
+    "ernie": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(
+        vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=131072, tie_word_embeddings=True,
+        use_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        "ERNIE-4.5-0.3B (1.5 GB; RoPE turning adjacent pairs)"),
+    "pythia": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=50304, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+        max_position_embeddings=2048, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
+        "Pythia-410M (1.6 GB; GPT-NeoX: LayerNorms, parallel blocks, per-head fused q/k/v, GELU MLP)"),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(
+        vocab_size=100352, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, partial_rotary_factor=0.25, use_qkv_bias=True,
+        tie_word_embeddings=False),
+        "StableLM-2-1.6B (6.6 GB; LayerNorms with biases, RoPE on a quarter of each head)"),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, max_position_embeddings=2048, tie_word_embeddings=True),
+        "OLMo-1B-hf (4.7 GB; parameter-free LayerNorms)"),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(
+        vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+        max_position_embeddings=2048, partial_rotary_factor=0.5, tie_word_embeddings=False),
+        "Phi-1.5 (5.7 GB; LayerNorm, parallel blocks, gelu_new MLP, biases, LM-head bias)"),
+}
 
+
+def part_random_shape(name: str, args) -> None:
+    import transformers
+
+    config_class, model_class, config, about = RANDOM_SHAPES[name]
+    config = dict(config)
+    layers = args.layers or config["num_hidden_layers"]
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:1] * layers
+    config["num_hidden_layers"] = layers
     torch.manual_seed(0)
-    config = SmolLM3Config(vocab_size=128256, hidden_size=2048, intermediate_size=11008,
-                           num_hidden_layers=args.smollm3_layers, num_attention_heads=16, num_key_value_heads=4,
-                           max_position_embeddings=65536, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})
-    random_model_run(f"smollm3: random SmolLM3 ({args.smollm3_layers} layers, without RoPE in "
-                     f"{config.no_rope_layers.count(0)})", SmolLM3ForCausalLM(config).eval(), args)
-
-
-def part_phi3(args):
-    """Phi-3-mini's shape (hidden 3072, 32 layers, 32 heads, vocab 32064, untied; q/k/v and
-    gate/up fused), random weights: as `smollm3`."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Phi3Config(vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=args.phi3_layers,
-                        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
-                        tie_word_embeddings=False)
-    random_model_run(f"phi3: random Phi-3 ({args.phi3_layers} layers)", Phi3ForCausalLM(config).eval(), args)
-
-
-def part_granite(args):
-    """Granite-3.3-2B's shape (hidden 2048, 40 layers, GQA 32/8, vocab 49159, tied; its four
-    multipliers), random weights: as `smollm3`."""
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    torch.manual_seed(0)
-    config = GraniteConfig(vocab_size=49159, hidden_size=2048, intermediate_size=8192,
-                           num_hidden_layers=args.granite_layers, num_attention_heads=32, num_key_value_heads=8,
-                           max_position_embeddings=4096, tie_word_embeddings=True, embedding_multiplier=12.0,
-                           attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)
-    random_model_run(f"granite: random Granite ({args.granite_layers} layers)", GraniteForCausalLM(config).eval(), args)
-
-
-def part_olmo2(args):
-    """OLMo-2-0425-1B's shape (hidden 2048, 16 layers, 16 heads (MHA), vocab 100352, untied;
-    norms on the blocks' outputs, q/k norms over the whole projection), random weights: as
-    `smollm3`."""
-    from transformers import Olmo2Config, Olmo2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Olmo2Config(vocab_size=100352, hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=args.olmo2_layers, num_attention_heads=16, num_key_value_heads=16,
-                         max_position_embeddings=4096, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    random_model_run(f"olmo2: random OLMo 2 ({args.olmo2_layers} layers)", Olmo2ForCausalLM(config).eval(), args)
-
-
-def part_gemma(args):
-    """Gemma-2B's shape (hidden 2048, 18 layers, 8 heads of 256 over one KV head, vocab
-    256000, tied; norms scaling by 1 + w, tanh-GELU MLP, scaled embedding), random weights:
-    as `smollm3`."""
-    from transformers import GemmaConfig, GemmaForCausalLM
-
-    torch.manual_seed(0)
-    config = GemmaConfig(vocab_size=256000, hidden_size=2048, intermediate_size=16384,
-                         num_hidden_layers=args.gemma_layers, num_attention_heads=8, num_key_value_heads=1,
-                         head_dim=256, max_position_embeddings=8192)
-    random_model_run(f"gemma: random Gemma ({args.gemma_layers} layers)", GemmaForCausalLM(config).eval(), args)
-
-
-def part_gemma2(args):
-    """Gemma-2-2B's shape (hidden 2304, 26 layers, 8 heads of 256 over 4 KV heads, vocab
-    256000, tied; norms on both sides of each block, soft caps 50 / 30, windows of 4096 in
-    every other layer), random weights: as `smollm3`."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Gemma2Config(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                          num_hidden_layers=args.gemma2_layers, num_attention_heads=8, num_key_value_heads=4,
-                          head_dim=256, max_position_embeddings=8192, query_pre_attn_scalar=256)
-    random_model_run(f"gemma2: random Gemma 2 ({args.gemma2_layers} layers)", Gemma2ForCausalLM(config).eval(), args)
-
-
-def part_gemma3(args):
-    """Gemma-3-1B's shape (hidden 1152, 26 layers, 4 heads of 256 over one KV head, vocab
-    262144, tied; per-head q/k norms, five sliding layers (window 512, RoPE base 10000) to a
-    full one (base 1000000)), random weights: as `smollm3` (200 + 32 tokens: within the window)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
-                              num_hidden_layers=args.gemma3_layers, num_attention_heads=4, num_key_value_heads=1,
-                              head_dim=256, max_position_embeddings=32768, query_pre_attn_scalar=256,
-                              sliding_window=512)
-    random_model_run(f"gemma3: random Gemma 3 text ({args.gemma3_layers} layers)", Gemma3ForCausalLM(config).eval(),
-                     args)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
+    random_model_run(f"{name}: random {about}, {layers} layers,", model, args)
 
 
 def random_model_run(label, model, args):
@@ -248,14 +230,10 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process", help="any of bf16,big,process,smollm3,phi3,granite,olmo2,gemma,gemma2,gemma3")
-    ap.add_argument("--smollm3-layers", type=int, default=36)
-    ap.add_argument("--phi3-layers", type=int, default=32)
-    ap.add_argument("--granite-layers", type=int, default=40)
-    ap.add_argument("--olmo2-layers", type=int, default=16)
-    ap.add_argument("--gemma-layers", type=int, default=18)
-    ap.add_argument("--gemma2-layers", type=int, default=26)
-    ap.add_argument("--gemma3-layers", type=int, default=26)
+    ap.add_argument("--parts", default="bf16,big,process",
+                    help="any of bf16,big,process," + ",".join(RANDOM_SHAPES))
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of the random-shape parts (default: each checkpoint's own)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=200,
@@ -264,9 +242,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for part in args.parts.split(","):
-        {"bf16": part_bf16, "big": part_big, "process": part_process, "smollm3": part_smollm3,
-         "phi3": part_phi3, "granite": part_granite, "olmo2": part_olmo2,
-         "gemma": part_gemma, "gemma2": part_gemma2, "gemma3": part_gemma3}[part](args)
+        if part in RANDOM_SHAPES:
+            part_random_shape(part, args)
+        else:
+            {"bf16": part_bf16, "big": part_big, "process": part_process}[part](args)
 
 
 if __name__ == "__main__":
