@@ -14,8 +14,8 @@ big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 
 process: a fresh Python process loads the default model and times its first and second
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
-phi: (not in the default parts) a random-weight model of a real checkpoint's shape
-         (RANDOM_SHAPES; --layers fewer for a quicker run), fp32: as `big`.
+phi, gemma3_4b: (not in the default parts) a random-weight model of a real checkpoint's
+         shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
 from __future__ import annotations
@@ -156,6 +156,17 @@ RANDOM_SHAPES = {
         vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
         max_position_embeddings=2048, partial_rotary_factor=0.5, tie_word_embeddings=False),
         "Phi-1.5 (5.7 GB; LayerNorm, parallel blocks, gelu_new MLP, biases, LM-head bias)"),
+    "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                         query_pre_attn_scalar=256, sliding_window=1024,
+                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0,
+                                                             "factor": 8.0}}),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           image_size=896, patch_size=14)),
+        "gemma-3-4b-it (17 GB in fp32, 8.6 in bf16 (--dtype bfloat16); the image-text class: a "
+        "vision tower beside the language model, which decodes)"),
 }
 
 
@@ -164,13 +175,16 @@ def part_random_shape(name: str, args) -> None:
 
     config_class, model_class, config, about = RANDOM_SHAPES[name]
     config = dict(config)
-    layers = args.layers or config["num_hidden_layers"]
-    if "layer_types" in config:
-        config["layer_types"] = config["layer_types"][:1] * layers
-    config["num_hidden_layers"] = layers
+    text = config  # the decoder's config: the whole one, or an image-text model's text_config
+    if "text_config" in config:
+        text = config["text_config"] = dict(config["text_config"])
+    layers = args.layers or text["num_hidden_layers"]
+    if "layer_types" in text:
+        text["layer_types"] = text["layer_types"][:1] * layers
+    text["num_hidden_layers"] = layers
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).eval()
-    random_model_run(f"{name}: random {about}, {layers} layers,", model, args)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+    random_model_run(f"{name}: random {about}, {layers} layers,", model.to(getattr(torch, args.dtype)).eval(), args)
 
 
 def random_model_run(label, model, args):
@@ -195,13 +209,18 @@ def random_model_run(label, model, args):
     tau = model.selfspec_stats.tau
     _, t_hf2 = timed(lambda: model.generate(ids, **greedy))
     n = hf.shape[1] - ids.shape[1]
+    own_ar = ""
+    if model.dtype != torch.float32:  # a 16-bit model's promise: the engine's own AR output
+        eos = model.generation_config.eos_token_id
+        ar = model._selfspec.engine.generate_ar(ids[0].tolist(), n, eos if isinstance(eos, list) else [eos])
+        own_ar = f" (to HF's {model.dtype} greedy), to the engine's own AR {third[0, ids.shape[1]:].tolist() == ar}"
     t_hf_med = statistics.median([t_hf, t_hf2])
-    print(f"{label} {params:.2f}B fp32, prompt {args.prompt_tokens}, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
+    print(f"{label} {params:.2f}B {str(model.dtype).removeprefix('torch.')}, prompt {args.prompt_tokens}, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
           f"first call {t_first:.1f} s (engine build {build:.1f} s), second call {t_second_call:.1f} s, "
           f"warm (third call) {n / t_second:.2f} tok/s = "
           f"{t_hf_med / t_second:.2f}x HF (tau {tau:.2f}); resident memory: HF greedy +{after_hf - base:.2f} GB, the engine "
           f"+{after_self - after_hf:.2f} GB more after the first call; identical "
-          f"{torch.equal(hf, first) and torch.equal(hf, second) and torch.equal(hf, third)}", flush=True)
+          f"{torch.equal(hf, first) and torch.equal(hf, second) and torch.equal(hf, third)}{own_ar}", flush=True)
 
 
 def part_process(args):
@@ -234,6 +253,8 @@ def main(argv=None):
                     help="any of bf16,big,process," + ",".join(RANDOM_SHAPES))
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers of the random-shape parts (default: each checkpoint's own)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the random-shape parts (16-bit: == the engine's own AR output is the promise)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=200,
