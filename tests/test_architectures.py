@@ -47,6 +47,8 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
         for name, param in model.named_parameters():
             if random_norms and "norm" in name:  # a norm mistaken for another, a bias dropped
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+            if param.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
+                param.normal_(0.0, (1.0 if param.dim() == 3 else 4.0) * param.shape[-1] ** -0.5)
     return model.to(dtype).eval()
 
 
@@ -171,6 +173,13 @@ SUPPORTED = {
     # norms, exact GELU, RoPE on a quarter of each head; and its sequential form
     "gpt_neox": dict(arch="GPTNeoX", random_norms=True, attention_bias=True),
     "gpt_neox-sequential": dict(arch="GPTNeoX", random_norms=True, use_parallel_residual=False),
+    # sparse MoE blocks (PyTorch layers around the engine's products): Qwen3-MoE with a dense
+    # layer among them and renormalised top-k, OLMoE (whole-projection q/k norms, clip_qkv),
+    # Mixtral (float32 routing weights, a window)
+    "qwen3_moe": dict(arch="Qwen3Moe", head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True),
+    "olmoe-clip-qkv": dict(arch="Olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
+    "mixtral-window": dict(arch="Mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
 }
 
 
@@ -187,7 +196,7 @@ def test_supported_variant_gives_hf_greedy(case):
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
-                                  "cohere-qk-norm", "gpt_neox"])
+                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -294,7 +303,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
     ("GPT2", dict(model_class="GPT2LMHeadModel"), "gpt2"),  # Conv1D projections: weights transposed
-    ("Mixtral", dict(sliding_window=16), "mixtral"),
+    ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2), "qwen2_moe"),  # a shared expert beside them
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)
@@ -400,7 +409,7 @@ def test_gemma3_image_inputs_refused(media):
 
 @pytest.mark.parametrize("case,cuda", [("llama-tied", False), ("olmo2-output-norms", False), ("gemma2", True),
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
-                                       ("ernie4_5-rope-pairs", True)])
+                                       ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""

@@ -51,6 +51,10 @@ ARCHS = {
     # (OLMo), fused per head (GPT-NeoX), per-head q/k LayerNorms (Cohere)
     "StableLm": dict(partial_rotary_factor=0.5), "Olmo": dict(clip_qkv=2.0), "Phi": {},
     "Starcoder2": dict(sliding_window=24), "Cohere": dict(use_qk_norm=True), "GPTNeoX": dict(rotary_pct=0.5),
+    # sparse MoE blocks (random routers and experts below)
+    "Qwen3Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
+    "Olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=2.0),
+    "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -71,7 +75,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
-    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5"):
+    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -87,6 +91,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if arch.startswith("Gemma") else p.uniform_(0.5, 1.5)
+            if p.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
+                p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
     return model.to(dtype).eval(), config
 
 

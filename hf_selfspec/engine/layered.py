@@ -25,7 +25,7 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
-                         "cohere", "gpt_neox")
+                         "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -36,6 +36,8 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox"}
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox")
+# sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
+MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -77,6 +79,36 @@ class RowSlice:
         return F.linear(x, self.weight, self.bias)
 
 
+class MatrixView:
+    """A weight matrix held by a module that is not an nn.Linear (an MoE router's, one
+    expert's slice of a 3D expert weight) as a linear layer without bias: a view of the
+    module's own tensor (contiguous: its leading index picks whole matrices)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.bias = None
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+@dataclass
+class MoEWeights:
+    """A sparse MoE block (Qwen3-MoE, OLMoE, Mixtral), HF's maths: router logits, softmax in
+    float32, the top_k experts (their probabilities renormalised where `normalize`, rounded
+    to the model's dtype where `round_weights`), each expert act(gate) * up -> down on its
+    rows, times the row's weight, added to a zero row in ascending expert order."""
+
+    router: MatrixView  # [E, H]
+    gate_up: list  # per expert, a MatrixView [2I, H]: the gate's rows, then up's
+    down: list  # per expert, a MatrixView [H, I]
+    act: torch.nn.Module  # HF's own activation module
+    top_k: int
+    normalize: bool
+    round_weights: bool
+
+
 @dataclass
 class LayerWeights:
     """Parameters of one decoder layer, shared with the HF module (no copies).
@@ -101,20 +133,28 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor | torch.nn.Module | None  # [H], the MLP's input norm
     gate: torch.nn.Linear | RowSlice | None
-    up: torch.nn.Linear | RowSlice
-    down: torch.nn.Linear
+    up: torch.nn.Linear | RowSlice | None  # None: an MoE block (moe) instead of the MLP
+    down: torch.nn.Linear | None
     attn_out_norm: torch.Tensor | None = None  # [H]
     mlp_out_norm: torch.Tensor | None = None  # [H]
     act: torch.nn.Module | None = None  # a plain MLP's activation (HF's own module)
     # GPT-NeoX's q, k and v in one weight, their rows per head [heads, 3, head_dim]: one
     # product, split by a view
     qkv: torch.nn.Linear | None = None
+    moe: MoEWeights | None = None
 
     @property
     def linears(self) -> tuple:
-        """The layer's projections (a plain MLP has no gate)."""
+        """The layer's projections (a plain MLP has no gate; an MoE block's router and every
+        expert's matrices)."""
+        moe = () if self.moe is None else (self.moe.router, *self.moe.gate_up, *self.moe.down)
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
-                     if lin is not None)
+                     if lin is not None) + moe
+
+    @property
+    def intermediate_size(self) -> int:
+        """The MLP's (an expert's) intermediate width."""
+        return self.moe.down[0].in_features if self.moe is not None else self.up.weight.shape[0]
 
     @property
     def norms_inputs_only(self) -> bool:
@@ -163,6 +203,28 @@ def _check_plain_linear(name: str, module) -> None:
             f"{name} is a {kind} (weight dtype {dtype}); the engine runs plain torch.nn.Linear "
             f"projections with float weights ({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
             "Quantized or wrapped layers are not supported: use plain model.generate().")
+
+
+def _check_moe(name: str, block) -> None:
+    """An MoE block the engine computes as MoEWeights says: a router with a float weight
+    [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    float weights (a quantized or biased expert, or another router, is refused by name)."""
+    router, experts = getattr(block, "gate", None), block.experts
+    weights = dict(experts.named_parameters(recurse=False))
+    gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
+    fits = (router is not None and isinstance(getattr(router, "weight", None), torch.Tensor)
+            and router.weight.dtype in FLOAT_DTYPES and router.weight.dim() == 2 and hasattr(router, "top_k")
+            and set(weights) == {"gate_up_proj", "down_proj"}
+            and all(child is getattr(experts, "act_fn", None) for child in experts.children())
+            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.dtype in FLOAT_DTYPES
+            and down.dtype in FLOAT_DTYPES and hasattr(experts, "act_fn")
+            and gate_up.shape[0] == down.shape[0] == router.weight.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2])
+    if not fits:
+        raise UnsupportedModelError(
+            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+            f"{type(experts).__name__}: it runs a float top-k router and experts of gate_up_proj / "
+            "down_proj only); use plain model.generate() for this model")
 
 
 def attention_window(config) -> int | None:
@@ -279,7 +341,7 @@ def cpu_only(config, inner) -> bool:
     gathers one table)."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
-        or config.model_type in LAYER_NORM_TYPES
+        or config.model_type in LAYER_NORM_TYPES or config.model_type in MOE_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -401,7 +463,7 @@ class LayeredModel:
         # Cohere multiplies its logits by logit_scale
         self.logit_scale = float(config.logit_scale) if config.model_type == "cohere" else 1.0
         # OLMo (1) clamps q, k and v to [-clip_qkv, clip_qkv] after their products
-        self.clip_qkv = getattr(config, "clip_qkv", None) if config.model_type == "olmo" else None
+        self.clip_qkv = getattr(config, "clip_qkv", None) if config.model_type in ("olmo", "olmoe") else None
         # parallel layers (LayerWeights): "shared" one input norm for both blocks (Phi,
         # Cohere, StableLM's option), "two" each block its own (GPT-NeoX); the outputs join h
         # in HF's order: (attention + MLP) + h (Phi, GPT-NeoX) or (h + attention) + MLP
@@ -462,8 +524,12 @@ class LayeredModel:
                        for i, layer in enumerate(inner.layers)
                        for part, names in (("self_attn" if hasattr(layer, "self_attn") else "attention",
                                             _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
-                                           ("mlp", _projection_names(layer.mlp, MLP_PROJECTIONS)))
+                                           ("mlp", () if hasattr(layer.mlp, "experts")
+                                            else _projection_names(layer.mlp, MLP_PROJECTIONS)))
                        for name in names]
+        for i, layer in enumerate(inner.layers):
+            if hasattr(layer.mlp, "experts"):
+                _check_moe(f"model.layers.{i}.mlp", layer.mlp)
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
         if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
@@ -530,8 +596,11 @@ class LayeredModel:
             qkv = attn.query_key_value
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
-        gate = act = None
-        if hasattr(mlp, "gate_up_proj"):  # Phi-3: the gate's rows, then the up projection's
+        gate = act = moe = None
+        if hasattr(mlp, "experts"):  # a sparse MoE block (its dense layers: an MLP below)
+            up = down = None
+            moe = self._moe(mlp)
+        elif hasattr(mlp, "gate_up_proj"):  # Phi-3: the gate's rows, then the up projection's
             inter = mlp.gate_up_proj.out_features // 2
             gate, up = RowSlice(mlp.gate_up_proj, 0, inter), RowSlice(mlp.gate_up_proj, inter, 2 * inter)
             down = mlp.down_proj
@@ -569,6 +638,20 @@ class LayeredModel:
             mlp_out_norm=norm("post_feedforward_layernorm"),
             act=act,
             qkv=qkv,
+            moe=moe,
+        )
+
+    def _moe(self, block) -> MoEWeights:
+        experts, router = block.experts, block.gate
+        return MoEWeights(
+            router=MatrixView(router.weight),
+            gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+            down=[MatrixView(w) for w in experts.down_proj],
+            act=experts.act_fn,
+            top_k=int(router.top_k),
+            # Mixtral always renormalises and multiplies by the float32 weights
+            normalize=bool(getattr(router, "norm_topk_prob", True)),
+            round_weights=self.config.model_type != "mixtral",
         )
 
     def _all_rope_tables(self, inner, max_positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -601,11 +601,11 @@ class Engine:
             fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
             return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
         q, k, val = lin(x, lw.q), lin(x, lw.k), lin(x, lw.v)
-        if v.clip_qkv is not None:  # OLMo: clamped before anything else, as HF
-            q, k, val = (t.clamp(-v.clip_qkv, v.clip_qkv) for t in (q, k, val))
         whole = isinstance(lw.q_norm, torch.Tensor) and lw.q_norm.shape[-1] != v.head_dim
         if whole:
             q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
+        if v.clip_qkv is not None:  # OLMo, OLMoE: clamped after OLMoE's norms, before RoPE
+            q, k, val = (t.clamp(-v.clip_qkv, v.clip_qkv) for t in (q, k, val))
         q = q.view(rows, v.num_heads, v.head_dim)
         k = k.view(rows, v.num_kv_heads, v.head_dim)
         val = val.view(rows, v.num_kv_heads, v.head_dim)
@@ -616,9 +616,32 @@ class Engine:
 
     def _mlp(self, x: torch.Tensor, lw) -> torch.Tensor:
         lin = self.layout.linear
+        if lw.moe is not None:
+            return self._moe(x, lw.moe)
         if lw.gate is None:  # a plain MLP (Phi, StarCoder 2, GPT-NeoX): HF's own activation
             return lin(lw.act(lin(x, lw.up)), lw.down)
         return lin(self.view.act_mul(lin(x, lw.gate), lin(x, lw.up)), lw.down)
+
+    def _moe(self, x: torch.Tensor, moe) -> torch.Tensor:
+        """An MoE block on the rows x [R, H] (MoEWeights' maths). Every expert a row picks runs
+        on all R rows, each product the same [R, H] block as the layer's others (so a row's
+        result is its own whatever the layout), and its output is added to the rows that
+        picked it only."""
+        lin = self.layout.linear
+        logits = lin(x, moe.router)  # [R, E]
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, chosen = torch.topk(probs, moe.top_k, dim=-1)  # [R, k]
+        if moe.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if moe.round_weights:
+            top = top.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():  # ascending, as HF's loop
+            rows, slot = torch.where(chosen == expert)
+            gate, up = lin(x, moe.gate_up[expert]).chunk(2, dim=-1)
+            y = lin(moe.act(gate) * up, moe.down[expert])[rows] * top[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
         """`run_layers`' PyTorch-ops branch with the fused Triton kernels (fused_small_ops):
