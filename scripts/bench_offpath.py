@@ -14,7 +14,7 @@ big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 
 process: a fresh Python process loads the default model and times its first and second
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
-phi, gemma3_4b: (not in the default parts) a random-weight model of a real checkpoint's
+phi, olmoe, qwen3_moe, gemma3_4b: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -156,6 +156,16 @@ RANDOM_SHAPES = {
         vocab_size=51200, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
         max_position_embeddings=2048, partial_rotary_factor=0.5, tie_word_embeddings=False),
         "Phi-1.5 (5.7 GB; LayerNorm, parallel blocks, gelu_new MLP, biases, LM-head bias)"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096,
+        tie_word_embeddings=False),
+        "OLMoE-1B-7B (28 GB in fp32: --layers 4 or --dtype bfloat16; 64 experts, 8 per token)"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False),
+        "Qwen3-30B-A3B (122 GB in fp32: --layers 2; 128 experts, 8 per token)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
@@ -183,8 +193,13 @@ def part_random_shape(name: str, args) -> None:
         text["layer_types"] = text["layer_types"][:1] * layers
     text["num_hidden_layers"] = layers
     torch.manual_seed(0)
-    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
-    random_model_run(f"{name}: random {about}, {layers} layers,", model.to(getattr(torch, args.dtype)).eval(), args)
+    dtype, default = getattr(torch, args.dtype), torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: a 16-bit model never held in fp32
+    try:
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+    finally:
+        torch.set_default_dtype(default)
+    random_model_run(f"{name}: random {about}, {layers} layers,", model.to(dtype).eval(), args)
 
 
 def random_model_run(label, model, args):
