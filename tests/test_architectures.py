@@ -180,6 +180,12 @@ SUPPORTED = {
                       num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True),
     "olmoe-clip-qkv": dict(arch="Olmoe", num_experts=8, num_experts_per_tok=3, clip_qkv=0.5),
     "mixtral-window": dict(arch="Mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=16),
+    # Qwen2-MoE: a sigmoid-gated shared expert beside the routed ones
+    "qwen2_moe-shared": dict(arch="Qwen2Moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48),
+    # GLM-4: norms on both sides of each block under its own names, RoPE pairs on half of
+    # each head, gate/up fused
+    "glm4-sandwich": dict(arch="Glm4", head_dim=16, random_norms=True),
 }
 
 
@@ -215,7 +221,7 @@ def test_logits_are_hfs_to_float32_rounding(case):
 
 
 @pytest.mark.parametrize("layout", ["kernel", "fixed"])
-@pytest.mark.parametrize("arch", ["Glm", "Ernie4_5"])
+@pytest.mark.parametrize("arch", ["Glm", "Ernie4_5", "Glm4"])
 def test_rope_pairs_in_both_layer_paths(arch, layout):
     """The C++ layers (kernel; no biases, which would send them to the PyTorch layers) and
     the PyTorch ones (fixed) turn the same pairs: HF's greedy tokens alone and batched."""
@@ -303,7 +309,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
     ("GPT2", dict(model_class="GPT2LMHeadModel"), "gpt2"),  # Conv1D projections: weights transposed
-    ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2), "qwen2_moe"),  # a shared expert beside them
+    ("GraniteMoe", dict(num_local_experts=4, num_experts_per_tok=2), "granitemoe"),  # top-k, then softmax
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)

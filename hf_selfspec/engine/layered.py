@@ -25,7 +25,7 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
-                         "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral")
+                         "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -37,7 +37,7 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox"}
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
-MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral")
+MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -50,10 +50,10 @@ CUDA_GEMMA_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "ernie4_5", "cohere")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
-HALF_TABLE_PAIRS_TYPES = ("glm", "ernie4_5")
+HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5")
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4",)
 # Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
@@ -107,6 +107,10 @@ class MoEWeights:
     top_k: int
     normalize: bool
     round_weights: bool
+    # Qwen2-MoE's shared expert (a gated MLP: gate, up, down) and its sigmoid gate [1, H]:
+    # sigmoid(shared_gate(x)) * shared(x) added after the experts'
+    shared: tuple | None = None
+    shared_gate: torch.nn.Linear | None = None
 
 
 @dataclass
@@ -147,7 +151,9 @@ class LayerWeights:
     def linears(self) -> tuple:
         """The layer's projections (a plain MLP has no gate; an MoE block's router and every
         expert's matrices)."""
-        moe = () if self.moe is None else (self.moe.router, *self.moe.gate_up, *self.moe.down)
+        moe = () if self.moe is None else (self.moe.router, *self.moe.gate_up, *self.moe.down,
+                                           *(self.moe.shared or ()), *(() if self.moe.shared_gate is None
+                                                                       else (self.moe.shared_gate,)))
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + moe
 
@@ -220,6 +226,14 @@ def _check_moe(name: str, block) -> None:
             and down.dtype in FLOAT_DTYPES and hasattr(experts, "act_fn")
             and gate_up.shape[0] == down.shape[0] == router.weight.shape[0]
             and gate_up.shape[1] == 2 * down.shape[2])
+    shared, shared_gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if fits and (shared is not None or shared_gate is not None):  # Qwen2-MoE's: both, plain
+        fits = shared is not None and shared_gate is not None and shared_gate.out_features == 1 \
+            and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        for part, module in ((f"{name}.shared_expert_gate", shared_gate),
+                             *((f"{name}.shared_expert.{n}", getattr(shared, n, None))
+                               for n in ("gate_proj", "up_proj", "down_proj"))):
+            _check_plain_linear(part, module)
     if not fits:
         raise UnsupportedModelError(
             f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
@@ -634,8 +648,10 @@ class LayeredModel:
             gate=gate,
             up=up,
             down=down,
-            attn_out_norm=norm("post_attention_layernorm") if out_norms else None,
-            mlp_out_norm=norm("post_feedforward_layernorm"),
+            # GLM-4 names its blocks' output norms post_self_attn_ / post_mlp_layernorm
+            attn_out_norm=norm("post_attention_layernorm") if out_norms else norm("post_self_attn_layernorm"),
+            mlp_out_norm=norm("post_feedforward_layernorm" if hasattr(layer, "post_feedforward_layernorm")
+                              else "post_mlp_layernorm"),
             act=act,
             qkv=qkv,
             moe=moe,
@@ -643,6 +659,7 @@ class LayeredModel:
 
     def _moe(self, block) -> MoEWeights:
         experts, router = block.experts, block.gate
+        shared = getattr(block, "shared_expert", None)
         return MoEWeights(
             router=MatrixView(router.weight),
             gate_up=[MatrixView(w) for w in experts.gate_up_proj],
@@ -652,6 +669,8 @@ class LayeredModel:
             # Mixtral always renormalises and multiplies by the float32 weights
             normalize=bool(getattr(router, "norm_topk_prob", True)),
             round_weights=self.config.model_type != "mixtral",
+            shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
+            shared_gate=getattr(block, "shared_expert_gate", None),
         )
 
     def _all_rope_tables(self, inner, max_positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

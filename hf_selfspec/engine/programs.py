@@ -641,6 +641,10 @@ class Engine:
             gate, up = lin(x, moe.gate_up[expert]).chunk(2, dim=-1)
             y = lin(moe.act(gate) * up, moe.down[expert])[rows] * top[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
+        if moe.shared is not None:  # Qwen2-MoE: its shared expert, sigmoid-gated, added last
+            gate, up, down = moe.shared
+            shared = lin(self.view.act_mul(lin(x, gate), lin(x, up)), down)
+            out = out + torch.sigmoid(lin(x, moe.shared_gate)) * shared
         return out
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
