@@ -186,6 +186,9 @@ SUPPORTED = {
     # GLM-4: norms on both sides of each block under its own names, RoPE pairs on half of
     # each head, gate/up fused
     "glm4-sandwich": dict(arch="Glm4", head_dim=16, random_norms=True),
+    # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
+    "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
+                       attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
 }
 
 
@@ -309,7 +312,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
     ("GPT2", dict(model_class="GPT2LMHeadModel"), "gpt2"),  # Conv1D projections: weights transposed
-    ("GraniteMoe", dict(num_local_experts=4, num_experts_per_tok=2), "granitemoe"),  # top-k, then softmax
+    ("Falcon", {}, "falcon"),  # its fused query_key_value and dense_h_to_4h under other names
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)

@@ -57,6 +57,8 @@ ARCHS = {
     "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24),
     "Qwen2Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64),
     "Glm4": {},
+    "GraniteMoe": dict(num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
+                       attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
-                         "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4")
+                         "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
+                         "granitemoe")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -37,7 +38,7 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox"}
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
-MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
+MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -95,10 +96,11 @@ class MatrixView:
 
 @dataclass
 class MoEWeights:
-    """A sparse MoE block (Qwen3-MoE, OLMoE, Mixtral), HF's maths: router logits, softmax in
-    float32, the top_k experts (their probabilities renormalised where `normalize`, rounded
-    to the model's dtype where `round_weights`), each expert act(gate) * up -> down on its
-    rows, times the row's weight, added to a zero row in ascending expert order."""
+    """A sparse MoE block (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE), HF's maths:
+    router logits, softmax in float32, the top_k experts (their probabilities renormalised
+    where `normalize`, rounded to the model's dtype where `round_weights`; Granite MoE: the
+    softmax of the top_k logits), each expert act(gate) * up -> down on its rows, times the
+    row's weight, added to a zero row in ascending expert order."""
 
     router: MatrixView  # [E, H]
     gate_up: list  # per expert, a MatrixView [2I, H]: the gate's rows, then up's
@@ -107,6 +109,8 @@ class MoEWeights:
     top_k: int
     normalize: bool
     round_weights: bool
+    # Granite MoE: the top_k of the float32 logits first, then a softmax over them alone
+    softmax_of_top: bool = False
     # Qwen2-MoE's shared expert (a gated MLP: gate, up, down) and its sigmoid gate [1, H]:
     # sigmoid(shared_gate(x)) * shared(x) added after the experts'
     shared: tuple | None = None
@@ -191,6 +195,11 @@ def _projection_names(module, options) -> tuple[str, ...]:
     return options[0]
 
 
+def _mlp_block(layer):
+    """A decoder layer's MLP or MoE block (Granite MoE names it `block_sparse_moe`)."""
+    return layer.mlp if hasattr(layer, "mlp") else getattr(layer, "block_sparse_moe", None)
+
+
 def _attention(layer):
     """A decoder layer's attention block (GPT-NeoX names it `attention`)."""
     return layer.self_attn if hasattr(layer, "self_attn") else getattr(layer, "attention", None)
@@ -211,11 +220,16 @@ def _check_plain_linear(name: str, module) -> None:
             "Quantized or wrapped layers are not supported: use plain model.generate().")
 
 
+def _router(block):
+    """An MoE block's router (Granite MoE names it `router`)."""
+    return getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
+
+
 def _check_moe(name: str, block) -> None:
     """An MoE block the engine computes as MoEWeights says: a router with a float weight
     [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     float weights (a quantized or biased expert, or another router, is refused by name)."""
-    router, experts = getattr(block, "gate", None), block.experts
+    router, experts = _router(block), block.experts
     weights = dict(experts.named_parameters(recurse=False))
     gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
     fits = (router is not None and isinstance(getattr(router, "weight", None), torch.Tensor)
@@ -461,7 +475,7 @@ class LayeredModel:
         # keys its config carries): the embedding rows are scaled, attention scores scaled by
         # attention_multiplier, each block's output joins the residual stream scaled, the
         # logits divided
-        granite = config.model_type == "granite"
+        granite = config.model_type in ("granite", "granitemoe")
         self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
         # Gemma's embedding module scales its rows by sqrt(hidden), rounded to the weights'
         # dtype first (a buffer of the module: read when used, so a .to() is followed)
@@ -538,12 +552,12 @@ class LayeredModel:
                        for i, layer in enumerate(inner.layers)
                        for part, names in (("self_attn" if hasattr(layer, "self_attn") else "attention",
                                             _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
-                                           ("mlp", () if hasattr(layer.mlp, "experts")
-                                            else _projection_names(layer.mlp, MLP_PROJECTIONS)))
+                                           ("mlp", () if hasattr(_mlp_block(layer), "experts")
+                                            else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
         for i, layer in enumerate(inner.layers):
-            if hasattr(layer.mlp, "experts"):
-                _check_moe(f"model.layers.{i}.mlp", layer.mlp)
+            if hasattr(_mlp_block(layer), "experts"):
+                _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer))
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
         if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
@@ -597,7 +611,7 @@ class LayeredModel:
                 "model.generate()")
 
     def _layer(self, layer) -> LayerWeights:
-        attn, mlp = _attention(layer), layer.mlp
+        attn, mlp = _attention(layer), _mlp_block(layer)
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         qkv = None
@@ -658,7 +672,7 @@ class LayeredModel:
         )
 
     def _moe(self, block) -> MoEWeights:
-        experts, router = block.experts, block.gate
+        experts, router = block.experts, _router(block)
         shared = getattr(block, "shared_expert", None)
         return MoEWeights(
             router=MatrixView(router.weight),
@@ -667,8 +681,9 @@ class LayeredModel:
             act=experts.act_fn,
             top_k=int(router.top_k),
             # Mixtral always renormalises and multiplies by the float32 weights
-            normalize=bool(getattr(router, "norm_topk_prob", True)),
+            normalize=bool(getattr(router, "norm_topk_prob", True)) and self.config.model_type != "granitemoe",
             round_weights=self.config.model_type != "mixtral",
+            softmax_of_top=self.config.model_type == "granitemoe",
             shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
             shared_gate=getattr(block, "shared_expert_gate", None),
         )

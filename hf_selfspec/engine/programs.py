@@ -629,8 +629,11 @@ class Engine:
         picked it only."""
         lin = self.layout.linear
         logits = lin(x, moe.router)  # [R, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        top, chosen = torch.topk(probs, moe.top_k, dim=-1)  # [R, k]
+        if moe.softmax_of_top:  # Granite MoE
+            top, chosen = torch.topk(logits.float(), moe.top_k, dim=-1)
+            top = torch.softmax(top, dim=-1)
+        else:
+            top, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)  # [R, k]
         if moe.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
         if moe.round_weights:
