@@ -1,17 +1,20 @@
-"""A layered view of a Hugging Face Llama-family causal LM.
+"""A layered view of a Hugging Face causal LM's text decoder.
 
 The view holds references to the HF model's own parameters (never copies) and the
 maths of one decoder layer written as plain tensor ops on a `[W, hidden]` block of rows,
-so the engine can run any row range through any layer range. Supported: Llama, Mistral,
-Qwen2, Qwen3 (q/k norm), SmolLM2 (a Llama), SmolLM3 (layers without RoPE), Phi-3 (fused
-q/k/v and gate/up projections, read as row ranges; partial rotary), Granite (embedding,
-attention, residual and logits multipliers), OLMo 2 (norms on the blocks' outputs
-instead of their inputs, q/k norms over the whole projection; OLMo 3: a RoPE per layer
-type), Gemma, Gemma 2 and Gemma 3 text (norms scaling by 1 + w, a GELU-gated MLP, a scaled
-embedding; Gemma 2 and 3: norms on both sides of each block; Gemma 2: tanh soft caps on the
-attention scores and the logits; Gemma 3: a RoPE per layer type); GQA, MQA and MHA; tied or untied LM head; linear
-biases; any head_dim; every RoPE type of these models' HF rotary module (default, linear,
-dynamic, yarn, llama3, longrope), whose own tables the engine takes.
+so the engine can run any row range through any layer range. Supported (SUPPORTED_MODEL_TYPES):
+Llama and the models shaped like it (Mistral, Ministral, Qwen2, Qwen3 with q/k norms,
+SmolLM2/3, EXAONE 3, InternLM 3, Seed-OSS), Phi-3 (fused q/k/v and gate/up projections,
+read as row ranges; partial rotary), Granite (four multipliers), OLMo 2/3 and EXAONE 4
+(norms on the blocks' outputs), Gemma 1-3 (norms scaling by 1 + w, GELU-gated MLPs, scaled
+embeddings, soft caps; Gemma 3's image-text class for its text), GLM, GLM-4, ERNIE 4.5 and
+Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, Phi,
+StarCoder 2, Cohere, GPT-NeoX: norm modules called as HF does, parallel blocks, plain MLPs)
+and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
+MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
+HF rotary module (default, linear, dynamic, yarn, llama3, longrope), whose own tables the
+engine takes. Each type is listed only after its modeling code was read against Llama's:
+a model of another type is refused, never run on a guess.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CUDA_GEMMA_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
-    "RoPE (Gemma 3, OLMo 3) or turns adjacent pairs in its RoPE (GLM, ERNIE 4.5), which the engine's "
-    "CUDA programs do not: use it on the CPU, or plain model.generate()")
+    "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX) or MoE blocks, which the engine's "
+    "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
@@ -136,9 +140,10 @@ class LayerWeights:
     k: torch.nn.Linear | RowSlice | None
     v: torch.nn.Linear | RowSlice | None
     o: torch.nn.Linear
-    # q/k norms: [d] on each head (Qwen3), [Hq*d] / [Hkv*d] on the whole projection (OLMo 2)
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    # q/k norms: [d] on each head (Qwen3), [Hq*d] / [Hkv*d] on the whole projection (OLMo 2);
+    # Cohere's LayerNorm modules, on [R, heads, d]
+    q_norm: torch.Tensor | torch.nn.Module | None
+    k_norm: torch.Tensor | torch.nn.Module | None
     post_norm: torch.Tensor | torch.nn.Module | None  # [H], the MLP's input norm
     gate: torch.nn.Linear | RowSlice | None
     up: torch.nn.Linear | RowSlice | None  # None: an MoE block (moe) instead of the MLP
@@ -365,8 +370,9 @@ def _activation(config) -> str:
 
 def cpu_only(config, inner) -> bool:
     """Whether the model needs what only the engine's CPU programs do: Gemma 2's attention
-    soft cap (the Triton attention has none) or a RoPE per layer type (the CUDA-graph runner
-    gathers one table)."""
+    soft cap (the Triton attention has none), a RoPE per layer type (the CUDA-graph runner
+    gathers one table), RoPE pairs (the Triton RoPE turns halves); LayerNorm and MoE models
+    have not run on a GPU yet, so they stay on the CPU until they have."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
         or config.model_type in LAYER_NORM_TYPES or config.model_type in MOE_TYPES

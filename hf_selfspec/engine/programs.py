@@ -533,14 +533,14 @@ class Engine:
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
             if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
-                m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw)
+                m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
                 h = (o + m) + h if v.parallel_sum_first else (h + o) + m
                 continue
             if lw.attn_out_norm is not None:
                 o = v.norm(o, lw.attn_out_norm)
             h = h + v.residual(o)
             x = h if lw.post_norm is None else v.norm(h, lw.post_norm)
-            m = self._mlp(x, lw)
+            m = self._mlp(x, lw, n)
             if lw.mlp_out_norm is not None:
                 m = v.norm(m, lw.mlp_out_norm)
             h = h + v.residual(m)
@@ -614,21 +614,23 @@ class Engine:
             k = v.norm(k, lw.k_norm)
         return q, k, val
 
-    def _mlp(self, x: torch.Tensor, lw) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor, lw, real_rows: int | None = None) -> torch.Tensor:
+        """The MLP (or MoE block) of x's rows; an MoE block routes the first `real_rows` only
+        (the rest pad the block: routed, they would read experts no row needs)."""
         lin = self.layout.linear
         if lw.moe is not None:
-            return self._moe(x, lw.moe)
+            return self._moe(x, lw.moe, x.shape[0] if real_rows is None else real_rows)
         if lw.gate is None:  # a plain MLP (Phi, StarCoder 2, GPT-NeoX): HF's own activation
             return lin(lw.act(lin(x, lw.up)), lw.down)
         return lin(self.view.act_mul(lin(x, lw.gate), lin(x, lw.up)), lw.down)
 
-    def _moe(self, x: torch.Tensor, moe) -> torch.Tensor:
-        """An MoE block on the rows x [R, H] (MoEWeights' maths). Every expert a row picks runs
-        on all R rows, each product the same [R, H] block as the layer's others (so a row's
-        result is its own whatever the layout), and its output is added to the rows that
-        picked it only."""
+    def _moe(self, x: torch.Tensor, moe, real_rows: int) -> torch.Tensor:
+        """An MoE block on the rows x [R, H] (MoEWeights' maths; rows from real_rows on are
+        padding, left zero). Every expert a real row picks runs on all R rows, each product
+        the same [R, H] block as the layer's others (so a row's result is its own whatever
+        the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
-        logits = lin(x, moe.router)  # [R, E]
+        logits = lin(x, moe.router)[:real_rows]  # [n, E]
         if moe.softmax_of_top:  # Granite MoE
             top, chosen = torch.topk(logits.float(), moe.top_k, dim=-1)
             top = torch.softmax(top, dim=-1)
