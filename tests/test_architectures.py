@@ -186,6 +186,10 @@ SUPPORTED = {
     # GLM-4: norms on both sides of each block under its own names, RoPE pairs on half of
     # each head, gate/up fused
     "glm4-sandwich": dict(arch="Glm4", head_dim=16, random_norms=True),
+    # plain MLPs under Llama's names (up_proj, down_proj): Arcee's ReLU², Apertus's xIELU (an
+    # activation with parameters of its own, called as HF's module) and its norms' own names
+    "arcee-biases": dict(arch="Arcee", mlp_bias=True, attention_bias=True),
+    "apertus": dict(arch="Apertus", head_dim=16, random_norms=True, max_position_embeddings=8192),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),

@@ -29,7 +29,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
-                         "granitemoe")
+                         "granitemoe", "arcee", "apertus")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -43,7 +43,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox")
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
@@ -186,9 +186,10 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # `dense` output, GPT-NeoX's q/k/v fused per head
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
                          ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"))
-# and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX)
+# and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
+# Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
-                   ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"))
+                   ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("up_proj", "down_proj"))
 
 
 def _projection_names(module, options) -> tuple[str, ...]:
@@ -640,7 +641,8 @@ class LayeredModel:
             down = mlp.down_proj
         elif hasattr(mlp, "gate_proj"):
             gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        else:  # a plain MLP: Phi's fc1/fc2, StarCoder 2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/...
+        else:  # a plain MLP: Phi's fc1/fc2, StarCoder 2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/...,
+            # Arcee's and Apertus's up_proj/down_proj
             up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
             up, down = getattr(mlp, up_name), getattr(mlp, down_name)
             act = next(getattr(mlp, name) for name in ("act", "act_fn", "activation_fn") if hasattr(mlp, name))
@@ -657,14 +659,16 @@ class LayeredModel:
             return None if module is None else module if self.layer_norm else module.weight
 
         return LayerWeights(
-            input_norm=norm("input_layernorm"),
+            # Apertus names its input norms attention_ / feedforward_layernorm
+            input_norm=norm("input_layernorm" if hasattr(layer, "input_layernorm") else "attention_layernorm"),
             q=q,
             k=k,
             v=v,
             o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense,
             q_norm=qk(q_norm),
             k_norm=qk(k_norm),
-            post_norm=norm("pre_feedforward_layernorm") if out_norms else norm("post_attention_layernorm"),
+            post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
+                "post_attention_layernorm" if hasattr(layer, "post_attention_layernorm") else "feedforward_layernorm"),
             gate=gate,
             up=up,
             down=down,
