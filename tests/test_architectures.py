@@ -190,6 +190,8 @@ SUPPORTED = {
     # activation with parameters of its own, called as HF's module) and its norms' own names
     "arcee-biases": dict(arch="Arcee", mlp_bias=True, attention_bias=True),
     "apertus": dict(arch="Apertus", head_dim=16, random_norms=True, max_position_embeddings=8192),
+    # HunYuan: per-head q/k norms after RoPE (query_ / key_layernorm)
+    "hunyuan-qk-norm-after-rope": dict(arch="HunYuanDenseV1", head_dim=16, random_norms=True),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -422,7 +424,8 @@ def test_gemma3_image_inputs_refused(media):
 
 @pytest.mark.parametrize("case,cuda", [("llama-tied", False), ("olmo2-output-norms", False), ("gemma2", True),
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
-                                       ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True)])
+                                       ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
+                                       ("hunyuan-qk-norm-after-rope", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""

@@ -29,7 +29,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
-                         "granitemoe", "arcee", "apertus")
+                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -50,7 +50,8 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CUDA_GEMMA_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX) or MoE blocks, which the engine's "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX), MoE blocks or q/k norms after "
+    "RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
@@ -59,6 +60,8 @@ ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
 HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5")
+# models whose per-head q/k norms come after RoPE
+QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense",)
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4",)
 # Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
@@ -373,10 +376,11 @@ def cpu_only(config, inner) -> bool:
     """Whether the model needs what only the engine's CPU programs do: Gemma 2's attention
     soft cap (the Triton attention has none), a RoPE per layer type (the CUDA-graph runner
     gathers one table), RoPE pairs (the Triton RoPE turns halves); LayerNorm and MoE models
-    have not run on a GPU yet, so they stay on the CPU until they have."""
+    and HunYuan's q/k norms after RoPE have not run on a GPU yet, so they stay on the CPU
+    until they have."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
-        or config.model_type in LAYER_NORM_TYPES or config.model_type in MOE_TYPES
+        or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -497,6 +501,8 @@ class LayeredModel:
         self.logits_scaling = float(config.logits_scaling) if granite else 1.0
         # Cohere multiplies its logits by logit_scale
         self.logit_scale = float(config.logit_scale) if config.model_type == "cohere" else 1.0
+        # HunYuan norms q and k (per head) after RoPE, every other model before it
+        self.qk_norm_after_rope = config.model_type in QK_NORM_AFTER_ROPE_TYPES
         # OLMo (1) clamps q, k and v to [-clip_qkv, clip_qkv] after their products
         self.clip_qkv = getattr(config, "clip_qkv", None) if config.model_type in ("olmo", "olmoe") else None
         # parallel layers (LayerWeights): "shared" one input norm for both blocks (Phi,
@@ -619,8 +625,9 @@ class LayeredModel:
 
     def _layer(self, layer) -> LayerWeights:
         attn, mlp = _attention(layer), _mlp_block(layer)
-        q_norm = getattr(attn, "q_norm", None)
-        k_norm = getattr(attn, "k_norm", None)
+        # HunYuan names its per-head q/k norms query_ / key_layernorm
+        q_norm = getattr(attn, "q_norm", None) if hasattr(attn, "q_norm") else getattr(attn, "query_layernorm", None)
+        k_norm = getattr(attn, "k_norm", None) if hasattr(attn, "k_norm") else getattr(attn, "key_layernorm", None)
         qkv = None
         if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
             qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -743,8 +750,10 @@ class LayeredModel:
     @property
     def rms_sequential_gated(self) -> bool:
         """Whether the layers are the form the C++ layer kernel computes: RMSNorms, the blocks
-        one after the other, gated MLPs, q/k/v products of their own, nothing clamped."""
+        one after the other, gated MLPs, q/k/v products of their own, nothing clamped, q/k
+        norms (if any) before RoPE."""
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
+                and not self.qk_norm_after_rope
                 and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:

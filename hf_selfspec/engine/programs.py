@@ -529,6 +529,8 @@ class Engine:
             k = k.transpose(0, 1)  # [Hkv, R, d]
             q = apply_rope(q, cos, sin, v.rope_pairs)
             k = apply_rope(k, cos, sin, v.rope_pairs)
+            if v.qk_norm_after_rope:  # HunYuan
+                q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
@@ -609,7 +611,7 @@ class Engine:
         q = q.view(rows, v.num_heads, v.head_dim)
         k = k.view(rows, v.num_kv_heads, v.head_dim)
         val = val.view(rows, v.num_kv_heads, v.head_dim)
-        if lw.q_norm is not None and not whole:  # on each head (Cohere's module: [R, heads, d])
+        if lw.q_norm is not None and not whole and not v.qk_norm_after_rope:  # each head (Cohere's: a module)
             q = v.norm(q, lw.q_norm)
             k = v.norm(k, lw.k_norm)
         return q, k, val
