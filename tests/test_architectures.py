@@ -190,6 +190,8 @@ SUPPORTED = {
     # activation with parameters of its own, called as HF's module) and its norms' own names
     "arcee-biases": dict(arch="Arcee", mlp_bias=True, attention_bias=True),
     "apertus": dict(arch="Apertus", head_dim=16, random_norms=True, max_position_embeddings=8192),
+    # Helium: RoPE pairs, norms scaling in float32
+    "helium-biases": dict(arch="Helium", head_dim=16, attention_bias=True, mlp_bias=True, random_norms=True),
     # HunYuan: per-head q/k norms after RoPE (query_ / key_layernorm)
     "hunyuan-qk-norm-after-rope": dict(arch="HunYuanDenseV1", head_dim=16, random_norms=True),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
@@ -230,7 +232,7 @@ def test_logits_are_hfs_to_float32_rounding(case):
 
 
 @pytest.mark.parametrize("layout", ["kernel", "fixed"])
-@pytest.mark.parametrize("arch", ["Glm", "Ernie4_5", "Glm4"])
+@pytest.mark.parametrize("arch", ["Glm", "Ernie4_5", "Glm4", "Helium"])
 def test_rope_pairs_in_both_layer_paths(arch, layout):
     """The C++ layers (kernel; no biases, which would send them to the PyTorch layers) and
     the PyTorch ones (fixed) turn the same pairs: HF's greedy tokens alone and batched."""

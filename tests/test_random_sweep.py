@@ -56,7 +56,7 @@ ARCHS = {
     "Olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=2.0),
     "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24),
     "Qwen2Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64),
-    "Glm4": {}, "Arcee": {}, "Apertus": {}, "HunYuanDenseV1": {},
+    "Glm4": {}, "Arcee": {}, "Apertus": {}, "HunYuanDenseV1": {}, "Helium": {},
     "GraniteMoe": dict(num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
 }
@@ -80,7 +80,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
-                "HunYuanDenseV1"):
+                "HunYuanDenseV1", "Helium"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

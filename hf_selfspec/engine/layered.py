@@ -29,7 +29,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
-                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense")
+                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -56,10 +56,10 @@ CUDA_GEMMA_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
-HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5")
+HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium")
 # models whose per-head q/k norms come after RoPE
 QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense",)
 # models whose full-attention layers go unrotated when the model has a sliding window
@@ -327,14 +327,18 @@ def check_engine_prefill(config, prompt_len: int) -> None:
             "prefill='hf' (the default) or a shorter prompt")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False,
+             scale_in_float32: bool = False) -> torch.Tensor:
     """RMSNorm exactly as HF's LlamaRMSNorm computes it (fp32 statistics); plus_one: as
-    Gemma's, x * (1 + w) in float32, rounded to x's dtype after."""
+    Gemma's, x * (1 + w) in float32, rounded to x's dtype after; scale_in_float32: as
+    Helium's, x * w in float32, rounded after (the same as Llama's in float32)."""
     dtype = x.dtype
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if plus_one:
         return (x32 * (1.0 + weight.float())).to(dtype)
+    if scale_in_float32:
+        return (weight.float() * x32).to(dtype)
     return weight * x32.to(dtype)
 
 
@@ -493,6 +497,7 @@ class LayeredModel:
         self._embed_module = embedding
         self.scaled_embedding = isinstance(getattr(embedding, "embed_scale", None), torch.Tensor)
         self.norm_plus_one = config.model_type in NORM_PLUS_ONE_TYPES
+        self.norm_scale_in_float32 = config.model_type == "helium"
         self.gelu = _activation(config) in GELU_TANH_NAMES
         gemma2 = config.model_type in GEMMA_LATER_TYPES
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
@@ -776,7 +781,7 @@ class LayeredModel:
         parameter-free one, Cohere's float32 one; a row's result is its own)."""
         if isinstance(weight, torch.nn.Module):
             return weight(x)
-        return rms_norm(x, weight, self.eps, self.norm_plus_one)
+        return rms_norm(x, weight, self.eps, self.norm_plus_one, self.norm_scale_in_float32)
 
     def act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The gated MLP's act(gate) * up (SiLU, or Gemma's tanh-approximated GELU)."""
