@@ -47,7 +47,7 @@ PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus")
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
-CUDA_GEMMA_REFUSAL = (
+CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX), MoE blocks or q/k norms after "
@@ -579,7 +579,7 @@ class LayeredModel:
         for name, module in projections + [("lm_head", model.lm_head)]:
             _check_plain_linear(name, module)
         if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
-            raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
+            raise UnsupportedModelError(CPU_ONLY_REFUSAL)
 
     def set_max_positions(self, max_positions: int) -> None:
         """RoPE tables for positions [0, max_positions) (the engine's KV cache grew or shrank),

@@ -45,7 +45,7 @@ from . import costs
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .layered import (CUDA_GEMMA_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
+from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
                       text_decoder)
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .meta import StepMeta, StepRows
@@ -158,7 +158,7 @@ class Engine:
         self.layout = self._choose_layout()
         self.attention = select_attention(v.device, self.layout)
         if uses_row_attention(self) and cpu_only(v.config, v.decoder):
-            raise UnsupportedModelError(CUDA_GEMMA_REFUSAL)
+            raise UnsupportedModelError(CPU_ONLY_REFUSAL)
         # metadata rows: every product row and every attention query row of the widest step
         a = self.layout.attention_rows
         self.meta_rows = max(self.width, -(-self.width // a) * a)
