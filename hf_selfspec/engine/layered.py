@@ -19,6 +19,7 @@ a model of another type is refused, never run on a guess.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -123,6 +124,12 @@ class MoEWeights:
     shared: tuple | None = None
     shared_gate: torch.nn.Linear | None = None
 
+    @property
+    def linears(self) -> tuple:
+        """The router's and every expert's matrices (and the shared expert's)."""
+        shared = () if self.shared is None else (*self.shared, self.shared_gate)
+        return (self.router, *self.gate_up, *self.down, *shared)
+
 
 @dataclass
 class LayerWeights:
@@ -163,11 +170,8 @@ class LayerWeights:
     def linears(self) -> tuple:
         """The layer's projections (a plain MLP has no gate; an MoE block's router and every
         expert's matrices)."""
-        moe = () if self.moe is None else (self.moe.router, *self.moe.gate_up, *self.moe.down,
-                                           *(self.moe.shared or ()), *(() if self.moe.shared_gate is None
-                                                                       else (self.moe.shared_gate,)))
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
-                     if lin is not None) + moe
+                     if lin is not None) + (() if self.moe is None else self.moe.linears)
 
     @property
     def intermediate_size(self) -> int:
@@ -440,7 +444,7 @@ def _embedding(inner):
     return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embed_in
 
 
-def _final_norm(inner):
+def decoder_final_norm(inner):
     """The decoder's final norm module (Phi: final_layernorm, GPT-NeoX: final_layer_norm)."""
     for name in ("norm", "final_layernorm", "final_layer_norm"):
         if getattr(inner, name, None) is not None:
@@ -481,7 +485,7 @@ class LayeredModel:
         self.vocab_size = config.vocab_size
         embedding = _embedding(inner)
         self.embed = embedding.weight  # [V, H]
-        final = _final_norm(inner)
+        final = decoder_final_norm(inner)
         self.final_norm = final if self.layer_norm else final.weight  # [H] (an RMSNorm's weight)
         self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not; Phi's has a bias)
         self.dtype = self.embed.dtype
@@ -663,12 +667,11 @@ class LayeredModel:
         # that name is the MLP's input norm
         out_norms = hasattr(layer, "post_feedforward_layernorm") or hasattr(layer, "pre_feedforward_layernorm")
 
-        def norm(name):  # an RMSNorm's weight, a LayerNorm model's module
-            module = getattr(layer, name, None)
+        def held(module):  # an RMSNorm's weight, a LayerNorm model's module (Cohere's q/k too)
             return None if module is None else module if self.layer_norm else module.weight
 
-        def qk(module):  # a q/k norm: Cohere's LayerNorm modules, else RMSNorm weights
-            return None if module is None else module if self.layer_norm else module.weight
+        def norm(name):
+            return held(getattr(layer, name, None))
 
         return LayerWeights(
             # Apertus names its input norms attention_ / feedforward_layernorm
@@ -677,8 +680,8 @@ class LayeredModel:
             k=k,
             v=v,
             o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense,
-            q_norm=qk(q_norm),
-            k_norm=qk(k_norm),
+            q_norm=held(q_norm),
+            k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
                 "post_attention_layernorm" if hasattr(layer, "post_attention_layernorm") else "feedforward_layernorm"),
             gate=gate,
@@ -752,7 +755,7 @@ class LayeredModel:
 
     # ---- maths on a block of rows -------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def rms_sequential_gated(self) -> bool:
         """Whether the layers are the form the C++ layer kernel computes: RMSNorms, the blocks
         one after the other, gated MLPs, q/k/v products of their own, nothing clamped, q/k

@@ -61,11 +61,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def final_norm(model) -> nn.Module:
     """The final norm module of an HF causal LM (`model.model.norm`; Phi's final_layernorm,
     GPT-NeoX's final_layer_norm; an image-text model's language model's)."""
-    from hf_selfspec.engine.layered import UnsupportedModelError, _final_norm, text_decoder
+    from hf_selfspec.engine.layered import UnsupportedModelError, decoder_final_norm, text_decoder
 
     decoder = text_decoder(model)
     try:
-        return _final_norm(decoder)
+        return decoder_final_norm(decoder)
     except (UnsupportedModelError, AttributeError):
         raise ValueError(
             f"{type(model).__name__} has no final norm the heads know (model.model.norm, "
