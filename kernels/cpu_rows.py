@@ -142,7 +142,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_attention", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
+                functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
@@ -198,6 +198,15 @@ def load_rows_linear():
     float32 / bfloat16 / float16; contiguous CPU tensors), or None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_linear
+
+
+def load_rows_linear_t():
+    """The compiled `rows_linear_t(x [R, K], wt [K, O]) -> y [R, O] float32` for weights
+    stored transposed (GPT-2's Conv1D; wt may be a column slice: unit column stride, row
+    stride >= O), or None when this machine cannot build or run it (`build_error()` says
+    why). Each output is one FMA chain over k in order: row-invariant by construction."""
+    module = _load_module()
+    return None if module is None else module.rows_linear_t
 
 
 def load_rows_attention():

@@ -17,6 +17,7 @@ import transformers
 from hf_selfspec import attach_heads
 from hf_selfspec.engine.layered import UnsupportedModelError, cpu_only, text_config, text_decoder
 from hf_selfspec.engine.programs import EngineConfig
+from transformers.pytorch_utils import Conv1D
 
 NEW = 20  # new tokens per request
 
@@ -39,14 +40,17 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
     model = getattr(transformers, model_class)(getattr(transformers, f"{arch}Config")(**config))
     with torch.no_grad():
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                sharp = 2.0 if name.endswith(("q_proj", "k_proj")) else 1.0
-                module.weight.normal_(0.0, sharp * module.in_features**-0.5)
+            if isinstance(module, (torch.nn.Linear, Conv1D)):  # GPT-2's Conv1D: weight [in, out]
+                sharp = 2.0 if name.endswith(("q_proj", "k_proj", "c_attn")) else 1.0
+                fan_in = module.weight.shape[0 if isinstance(module, Conv1D) else 1]
+                module.weight.normal_(0.0, sharp * fan_in**-0.5)
                 if module.bias is not None:  # HF initialises biases to zero: that would hide them
                     module.bias.normal_(0.0, 0.5)
         for name, param in model.named_parameters():
-            if random_norms and "norm" in name:  # a norm mistaken for another, a bias dropped
+            if random_norms and ("norm" in name or ".ln_" in name):  # a norm mistaken for another, a bias dropped
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+            if name.endswith("wpe.weight"):  # GPT-2's positions, as strong as its tokens' rows
+                param.normal_(0.0, 1.0)
             if param.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else 4.0) * param.shape[-1] ** -0.5)
     return model.to(dtype).eval()
@@ -194,6 +198,13 @@ SUPPORTED = {
     "helium-biases": dict(arch="Helium", head_dim=16, attention_bias=True, mlp_bias=True, random_norms=True),
     # HunYuan: per-head q/k norms after RoPE (query_ / key_layernorm)
     "hunyuan-qk-norm-after-rope": dict(arch="HunYuanDenseV1", head_dim=16, random_norms=True),
+    # GPT-2 (model.transformer, its layers `h`): Conv1D projections (weights stored [in, out],
+    # read transposed in place), learned positions (wpe) and no RoPE, MHA, LayerNorms ln_1 /
+    # ln_2 / ln_f, gelu_new; and unscaled attention with a ReLU MLP and an untied LM head
+    "gpt2": dict(arch="GPT2", model_class="GPT2LMHeadModel", random_norms=True),
+    "gpt2-unscaled-relu-untied": dict(arch="GPT2", model_class="GPT2LMHeadModel", random_norms=True,
+                                      scale_attn_weights=False, activation_function="relu", n_inner=96,
+                                      tie_word_embeddings=False, reorder_and_upcast_attn=True),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -213,7 +224,7 @@ def test_supported_variant_gives_hf_greedy(case):
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
-                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window"])
+                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -319,7 +330,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
-    ("GPT2", dict(model_class="GPT2LMHeadModel"), "gpt2"),  # Conv1D projections: weights transposed
+    ("Bloom", {}, "bloom"),  # ALiBi: attention biased by distance, no positions
     ("Falcon", {}, "falcon"),  # its fused query_key_value and dense_h_to_4h under other names
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
@@ -427,7 +438,7 @@ def test_gemma3_image_inputs_refused(media):
 @pytest.mark.parametrize("case,cuda", [("llama-tied", False), ("olmo2-output-norms", False), ("gemma2", True),
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
-                                       ("hunyuan-qk-norm-after-rope", True)])
+                                       ("hunyuan-qk-norm-after-rope", True), ("gpt2", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""
@@ -437,3 +448,41 @@ def test_what_only_the_cpu_programs_serve(case, cuda):
     image_text = gemma3_image_text()
     assert cpu_only(text_config(image_text), text_decoder(image_text))
 
+
+
+def test_gpt2_positions_past_the_prefill_and_the_storage_read():
+    """GPT-2 with the engine's own prefill (every position's wpe row added by the engine)
+    and HF's, a prompt of 200 tokens: HF's greedy output; every weight the engine reads is
+    a view of the model's own Conv1D storage (none transposed into a copy)."""
+    model = build("GPT2", model_class="GPT2LMHeadModel", random_norms=True)
+    rows = prompts(200, 7)
+    expected = [hf_greedy(model, p) for p in rows]
+    for prefill in ("engine", "hf"):
+        attach_heads(model, heads=False, engine=EngineConfig(prefill=prefill))
+        assert self_greedy(model, rows) == expected
+    view = model._selfspec.engine.view
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for lw in view.layers:
+        for lin in lw.linears:
+            assert lin.weight.untyped_storage().data_ptr() in storages and not lin.weight.is_contiguous()
+    assert view.position_embedding is model.transformer.wpe.weight
+
+
+def test_gpt2_refusals():
+    """What the engine would compute otherwise than HF: token_type_ids (GPT-2 adds each
+    type's embedding row, 0 included), attention scaled per layer, a projection that is not
+    HF's Conv1D (a LoRA-like wrapper)."""
+    model = build("GPT2", model_class="GPT2LMHeadModel")
+    attach_heads(model, heads=False)
+    ids = torch.tensor(prompts(12))
+    with pytest.raises(ValueError, match="token_type_ids is not supported with assistant='self'"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
+                       do_sample=False, max_new_tokens=4, pad_token_id=0, assistant="self")
+    with pytest.raises(UnsupportedModelError, match="scale_attn_by_inverse_layer_idx=True.*plain model.generate"):
+        attach_heads(build("GPT2", model_class="GPT2LMHeadModel", scale_attn_by_inverse_layer_idx=True),
+                     heads=False)
+    model = build("GPT2", model_class="GPT2LMHeadModel")
+    conv = model.transformer.h[1].mlp.c_fc
+    model.transformer.h[1].mlp.c_fc = torch.nn.Sequential(conv)
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.1.mlp.c_fc is a torch.nn.*Sequential.*Conv1D"):
+        attach_heads(model, heads=False)

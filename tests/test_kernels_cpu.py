@@ -25,6 +25,7 @@ from hf_selfspec.kernels.cpu_rows import (
     load_rows_layer,
     load_rows_layers,
     load_rows_linear,
+    load_rows_linear_t,
     NO_BASE,
     NO_PATH,
     remove_stale_lock,
@@ -329,6 +330,51 @@ def test_attention_bad_tree_path_is_refused(attention):
 
 
 # ---- argument validation: each bad argument raises with words that say what was wrong ----
+
+@pytest.fixture(scope="module")
+def kernel_t():
+    fn = load_rows_linear_t()
+    assert fn is not None, f"the kernel did not build on an AVX2 machine: {build_error()}"
+    return fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k, o", [(1, 1), (3, 5), (13, 37), (64, 1000), (768, 2304), (3072, 768)])
+def test_transposed_product_matches_float64_and_is_row_invariant(kernel_t, dtype, k, o):
+    """rows_linear_t(x, wt) for weights stored [K, O] (GPT-2's Conv1D): each output one FMA
+    chain over k, so a row's bits are its own for any R and place, and a column's are the
+    same read from a column slice (there it may fall in the 8-lane part or the tail)."""
+    gen = torch.Generator().manual_seed(k * 7 + o)
+    wt = torch.randn(k, o, generator=gen).to(dtype)
+    row = torch.randn(1, k, generator=gen)
+    alone = kernel_t(row, wt)[0]
+    for r in (1, 2, 3, 5, 8, 17):
+        x = torch.randn(r, k, generator=gen)
+        y = kernel_t(x, wt)
+        reference = (x.double() @ wt.double()).float()
+        torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * k ** 0.5)
+        for place in {0, r // 2, r - 1}:
+            x[place] = row[0]
+            assert torch.equal(kernel_t(x, wt)[place], alone), (r, place)
+    for lo, hi in {(min(3, o - 1), o), (0, max(1, o - 5)), (min(9, o - 1), o)}:
+        assert torch.equal(kernel_t(row, wt[:, lo:hi])[0], alone[lo:hi]), (lo, hi)
+
+
+def test_transposed_product_bad_arguments_are_refused(kernel_t):
+    x, wt = torch.randn(2, 8), torch.randn(8, 4)
+    cases = [
+        ((x.double(), wt), "x must be float32, bfloat16 or float16"),
+        ((x, wt.to(torch.int32)), "wt must be a 2-D float32/bfloat16/float16 CPU tensor"),
+        ((x, torch.randn(4, 8).t()), "unit column stride"),
+        ((x, wt[None]), "wt must be a 2-D"),
+        ((torch.randn(0, 8), wt), "empty input"),
+        ((x, torch.randn(8, 0)), "empty input"),
+        ((x, torch.randn(9, 4)), "must share K"),
+        ((x, wt.to("meta")), "CPU tensor"),
+    ]
+    for args, words in cases:
+        _bad(kernel_t, args, words)
+
 
 def _bad(fn, args, words):
     with pytest.raises(RuntimeError, match=words):

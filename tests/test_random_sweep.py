@@ -24,6 +24,7 @@ from test_decoding import random_heads, random_top_heads
 
 from hf_selfspec import DecodeConfig, attach_heads
 from hf_selfspec.engine.programs import EngineConfig
+from transformers.pytorch_utils import Conv1D
 
 TWO_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
              "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
@@ -59,8 +60,10 @@ ARCHS = {
     "Glm4": {}, "Arcee": {}, "Apertus": {}, "HunYuanDenseV1": {}, "Helium": {},
     "GraniteMoe": dict(num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
+    # Conv1D projections read transposed, learned positions, no RoPE
+    "GPT2": {},
 }
-MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM"}
+MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
 
 
@@ -88,13 +91,16 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     model = model_class(getattr(transformers, f"{arch}Config")(**config))
     with torch.no_grad():  # sharp attention, random biases and norms: a wrong op changes tokens
         for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                sharp = 2.0 if name.endswith(("q_proj", "k_proj", "qkv_proj")) else 1.0
-                module.weight.normal_(0.0, sharp * module.in_features**-0.5)
+            if isinstance(module, (torch.nn.Linear, Conv1D)):  # GPT-2's Conv1D: weight [in, out]
+                sharp = 2.0 if name.endswith(("q_proj", "k_proj", "qkv_proj", "c_attn")) else 1.0
+                fan_in = module.weight.shape[0 if isinstance(module, Conv1D) else 1]
+                module.weight.normal_(0.0, sharp * fan_in**-0.5)
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.5)
         for name, p in model.named_parameters():
-            if "norm" in name:  # Gemma's norms scale by 1 + w
+            if name.endswith("wpe.weight"):  # GPT-2's positions, as strong as its tokens' rows
+                p.normal_(0.0, 1.0)
+            if "norm" in name or ".ln_" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if arch.startswith("Gemma") else p.uniform_(0.5, 1.5)
             if p.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)

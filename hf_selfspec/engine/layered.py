@@ -30,28 +30,31 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
-                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium")
+                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack, if not at model.model
-DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox"}
+DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
-LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox")
+LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus")
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2")
+# models with learned absolute position embeddings (GPT-2's wpe) and no RoPE: the position's
+# row is added to the token's before the first layer
+LEARNED_POSITION_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX), MoE blocks or q/k norms after "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2), MoE blocks or q/k norms after "
     "RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -100,6 +103,22 @@ class MatrixView:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class TransposedLinear:
+    """GPT-2's Conv1D (its weight stored [in, out]: y = x @ weight + bias), or the column
+    range [lo, hi) of one (c_attn's q, k and v), as a linear layer: `weight` is a view
+    [out, in] of the module's own tensor (never a copy; the engine's C++ product reads its
+    transpose in place, `rows_linear_t`)."""
+
+    def __init__(self, conv: torch.nn.Module, lo: int = 0, hi: int | None = None):
+        hi = conv.weight.shape[1] if hi is None else hi
+        self.weight = conv.weight[:, lo:hi].t()
+        self.bias = None if conv.bias is None else conv.bias[lo:hi]
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -192,7 +211,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # the projections an attention block may hold: separate q/k/v, Phi-3's fused rows, Phi's
 # `dense` output, GPT-NeoX's q/k/v fused per head
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
-                         ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"))
+                         ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"),
+                         ("c_attn", "c_proj"))
 # and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
@@ -214,23 +234,49 @@ def _mlp_block(layer):
 
 
 def _attention(layer):
-    """A decoder layer's attention block (GPT-NeoX names it `attention`)."""
-    return layer.self_attn if hasattr(layer, "self_attn") else getattr(layer, "attention", None)
+    """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`)."""
+    for name in ("self_attn", "attention", "attn"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    return None
 
 
-def _check_plain_linear(name: str, module) -> None:
+def _attention_name(layer) -> str:
+    return next((name for name in ("self_attn", "attention", "attn") if hasattr(layer, name)), "self_attn")
+
+
+def decoder_layers(inner) -> torch.nn.ModuleList | None:
+    """The decoder's layer stack (GPT-2 names it `h`)."""
+    layers = getattr(inner, "layers", None)
+    return layers if layers is not None else getattr(inner, "h", None)
+
+
+def _conv1d_class():
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
+
+
+def _check_plain_linear(name: str, module, conv1d: bool = False) -> None:
     """The engine runs a projection as `x @ weight^T (+ bias)` on the module's own float
-    weight: a subclass (bitsandbytes, GPTQ, AWQ, LoRA wrappers) or an integer weight would
-    be computed wrongly, so refuse it by name."""
+    weight (`conv1d`: GPT-2's transformers Conv1D, x @ weight + bias): a subclass
+    (bitsandbytes, GPTQ, AWQ, LoRA wrappers) or an integer weight would be computed wrongly,
+    so refuse it by name."""
     weight = getattr(module, "weight", None)
-    if type(module) is not torch.nn.Linear or not isinstance(weight, torch.Tensor) \
+    expected = _conv1d_class() if conv1d else torch.nn.Linear
+    if type(module) is not expected or not isinstance(weight, torch.Tensor) \
             or weight.dtype not in FLOAT_DTYPES:
         kind = type(module).__module__ + "." + type(module).__qualname__
         dtype = getattr(weight, "dtype", None)
         raise UnsupportedModelError(
-            f"{name} is a {kind} (weight dtype {dtype}); the engine runs plain torch.nn.Linear "
-            f"projections with float weights ({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
+            f"{name} is a {kind} (weight dtype {dtype}); the engine runs plain "
+            f"{expected.__module__}.{expected.__qualname__} projections with float weights ({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
             "Quantized or wrapped layers are not supported: use plain model.generate().")
+
+
+def _first_held(module, names: tuple[str, ...]) -> str:
+    """The first of `names` the module holds (the first where it holds none)."""
+    return next((name for name in names if hasattr(module, name)), names[0])
 
 
 def _router(block):
@@ -395,6 +441,8 @@ def _rotates(attention, config) -> bool:
     """Whether HF rotates this attention module's q and k: SmolLM3's modules say so
     (`use_rope`); EXAONE 4 leaves its full-attention layers unrotated where the model has a
     sliding window (its "global NoPE")."""
+    if config.model_type in LEARNED_POSITION_TYPES:
+        return False
     if hasattr(attention, "use_rope"):
         return bool(attention.use_rope)
     if config.model_type in GLOBAL_NOPE_TYPES:
@@ -440,13 +488,16 @@ def text_decoder(model: torch.nn.Module):
 
 
 def _embedding(inner):
-    """The decoder's token embedding (GPT-NeoX: embed_in)."""
-    return inner.embed_tokens if hasattr(inner, "embed_tokens") else inner.embed_in
+    """The decoder's token embedding (GPT-NeoX: embed_in, GPT-2: wte)."""
+    for name in ("embed_tokens", "embed_in", "wte"):
+        if hasattr(inner, name):
+            return getattr(inner, name)
+    raise UnsupportedModelError(f"{type(inner).__name__} has no token embedding the engine knows")
 
 
 def decoder_final_norm(inner):
     """The decoder's final norm module (Phi: final_layernorm, GPT-NeoX: final_layer_norm)."""
-    for name in ("norm", "final_layernorm", "final_layer_norm"):
+    for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f"):
         if getattr(inner, name, None) is not None:
             return getattr(inner, name)
     raise UnsupportedModelError(f"{type(inner).__name__} has no final norm the engine knows")
@@ -476,9 +527,9 @@ class LayeredModel:
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-        # GPT-NeoX has no GQA (a num_key_value_heads its config carries is not read)
-        self.num_kv_heads = (None if config.model_type == "gpt_neox" else getattr(config, "num_key_value_heads", None)) \
-            or self.num_heads
+        # GPT-NeoX and GPT-2 have no GQA (a num_key_value_heads their config carries is not read)
+        self.num_kv_heads = (None if config.model_type in ("gpt_neox", "gpt2")
+                             else getattr(config, "num_key_value_heads", None)) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
@@ -522,10 +573,15 @@ class LayeredModel:
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
-        self.layers = [self._layer(layer) for layer in inner.layers]
+        if config.model_type == "gpt2" and not config.scale_attn_weights:
+            self.scaling = 1.0
+        # GPT-2's learned position embedding [P, H] (wpe), added before the first layer
+        self.position_embedding = inner.wpe.weight if config.model_type in LEARNED_POSITION_TYPES else None
+        layers = decoder_layers(inner)
+        self.layers = [self._layer(layer) for layer in layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
-        self.rope_layers = tuple(_rotates(_attention(layer), config) for layer in inner.layers)
+        self.rope_layers = tuple(_rotates(_attention(layer), config) for layer in layers)
         # Gemma 3 rotates each layer type (sliding / full attention) by its own RoPE: HF's
         # rotary module takes the layer type. rope_types: the types in table order (None:
         # one RoPE for every layer); layer_rope: each layer's table, -1 for none
@@ -536,7 +592,7 @@ class LayeredModel:
                                      [None] * self.num_layers))
         # per layer, the sliding window of its attention (0: none; _layer_window)
         window = attention_window(config) or 0
-        self.layer_window = tuple(_layer_window(_attention(layer), window) for layer in inner.layers)
+        self.layer_window = tuple(_layer_window(_attention(layer), window) for layer in layers)
         self.max_positions = self._table_positions(config, max_positions, self.device)
         # GLM, ERNIE 4.5: RoPE turns adjacent pairs (apply_rope's pairs)
         self.rope_pairs = config.model_type in ROPE_PAIRS_TYPES
@@ -557,7 +613,7 @@ class LayeredModel:
             )
         config, inner = text_config(model), text_decoder(model)
         if not isinstance(getattr(model, "lm_head", None), torch.nn.Module) \
-                or not isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+                or not isinstance(decoder_layers(inner), torch.nn.ModuleList):
             raise UnsupportedModelError(
                 f"{type(model).__name__} is not a causal LM with an LM head (model.model.layers and "
                 "model.lm_head); load the ...ForCausalLM class, e.g. with "
@@ -570,18 +626,21 @@ class LayeredModel:
                 f"this model is quantized ({type(quantizer).__name__}); the engine runs float "
                 "weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
+        layers = decoder_layers(inner)
         projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name, None))
-                       for i, layer in enumerate(inner.layers)
-                       for part, names in (("self_attn" if hasattr(layer, "self_attn") else "attention",
+                       for i, layer in enumerate(layers)
+                       for part, names in ((_attention_name(layer),
                                             _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
                                            ("mlp", () if hasattr(_mlp_block(layer), "experts")
                                             else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
-        for i, layer in enumerate(inner.layers):
+        for i, layer in enumerate(layers):
             if hasattr(_mlp_block(layer), "experts"):
                 _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer))
-        for name, module in projections + [("lm_head", model.lm_head)]:
-            _check_plain_linear(name, module)
+        conv1d = model_type in LEARNED_POSITION_TYPES  # GPT-2's projections are Conv1D
+        for name, module in projections:
+            _check_plain_linear(name, module, conv1d)
+        _check_plain_linear("lm_head", model.lm_head)
         if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
             raise UnsupportedModelError(CPU_ONLY_REFUSAL)
 
@@ -616,6 +675,10 @@ class LayeredModel:
                 f"hidden_act={act!r}: the engine implements gated MLPs with "
                 f"{', '.join(repr(a) for a in SILU_NAMES + GELU_TANH_NAMES)} only; use plain "
                 "model.generate() for this model")
+        if config.model_type == "gpt2" and config.scale_attn_by_inverse_layer_idx:
+            raise UnsupportedModelError(
+                "scale_attn_by_inverse_layer_idx=True (gpt2): the engine scales every layer's "
+                "attention alike; use plain model.generate() for this model")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(
                 "use_bidirectional_attention=True: the engine decodes causally only; use plain "
@@ -645,6 +708,9 @@ class LayeredModel:
         elif hasattr(attn, "query_key_value"):  # GPT-NeoX: per head, its q, k and v rows
             q = k = v = None
             qkv = attn.query_key_value
+        elif hasattr(attn, "c_attn"):  # GPT-2: q, k, v columns of one Conv1D weight [H, 3H]
+            width = self.num_heads * self.head_dim
+            q, k, v = (TransposedLinear(attn.c_attn, lo, lo + width) for lo in (0, width, 2 * width))
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         gate = act = moe = None
@@ -661,6 +727,8 @@ class LayeredModel:
             # Arcee's and Apertus's up_proj/down_proj
             up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
             up, down = getattr(mlp, up_name), getattr(mlp, down_name)
+            if isinstance(up, _conv1d_class()):  # GPT-2's c_fc / c_proj
+                up, down = TransposedLinear(up), TransposedLinear(down)
             act = next(getattr(mlp, name) for name in ("act", "act_fn", "activation_fn") if hasattr(mlp, name))
         # a layer with a feed-forward norm of its own (OLMo 2: post_feedforward_layernorm)
         # norms the attention's output with post_attention_layernorm; otherwise (Llama)
@@ -674,16 +742,17 @@ class LayeredModel:
             return held(getattr(layer, name, None))
 
         return LayerWeights(
-            # Apertus names its input norms attention_ / feedforward_layernorm
-            input_norm=norm("input_layernorm" if hasattr(layer, "input_layernorm") else "attention_layernorm"),
+            # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2
+            input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1"))),
             q=q,
             k=k,
             v=v,
-            o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense,
+            o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense")
+            else TransposedLinear(attn.c_proj),
             q_norm=held(q_norm),
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
-                "post_attention_layernorm" if hasattr(layer, "post_attention_layernorm") else "feedforward_layernorm"),
+                _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2"))),
             gate=gate,
             up=up,
             down=down,
@@ -736,6 +805,9 @@ class LayeredModel:
           A prompt past that length has long factors at every position, which HF's own
           prefill (EngineConfig.prefill="hf", the default) gives the prompt's keys; generate()
           refuses such a prompt with prefill="engine"."""
+        if self.position_embedding is not None:  # no RoPE: tables that rotate nothing (shapes only)
+            return (torch.ones(max_positions, self.head_dim, dtype=self.dtype, device=self.device),
+                    torch.zeros(max_positions, self.head_dim, dtype=self.dtype, device=self.device))
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         kind = {} if layer_type is None else {"layer_type": layer_type}
@@ -763,6 +835,14 @@ class LayeredModel:
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
                 and not self.qk_norm_after_rope
                 and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
+
+    def add_positions(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input: the token rows h [n, H] plus their positions' learned
+        embedding rows (GPT-2: inputs_embeds + wpe(position_ids), as HF adds them); h itself
+        for every other model."""
+        if self.position_embedding is None:
+            return h
+        return h + F.embedding(positions, self.position_embedding)
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [W] -> hidden [W, H] (times embedding_multiplier or Gemma's scale, as

@@ -9,7 +9,8 @@ layout whose self-test passes on this machine is used.
           instruction sequence whatever the rows, so it is row-invariant by construction,
           and a step streams each weight once; no padding. Brings the C++ row attention
           and a whole decoder layer in one call (`rows_layer`). Needs an AVX2/FMA/F16C CPU, a
-          C++ compiler and fp32/bf16/fp16 weights stored contiguous (read as stored).
+          C++ compiler and fp32/bf16/fp16 weights stored contiguous, or transposed (GPT-2's
+          Conv1D), read as stored.
   micro   F.linear on chunks of 2 or 3 rows: on MKL the 2- and 3-row GEMM path computes
           each row independently of the others (the self-test checks it), so a step costs
           what its real rows cost. A 1-row step is padded to 2.
@@ -198,10 +199,12 @@ class KernelLayout(RowLayout):
             load_rows_layer,
             load_rows_layers,
             load_rows_linear,
+            load_rows_linear_t,
         )
 
         super().__init__(width)
         self._product = load_rows_linear()
+        self._product_t = load_rows_linear_t()
         self.kernel_attention = load_rows_attention()
         self.kernel_layer = load_rows_layer()
         self.kernel_layers = load_rows_layers()
@@ -211,8 +214,11 @@ class KernelLayout(RowLayout):
 
     def linear(self, x: torch.Tensor, layer: Linear) -> torch.Tensor:
         """The product in float32 (x widened exactly), then the bias, then rounded once to
-        x's dtype: bf16/fp16 activations stay in the model's dtype, as F.linear's would."""
-        y = self._product(x.contiguous(), layer.weight)
+        x's dtype: bf16/fp16 activations stay in the model's dtype, as F.linear's would.
+        A weight stored transposed (GPT-2's Conv1D, layered.TransposedLinear) is read in
+        place by the transposed product."""
+        w = layer.weight
+        y = self._product(x.contiguous(), w) if w.is_contiguous() else self._product_t(x.contiguous(), w.t())
         if layer.bias is not None:
             y = y + layer.bias
         return y.to(x.dtype)
@@ -223,21 +229,25 @@ class KernelLayout(RowLayout):
         like the others). False where it cannot be built, or where any weight is not a
         contiguous CPU tensor of a dtype it reads (it takes the model's storage as is:
         never a converted copy)."""
-        from hf_selfspec.kernels.cpu_rows import load_rows_linear
+        from hf_selfspec.kernels.cpu_rows import load_rows_linear, load_rows_linear_t
 
         if any(lin.weight.dtype not in cls.dtypes or lin.weight.device.type != "cpu"
-               or not lin.weight.is_contiguous() for lin in linears):
+               or not (lin.weight.is_contiguous() or _transposed_rows(lin.weight)) for lin in linears):
             return False
-        kernel = load_rows_linear()
-        if kernel is None:
+        kernel, kernel_t = load_rows_linear(), load_rows_linear_t()
+        if kernel is None or kernel_t is None:
             return False
+
+        def product(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return kernel(x.contiguous(), w) if w.is_contiguous() else kernel_t(x.contiguous(), w.t())
+
         # each output is one dot product whose instruction sequence the kernel fixes, whatever
         # the number of outputs: the first KERNEL_TEST_OUTPUTS rows of each weight (a view of
         # the model's storage) exercise the same code as all of them, at a fraction of the
         # cost of streaming every weight 18 times (the LM head dominates at start-up)
         return rows_invariant(
             one_per_shape(linears),
-            lambda layer, x: kernel(x.contiguous(), layer.weight[:KERNEL_TEST_OUTPUTS]),
+            lambda layer, x: product(layer.weight[:KERNEL_TEST_OUTPUTS], x),
             ref_rows=1, sizes=(2, 3, 4, 8))
 
     @classmethod
@@ -247,6 +257,12 @@ class KernelLayout(RowLayout):
         dtypes = "/".join(str(d).removeprefix("torch.") for d in cls.dtypes)
         return (f"row_layout='kernel' needs a {dtypes} model on an AVX2 CPU and the compiled "
                 f"kernel ({build_error() or 'it built'}); use row_layout='auto'.")
+
+
+def _transposed_rows(weight: torch.Tensor) -> bool:
+    """Whether a weight view [out, in] is the transpose of rows stored [in, >= out] with unit
+    stride along out (GPT-2's Conv1D, or a column range of one): rows_linear_t reads it."""
+    return weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
 
 
 # Every layout by name. `auto` tries AUTO_ORDER on the CPU (the first is the reference the

@@ -131,9 +131,9 @@ def probe_parts(model) -> list[torch.Tensor]:
     embed = model.get_input_embeddings().weight
     rows = torch.linspace(0, embed.shape[0] - 1, _PROBE_EMBED_ROWS).long()
     parts.append(embed[rows.to(embed.device), :_PROBE_VALUES].reshape(-1))
-    from hf_selfspec.engine.layered import text_decoder
+    from hf_selfspec.engine.layered import decoder_layers, text_decoder
 
-    layers = text_decoder(model).layers
+    layers = decoder_layers(text_decoder(model))
     for i in sorted({0, len(layers) // 2, len(layers) - 1}):
         for _name, p in layers[i].named_parameters():
             if p.ndim == 2:
