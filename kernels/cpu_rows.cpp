@@ -555,12 +555,13 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
 // (L1/L2) and walks k in blocks of 4 (each accumulator loaded once per 4 FMAs, each weight
 // vector used for two rows at a time); each weight row's TCOLS-wide segment is one
 // contiguous read, so a step streams the weight once for any R. Measured on a 2-core Xeon,
-// GPT-2-sized weights (768 x 2304, 3072 x 768) at 1 / 4 / 8 rows: 0.16-0.23 / 0.23-0.32 /
-// 0.38-0.47 ms against torch's x @ wt 0.14-0.22 / 0.27-0.34 / 0.32-0.40 ms (software
-// prefetch of the rows ahead made it 1.2-1.4x slower: the hardware streams them).
+// all products of GPT-2's 12 layers (fp32, 340 MB, from memory) at 1 / 4 / 8 rows: 17.5 /
+// 25.4 / 31.4 ms against torch's x @ wt 15.3 / 27.5 / 29.6 ms (chunks of 512 to 4096 outputs
+// within 6%; software prefetch of the rows ahead made it 1.2-1.4x slower: the hardware
+// streams them).
 namespace {
 
-constexpr int64_t TCOLS = 512;  // outputs per pass: 2 KiB of an fp32 weight row per k
+constexpr int64_t TCOLS = 1536;  // outputs per pass: 6 KiB of an fp32 weight row per k
 
 template <typename T>
 void cols_pass(const T* __restrict w, int64_t ldw, const float* __restrict x, float* __restrict y,

@@ -14,7 +14,7 @@ big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 
 process: a fresh Python process loads the default model and times its first and second
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
-phi, olmoe, qwen3_moe, gemma3_4b: (not in the default parts) a random-weight model of a real checkpoint's
+phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -166,6 +166,12 @@ RANDOM_SHAPES = {
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False),
         "Qwen3-30B-A3B (122 GB in fp32: --layers 2; 128 experts, 8 per token)"),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=50257, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=1024),
+        "GPT-2 (0.5 GB; Conv1D projections read transposed, learned positions)"),
+    "gpt2_large": ("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=50257, hidden_size=1280, num_hidden_layers=36, num_attention_heads=20, max_position_embeddings=1024),
+        "GPT-2 Large (3.1 GB; Conv1D projections read transposed, learned positions)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
