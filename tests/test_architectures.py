@@ -47,9 +47,9 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 if module.bias is not None:  # HF initialises biases to zero: that would hide them
                     module.bias.normal_(0.0, 0.5)
         for name, param in model.named_parameters():
-            if random_norms and ("norm" in name or ".ln_" in name):  # a norm mistaken for another, a bias dropped
+            if random_norms and ("norm" in name or ".ln_" in name or "layer_norm" in name):  # a norm mistaken for another, a bias dropped
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
-            if name.endswith("wpe.weight"):  # GPT-2's positions, as strong as its tokens' rows
+            if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
             if param.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else 4.0) * param.shape[-1] ** -0.5)
@@ -205,6 +205,12 @@ SUPPORTED = {
     "gpt2-unscaled-relu-untied": dict(arch="GPT2", model_class="GPT2LMHeadModel", random_norms=True,
                                       scale_attn_weights=False, activation_function="relu", n_inner=96,
                                       tie_word_embeddings=False, reorder_and_upcast_attn=True),
+    # OPT (model.model.decoder): learned positions from row 2 of embed_positions, the layer
+    # holding fc1 / fc2 itself, out_proj, ReLU; and without biases or LayerNorm affines, GELU
+    "opt": dict(arch="OPT", random_norms=True, ffn_dim=96, enable_bias=True),
+    "opt-no-bias-gelu": dict(arch="OPT", random_norms=True, ffn_dim=96, enable_bias=False,
+                             layer_norm_elementwise_affine=False, activation_function="gelu",
+                             tie_word_embeddings=False),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -224,7 +230,7 @@ def test_supported_variant_gives_hf_greedy(case):
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
-                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2"])
+                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -450,22 +456,43 @@ def test_what_only_the_cpu_programs_serve(case, cuda):
 
 
 
-def test_gpt2_positions_past_the_prefill_and_the_storage_read():
-    """GPT-2 with the engine's own prefill (every position's wpe row added by the engine)
-    and HF's, a prompt of 200 tokens: HF's greedy output; every weight the engine reads is
-    a view of the model's own Conv1D storage (none transposed into a copy)."""
-    model = build("GPT2", model_class="GPT2LMHeadModel", random_norms=True)
+@pytest.mark.parametrize("case", ["gpt2", "opt"])
+def test_learned_positions_with_either_prefill(case):
+    """GPT-2 and OPT with the engine's own prefill (every position's learned row added by the
+    engine) and HF's, a prompt of 200 tokens and a short one batched: HF's greedy output;
+    the position rows the engine reads are a view of the model's own (OPT's from row 2)."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch"), **overrides)
     rows = prompts(200, 7)
     expected = [hf_greedy(model, p) for p in rows]
     for prefill in ("engine", "hf"):
         attach_heads(model, heads=False, engine=EngineConfig(prefill=prefill))
         assert self_greedy(model, rows) == expected
     view = model._selfspec.engine.view
+    table = text_decoder(model).wpe.weight if case == "gpt2" else text_decoder(model).embed_positions.weight
+    assert view.position_embedding.data_ptr() == table[0 if case == "gpt2" else 2].data_ptr()
+
+
+def test_gpt2_weights_are_read_in_place():
+    """Every projection the engine reads of GPT-2 is a transposed view of the model's own
+    Conv1D storage (none copied into the [out, in] layout)."""
+    model = build("GPT2", model_class="GPT2LMHeadModel")
+    prompt = prompts(9)[0]
+    expected = hf_greedy(model, prompt)
+    attach_heads(model, heads=False)
+    assert self_greedy(model, [prompt])[0] == expected
+    view = model._selfspec.engine.view
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for lw in view.layers:
         for lin in lw.linears:
             assert lin.weight.untyped_storage().data_ptr() in storages and not lin.weight.is_contiguous()
-    assert view.position_embedding is model.transformer.wpe.weight
+
+
+def test_opt_350m_form_refused():
+    """OPT-350m norms after its blocks and projects its embeddings: refused by name."""
+    for overrides in (dict(do_layer_norm_before=False), dict(word_embed_proj_dim=32)):
+        with pytest.raises(UnsupportedModelError, match="OPT-350m.*plain model.generate"):
+            attach_heads(build("OPT", ffn_dim=96, **overrides), heads=False)
 
 
 def test_gpt2_refusals():

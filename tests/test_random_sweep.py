@@ -62,6 +62,8 @@ ARCHS = {
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
     # Conv1D projections read transposed, learned positions, no RoPE
     "GPT2": {},
+    # learned positions from row 2, the layer holding its MLP's fc1 / fc2
+    "OPT": {},
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -98,9 +100,9 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 if module.bias is not None:
                     module.bias.normal_(0.0, 0.5)
         for name, p in model.named_parameters():
-            if name.endswith("wpe.weight"):  # GPT-2's positions, as strong as its tokens' rows
+            if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 p.normal_(0.0, 1.0)
-            if "norm" in name or ".ln_" in name:  # Gemma's norms scale by 1 + w
+            if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if arch.startswith("Gemma") else p.uniform_(0.5, 1.5)
             if p.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)

@@ -30,31 +30,34 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
-                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2")
+                         "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
+                         "opt")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
-# where a causal LM holds its decoder stack, if not at model.model
-DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer"}
+# where a causal LM holds its decoder stack (a dotted path), if not at model.model
+DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
-LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2")
+LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2")
-# models with learned absolute position embeddings (GPT-2's wpe) and no RoPE: the position's
-# row is added to the token's before the first layer
-LEARNED_POSITION_TYPES = ("gpt2",)
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt")
+# models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
+# no RoPE: the position's row is added to the token's before the first layer
+LEARNED_POSITION_TYPES = ("gpt2", "opt")
+# models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
+CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
 SILU_NAMES = ("silu", "swish")
 GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2), MoE blocks or q/k norms after "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT), MoE blocks or q/k norms after "
     "RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -212,7 +215,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # `dense` output, GPT-NeoX's q/k/v fused per head
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
                          ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"),
-                         ("c_attn", "c_proj"))
+                         ("c_attn", "c_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"))
 # and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
@@ -228,9 +231,20 @@ def _projection_names(module, options) -> tuple[str, ...]:
     return options[0]
 
 
+def _mlp_path(layer) -> str:
+    """Where a decoder layer holds its MLP or MoE block: "mlp." (Granite MoE:
+    "block_sparse_moe."), or "" where the layer holds the MLP's projections itself (OPT's
+    fc1 / fc2)."""
+    for name in ("mlp", "block_sparse_moe"):
+        if hasattr(layer, name):
+            return name + "."
+    return ""
+
+
 def _mlp_block(layer):
-    """A decoder layer's MLP or MoE block (Granite MoE names it `block_sparse_moe`)."""
-    return layer.mlp if hasattr(layer, "mlp") else getattr(layer, "block_sparse_moe", None)
+    """A decoder layer's MLP or MoE block (the layer itself for OPT: `_mlp_path`)."""
+    path = _mlp_path(layer)
+    return getattr(layer, path[:-1]) if path else layer
 
 
 def _attention(layer):
@@ -484,7 +498,10 @@ def text_decoder(model: torch.nn.Module):
     model_type = getattr(model.config, "model_type", None)
     if model_type in IMAGE_TEXT_DECODERS:
         return getattr(getattr(model, "model", None), IMAGE_TEXT_DECODERS[model_type], None)
-    return getattr(model, DECODER_ATTRIBUTES.get(model_type, "model"), None)
+    module = model
+    for name in DECODER_ATTRIBUTES.get(model_type, "model").split("."):
+        module = getattr(module, name, None)
+    return module
 
 
 def _embedding(inner):
@@ -527,8 +544,8 @@ class LayeredModel:
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-        # GPT-NeoX and GPT-2 have no GQA (a num_key_value_heads their config carries is not read)
-        self.num_kv_heads = (None if config.model_type in ("gpt_neox", "gpt2")
+        # GPT-NeoX, GPT-2 and OPT have no GQA (a num_key_value_heads their config carries is not read)
+        self.num_kv_heads = (None if config.model_type in ("gpt_neox", "gpt2", "opt")
                              else getattr(config, "num_key_value_heads", None)) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
@@ -575,8 +592,13 @@ class LayeredModel:
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
         if config.model_type == "gpt2" and not config.scale_attn_weights:
             self.scaling = 1.0
-        # GPT-2's learned position embedding [P, H] (wpe), added before the first layer
-        self.position_embedding = inner.wpe.weight if config.model_type in LEARNED_POSITION_TYPES else None
+        # the learned position embedding [P, H] (GPT-2's wpe; OPT's embed_positions from its
+        # row `offset`, 2: a view), added before the first layer
+        self.position_embedding = None
+        if config.model_type == "gpt2":
+            self.position_embedding = inner.wpe.weight
+        elif config.model_type == "opt":
+            self.position_embedding = inner.embed_positions.weight[inner.embed_positions.offset:]
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
@@ -627,17 +649,18 @@ class LayeredModel:
                 "weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
                 "model.generate()")
         layers = decoder_layers(inner)
-        projections = [(f"model.layers.{i}.{part}.{name}", getattr(getattr(layer, part), name, None))
+        projections = [(f"model.layers.{i}.{part}{name}", getattr(block, name, None))
                        for i, layer in enumerate(layers)
-                       for part, names in ((_attention_name(layer),
-                                            _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
-                                           ("mlp", () if hasattr(_mlp_block(layer), "experts")
-                                            else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
+                       for part, block, names in (
+                           (_attention_name(layer) + ".", _attention(layer),
+                            _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
+                           (_mlp_path(layer), _mlp_block(layer), () if hasattr(_mlp_block(layer), "experts")
+                            else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
         for i, layer in enumerate(layers):
             if hasattr(_mlp_block(layer), "experts"):
                 _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer))
-        conv1d = model_type in LEARNED_POSITION_TYPES  # GPT-2's projections are Conv1D
+        conv1d = model_type in CONV1D_TYPES
         for name, module in projections:
             _check_plain_linear(name, module, conv1d)
         _check_plain_linear("lm_head", model.lm_head)
@@ -675,6 +698,12 @@ class LayeredModel:
                 f"hidden_act={act!r}: the engine implements gated MLPs with "
                 f"{', '.join(repr(a) for a in SILU_NAMES + GELU_TANH_NAMES)} only; use plain "
                 "model.generate() for this model")
+        if config.model_type == "opt" and (not config.do_layer_norm_before or config._remove_final_layer_norm
+                                           or config.word_embed_proj_dim != config.hidden_size):
+            raise UnsupportedModelError(
+                "this OPT model norms after its blocks (do_layer_norm_before=False) or projects its "
+                "embeddings (word_embed_proj_dim != hidden_size), as OPT-350m does; the engine runs "
+                "the other OPT models only: use plain model.generate() for this one")
         if config.model_type == "gpt2" and config.scale_attn_by_inverse_layer_idx:
             raise UnsupportedModelError(
                 "scale_attn_by_inverse_layer_idx=True (gpt2): the engine scales every layer's "
@@ -742,17 +771,20 @@ class LayeredModel:
             return held(getattr(layer, name, None))
 
         return LayerWeights(
-            # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2
-            input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1"))),
+            # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2,
+            # OPT self_attn_layer_norm / final_layer_norm (the layer's own)
+            input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
+                                                "self_attn_layer_norm"))),
             q=q,
             k=k,
             v=v,
             o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense")
-            else TransposedLinear(attn.c_proj),
+            else attn.out_proj if hasattr(attn, "out_proj") else TransposedLinear(attn.c_proj),
             q_norm=held(q_norm),
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
-                _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2"))),
+                _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2",
+                                    "final_layer_norm"))),
             gate=gate,
             up=up,
             down=down,
