@@ -211,6 +211,10 @@ SUPPORTED = {
     "opt-no-bias-gelu": dict(arch="OPT", random_norms=True, ffn_dim=96, enable_bias=False,
                              layer_norm_elementwise_affine=False, activation_function="gelu",
                              tie_word_embeddings=False),
+    # GPT-Neo (transformer.h, attn.attention): learned positions, unscaled attention scores,
+    # a window of 16 in its "local" layers (every other)
+    "gpt_neo-local": dict(arch="GPTNeo", random_norms=True, attention_types=[[["global", "local"], 1]],
+                          window_size=16),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -230,7 +234,8 @@ def test_supported_variant_gives_hf_greedy(case):
 
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
-                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt"])
+                                  "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
+                                  "gpt_neo-local"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -319,13 +324,17 @@ def test_dynamic_rope_after_a_long_hf_call():
     ("Ministral", dict(head_dim=16, layer_types=["sliding_attention", "full_attention"])),
     # every module holds the window; only its sliding layers apply it (is_sliding)
     ("Exaone4", dict(layer_types=["full_attention", "sliding_attention"])),
-], ids=["qwen2", "smollm3", "phi3", "mistral", "gemma3", "ministral", "exaone4"])
+    # its "local" layers slide (window_size; a sliding_window set on its config would make
+    # HF's cache drop keys of every layer)
+    ("GPTNeo", dict(attention_types=[[["global", "local"], 1]], window_size=16, sliding_window=None)),
+], ids=["qwen2", "smollm3", "phi3", "mistral", "gemma3", "ministral", "exaone4", "gpt_neo"])
 def test_a_sliding_window_applies_past_it(arch, overrides, layout):
     """A window shorter than the context, in some layers or all: every request is HF's greedy
     output, alone and as a left-padded batch, within the window and past it (the rows then
     see only their last `window` keys: the C++ attention skips the key chunks before them,
     here past 512 keys; HF's prefill keeps window - 1 keys of a sliding layer)."""
-    model = build(arch, use_sliding_window=True, sliding_window=16, max_position_embeddings=1024, **overrides)
+    model = build(arch, **{"use_sliding_window": True, "sliding_window": 16, "max_position_embeddings": 1024,
+                           **overrides})
     rows = prompts(5, 11, 40, 600)
     expected = [hf_greedy(model, p) for p in rows]
     attach_heads(model, heads=False, engine=EngineConfig(row_layout=layout))
@@ -456,7 +465,7 @@ def test_what_only_the_cpu_programs_serve(case, cuda):
 
 
 
-@pytest.mark.parametrize("case", ["gpt2", "opt"])
+@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local"])
 def test_learned_positions_with_either_prefill(case):
     """GPT-2 and OPT with the engine's own prefill (every position's learned row added by the
     engine) and HF's, a prompt of 200 tokens and a short one batched: HF's greedy output;
@@ -469,8 +478,8 @@ def test_learned_positions_with_either_prefill(case):
         attach_heads(model, heads=False, engine=EngineConfig(prefill=prefill))
         assert self_greedy(model, rows) == expected
     view = model._selfspec.engine.view
-    table = text_decoder(model).wpe.weight if case == "gpt2" else text_decoder(model).embed_positions.weight
-    assert view.position_embedding.data_ptr() == table[0 if case == "gpt2" else 2].data_ptr()
+    table = text_decoder(model).embed_positions.weight[2] if case == "opt" else text_decoder(model).wpe.weight[0]
+    assert view.position_embedding.data_ptr() == table.data_ptr()
 
 
 def test_gpt2_weights_are_read_in_place():

@@ -64,6 +64,8 @@ ARCHS = {
     "GPT2": {},
     # learned positions from row 2, the layer holding its MLP's fc1 / fc2
     "OPT": {},
+    # unscaled attention scores, a window in every other layer
+    "GPTNeo": dict(attention_types=[[["global", "local"], 2]], window_size=24),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -79,7 +81,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     heads = rng.choice([4, 8])
     hidden = rng.choice([64, 96])
     config = dict(hidden_size=hidden, intermediate_size=rng.choice([128, 200]),
-                  num_hidden_layers=4 if "layer_types" in ARCHS[arch] else rng.choice([2, 3]),
+                  num_hidden_layers=4 if {"layer_types", "attention_types"} & set(ARCHS[arch]) else rng.choice([2, 3]),
                   num_attention_heads=heads,
                   num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,

@@ -31,24 +31,27 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt")
+                         "opt", "gpt_neo")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
-DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder"}
+DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
+                      "gpt_neo": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
-LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt")
+LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt")
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
-LEARNED_POSITION_TYPES = ("gpt2", "opt")
+LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo")
+# models without GQA: a num_key_value_heads their config carries is not read
+MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo")
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -57,7 +60,8 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT), MoE blocks or q/k norms after "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo), MoE blocks or q/k "
+    "norms after "
     "RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -248,15 +252,19 @@ def _mlp_block(layer):
 
 
 def _attention(layer):
-    """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`)."""
+    """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`; GPT-Neo's
+    `attn` holds it as `attention`)."""
     for name in ("self_attn", "attention", "attn"):
         if hasattr(layer, name):
-            return getattr(layer, name)
+            block = getattr(layer, name)
+            return block.attention if name == "attn" and hasattr(block, "attention") else block
     return None
 
 
 def _attention_name(layer) -> str:
-    return next((name for name in ("self_attn", "attention", "attn") if hasattr(layer, name)), "self_attn")
+    """Where `_attention` finds the block, as a module path ("attn.attention": GPT-Neo)."""
+    name = next((name for name in ("self_attn", "attention", "attn") if hasattr(layer, name)), "self_attn")
+    return "attn.attention" if name == "attn" and hasattr(layer.attn, "attention") else name
 
 
 def decoder_layers(inner) -> torch.nn.ModuleList | None:
@@ -333,6 +341,8 @@ def attention_window(config) -> int | None:
     Where the config lists layer_types (Qwen2, Qwen3: only layers from max_window_layers on
     slide, and only with use_sliding_window) they decide; otherwise (Mistral) a set
     sliding_window slides every layer."""
+    if config.model_type == "gpt_neo":  # its "local" layers
+        return config.window_size if "local" in config.attention_layers else None
     window = getattr(config, "sliding_window", None)
     if window is None:
         return None
@@ -468,6 +478,8 @@ def _layer_window(attention, config_window: int) -> int:
     """The sliding window of one attention module (0: none): its own `sliding_window` where
     it holds one (Qwen2, Gemma 2/3, OLMo 3, Ministral: set on sliding layers only; EXAONE 4:
     on every layer, applied where `is_sliding`), else the config's (Mistral, Phi-3)."""
+    if getattr(attention, "attention_type", None) in ("global", "local"):  # GPT-Neo's layers
+        return config_window if attention.attention_type == "local" else 0
     if not getattr(attention, "is_sliding", True):
         return 0
     return int(getattr(attention, "sliding_window", config_window) or 0)
@@ -544,8 +556,7 @@ class LayeredModel:
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
         self.num_heads = config.num_attention_heads
-        # GPT-NeoX, GPT-2 and OPT have no GQA (a num_key_value_heads their config carries is not read)
-        self.num_kv_heads = (None if config.model_type in ("gpt_neox", "gpt2", "opt")
+        self.num_kv_heads = (None if config.model_type in MHA_ONLY_TYPES
                              else getattr(config, "num_key_value_heads", None)) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
@@ -590,12 +601,12 @@ class LayeredModel:
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
-        if config.model_type == "gpt2" and not config.scale_attn_weights:
-            self.scaling = 1.0
+        if (config.model_type == "gpt2" and not config.scale_attn_weights) or config.model_type == "gpt_neo":
+            self.scaling = 1.0  # GPT-Neo never scales its attention scores
         # the learned position embedding [P, H] (GPT-2's wpe; OPT's embed_positions from its
         # row `offset`, 2: a view), added before the first layer
         self.position_embedding = None
-        if config.model_type == "gpt2":
+        if config.model_type in ("gpt2", "gpt_neo"):
             self.position_embedding = inner.wpe.weight
         elif config.model_type == "opt":
             self.position_embedding = inner.embed_positions.weight[inner.embed_positions.offset:]
