@@ -215,6 +215,11 @@ SUPPORTED = {
     # a window of 16 in its "local" layers (every other)
     "gpt_neo-local": dict(arch="GPTNeo", random_norms=True, attention_types=[[["global", "local"], 1]],
                           window_size=16),
+    # GPT-BigCode (StarCoder 1, SantaCoder): one KV head read as row ranges of c_attn, learned
+    # positions; and its MHA form (q, k, v rows per head, as GPT-NeoX), unscaled attention
+    "gpt_bigcode-mqa": dict(arch="GPTBigCode", random_norms=True, n_inner=96),
+    "gpt_bigcode-mha-unscaled": dict(arch="GPTBigCode", random_norms=True, multi_query=False,
+                                     scale_attn_weights=False, activation_function="gelu_new"),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -235,7 +240,7 @@ def test_supported_variant_gives_hf_greedy(case):
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
-                                  "gpt_neo-local"])
+                                  "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -465,7 +470,7 @@ def test_what_only_the_cpu_programs_serve(case, cuda):
 
 
 
-@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local"])
+@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local", "gpt_bigcode-mqa"])
 def test_learned_positions_with_either_prefill(case):
     """GPT-2 and OPT with the engine's own prefill (every position's learned row added by the
     engine) and HF's, a prompt of 200 tokens and a short one batched: HF's greedy output;

@@ -66,6 +66,7 @@ ARCHS = {
     "OPT": {},
     # unscaled attention scores, a window in every other layer
     "GPTNeo": dict(attention_types=[[["global", "local"], 2]], window_size=24),
+    "GPTBigCode": {},  # one KV head (multi_query); its MHA form in test_architectures
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

@@ -31,27 +31,28 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt", "gpt_neo")
+                         "opt", "gpt_neo", "gpt_bigcode")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
-                      "gpt_neo": "transformer"}
+                      "gpt_neo": "transformer", "gpt_bigcode": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
-LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo")
+LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
+                    "gpt_bigcode")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo")
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
-LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo")
+LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models without GQA: a num_key_value_heads their config carries is not read
-MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo")
+MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode")  # GPT-BigCode: or MQA (multi_query)
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -60,7 +61,8 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo), MoE blocks or q/k "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode), MoE "
+    "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
@@ -187,7 +189,7 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [H]
     mlp_out_norm: torch.Tensor | None = None  # [H]
     act: torch.nn.Module | None = None  # a plain MLP's activation (HF's own module)
-    # GPT-NeoX's q, k and v in one weight, their rows per head [heads, 3, head_dim]: one
+    # GPT-NeoX's (and GPT-BigCode's MHA form's) q, k and v in one weight, their rows per head [heads, 3, head_dim]: one
     # product, split by a view
     qkv: torch.nn.Linear | None = None
     moe: MoEWeights | None = None
@@ -299,6 +301,12 @@ def _check_plain_linear(name: str, module, conv1d: bool = False) -> None:
 def _first_held(module, names: tuple[str, ...]) -> str:
     """The first of `names` the module holds (the first where it holds none)."""
     return next((name for name in names if hasattr(module, name)), names[0])
+
+
+def _as_linear(module):
+    """A projection as the engine's linear layer: an nn.Linear itself, a Conv1D (GPT-2) as
+    its TransposedLinear."""
+    return TransposedLinear(module) if isinstance(module, _conv1d_class()) else module
 
 
 def _router(block):
@@ -558,6 +566,8 @@ class LayeredModel:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = (None if config.model_type in MHA_ONLY_TYPES
                              else getattr(config, "num_key_value_heads", None)) or self.num_heads
+        if config.model_type == "gpt_bigcode" and config.multi_query:  # one KV head (StarCoder)
+            self.num_kv_heads = 1
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
@@ -601,12 +611,13 @@ class LayeredModel:
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
-        if (config.model_type == "gpt2" and not config.scale_attn_weights) or config.model_type == "gpt_neo":
+        if (config.model_type in ("gpt2", "gpt_bigcode") and not config.scale_attn_weights) \
+                or config.model_type == "gpt_neo":
             self.scaling = 1.0  # GPT-Neo never scales its attention scores
         # the learned position embedding [P, H] (GPT-2's wpe; OPT's embed_positions from its
         # row `offset`, 2: a view), added before the first layer
         self.position_embedding = None
-        if config.model_type in ("gpt2", "gpt_neo"):
+        if config.model_type in ("gpt2", "gpt_neo", "gpt_bigcode"):
             self.position_embedding = inner.wpe.weight
         elif config.model_type == "opt":
             self.position_embedding = inner.embed_positions.weight[inner.embed_positions.offset:]
@@ -748,9 +759,16 @@ class LayeredModel:
         elif hasattr(attn, "query_key_value"):  # GPT-NeoX: per head, its q, k and v rows
             q = k = v = None
             qkv = attn.query_key_value
-        elif hasattr(attn, "c_attn"):  # GPT-2: q, k, v columns of one Conv1D weight [H, 3H]
+        elif isinstance(getattr(attn, "c_attn", None), _conv1d_class()):  # GPT-2: q, k, v columns of [H, 3H]
             width = self.num_heads * self.head_dim
             q, k, v = (TransposedLinear(attn.c_attn, lo, lo + width) for lo in (0, width, 2 * width))
+        elif hasattr(attn, "c_attn") and self.num_kv_heads == 1:  # GPT-BigCode multi-query: q, k, v rows
+            qd, kvd = self.num_heads * self.head_dim, self.head_dim
+            q, k, v = (RowSlice(attn.c_attn, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
+                                                                     (qd + kvd, qd + 2 * kvd)))
+        elif hasattr(attn, "c_attn"):  # GPT-BigCode's MHA form: per head, its q, k and v rows (GPT-NeoX's)
+            q = k = v = None
+            qkv = attn.c_attn
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         gate = act = moe = None
@@ -767,8 +785,7 @@ class LayeredModel:
             # Arcee's and Apertus's up_proj/down_proj
             up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
             up, down = getattr(mlp, up_name), getattr(mlp, down_name)
-            if isinstance(up, _conv1d_class()):  # GPT-2's c_fc / c_proj
-                up, down = TransposedLinear(up), TransposedLinear(down)
+            up, down = _as_linear(up), _as_linear(down)  # GPT-2's c_fc / c_proj: Conv1D
             act = next(getattr(mlp, name) for name in ("act", "act_fn", "activation_fn") if hasattr(mlp, name))
         # a layer with a feed-forward norm of its own (OLMo 2: post_feedforward_layernorm)
         # norms the attention's output with post_attention_layernorm; otherwise (Llama)
@@ -790,7 +807,7 @@ class LayeredModel:
             k=k,
             v=v,
             o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense")
-            else attn.out_proj if hasattr(attn, "out_proj") else TransposedLinear(attn.c_proj),
+            else attn.out_proj if hasattr(attn, "out_proj") else _as_linear(attn.c_proj),
             q_norm=held(q_norm),
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
