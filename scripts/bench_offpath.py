@@ -14,7 +14,8 @@ big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 
 process: a fresh Python process loads the default model and times its first and second
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
-phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large: (not in the default parts) a random-weight model of a real checkpoint's
+phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
+opt_1_3b, gpt_neo_125m, santacoder, gptj: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -172,6 +173,22 @@ RANDOM_SHAPES = {
     "gpt2_large": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=50257, hidden_size=1280, num_hidden_layers=36, num_attention_heads=20, max_position_embeddings=1024),
         "GPT-2 Large (3.1 GB; Conv1D projections read transposed, learned positions)"),
+    "opt_1_3b": ("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=50272, hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
+        max_position_embeddings=2048, word_embed_proj_dim=2048),
+        "OPT-1.3b (5.3 GB; learned positions from row 2, ReLU)"),
+    "gpt_neo_125m": ("GPTNeoConfig", "GPTNeoForCausalLM", dict(
+        vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12, max_position_embeddings=2048,
+        attention_types=[[["global", "local"], 6]], window_size=256),
+        "GPT-Neo-125M (0.5 GB; unscaled attention, windows of 256 in every other layer)"),
+    "santacoder": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(
+        vocab_size=49280, n_embd=2048, n_layer=24, n_head=16, n_positions=2048, multi_query=True,
+        bos_token_id=49152, eos_token_id=49152),
+        "SantaCoder-1.1B (4.5 GB; one KV head, learned positions)"),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048,
+        tie_word_embeddings=False),
+        "GPT-J-6B (24 GB in fp32: --layers 4 or --dtype bfloat16; parallel blocks, RoPE pairs on 64 of 256)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
@@ -194,10 +211,14 @@ def part_random_shape(name: str, args) -> None:
     text = config  # the decoder's config: the whole one, or an image-text model's text_config
     if "text_config" in config:
         text = config["text_config"] = dict(config["text_config"])
-    layers = args.layers or text["num_hidden_layers"]
+    key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer") if k in text)  # GPT-Neo's, GPT-BigCode's
+    layers = args.layers or text[key]
     if "layer_types" in text:
         text["layer_types"] = text["layer_types"][:1] * layers
-    text["num_hidden_layers"] = layers
+    if args.layers and "attention_types" in text:  # GPT-Neo: its layers' kinds, alternating
+        text["attention_types"] = [[["global", "local"], (layers + 1) // 2]]
+        layers = 2 * ((layers + 1) // 2)
+    text[key] = layers
     torch.manual_seed(0)
     dtype, default = getattr(torch, args.dtype), torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype: a 16-bit model never held in fp32

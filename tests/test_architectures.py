@@ -220,6 +220,10 @@ SUPPORTED = {
     "gpt_bigcode-mqa": dict(arch="GPTBigCode", random_norms=True, n_inner=96),
     "gpt_bigcode-mha-unscaled": dict(arch="GPTBigCode", random_norms=True, multi_query=False,
                                      scale_attn_weights=False, activation_function="gelu_new"),
+    # GPT-J: parallel blocks from one norm, RoPE pairs on the first rotary_dim dimensions of
+    # each head (its rotary module returns sin, cos), fc_in / fc_out, an LM-head bias
+    "gptj-partial-rotary": dict(arch="GPTJ", random_norms=True, rotary_dim=8),
+    "gptj-full-rotary": dict(arch="GPTJ", random_norms=True, rotary_dim=16),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -240,7 +244,8 @@ def test_supported_variant_gives_hf_greedy(case):
 
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
-                                  "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled"])
+                                  "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
+                                  "gptj-partial-rotary"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

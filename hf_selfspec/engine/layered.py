@@ -9,8 +9,9 @@ read as row ranges; partial rotary), Granite (four multipliers), OLMo 2/3 and EX
 (norms on the blocks' outputs), Gemma 1-3 (norms scaling by 1 + w, GELU-gated MLPs, scaled
 embeddings, soft caps; Gemma 3's image-text class for its text), GLM, GLM-4, ERNIE 4.5 and
 Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, Phi,
-StarCoder 2, Cohere, GPT-NeoX: norm modules called as HF does, parallel blocks, plain MLPs)
-and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
+StarCoder 2, Cohere, GPT-NeoX: norm modules called as HF does, parallel blocks, plain MLPs),
+the models with learned positions (GPT-2: Conv1D weights read transposed in place; OPT,
+GPT-Neo, GPT-BigCode) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
 MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
 HF rotary module (default, linear, dynamic, yarn, llama3, longrope), whose own tables the
 engine takes. Each type is listed only after its modeling code was read against Llama's:
@@ -31,28 +32,29 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt", "gpt_neo", "gpt_bigcode")
+                         "opt", "gpt_neo", "gpt_bigcode", "gptj")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
-                      "gpt_neo": "transformer", "gpt_bigcode": "transformer"}
+                      "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode")
+                    "gpt_bigcode", "gptj")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode")
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
+                   "gptj")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models without GQA: a num_key_value_heads their config carries is not read
-MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode")  # GPT-BigCode: or MQA (multi_query)
+MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj")  # GPT-BigCode: or MQA (multi_query)
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -61,7 +63,7 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode), MoE "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J), MoE "
     "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
@@ -69,10 +71,10 @@ CPU_ONLY_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
-HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium")
+HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj")
 # models whose per-head q/k norms come after RoPE
 QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense",)
 # models whose full-attention layers go unrotated when the model has a sliding window
@@ -225,7 +227,8 @@ ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", 
 # and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
-                   ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("up_proj", "down_proj"))
+                   ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("up_proj", "down_proj"),
+                   ("fc_in", "fc_out"))
 
 
 def _projection_names(module, options) -> tuple[str, ...]:
@@ -544,7 +547,7 @@ def _parallel_form(config) -> str | None:
     """How a layer's blocks read h (LayeredModel.parallel): None one after the other,
     "shared" both from one input norm, "two" each from its own."""
     model_type = config.model_type
-    if model_type in ("phi", "cohere") or (model_type == "stablelm" and config.use_parallel_residual):
+    if model_type in ("phi", "cohere", "gptj") or (model_type == "stablelm" and config.use_parallel_residual):
         return "shared"
     if model_type == "gpt_neox" and config.use_parallel_residual:
         return "two"
@@ -607,7 +610,7 @@ class LayeredModel:
         # Cohere, StableLM's option), "two" each block its own (GPT-NeoX); the outputs join h
         # in HF's order: (attention + MLP) + h (Phi, GPT-NeoX) or (h + attention) + MLP
         self.parallel = _parallel_form(config)
-        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox")
+        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox", "gptj")
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
@@ -875,6 +878,11 @@ class LayeredModel:
             if rope_type(self.config) == "dynamic":
                 inner.rotary_emb(probe, positions[:, :1], **kind)
             cos, sin = inner.rotary_emb(probe, positions, **kind)
+            if self.config.model_type == "gptj":
+                # its rotary module returns (sin, cos), one column per angle: laid out here as
+                # the other pair models' modules give them (the angles twice, in halves), which
+                # the interleaving below turns into GPT-J's repeat_interleave
+                cos, sin = sin.repeat(1, 1, 2), cos.repeat(1, 1, 2)
             short = longrope_short_positions(self.config)
             if short is not None and short < max_positions:
                 cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])
