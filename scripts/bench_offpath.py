@@ -15,7 +15,7 @@ process: a fresh Python process loads the default model and times its first and 
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
 phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
-opt_1_3b, gpt_neo_125m, santacoder, gptj: (not in the default parts) a random-weight model of a real checkpoint's
+opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -189,6 +189,10 @@ RANDOM_SHAPES = {
         vocab_size=50400, n_embd=4096, n_layer=28, n_head=16, rotary_dim=64, n_positions=2048,
         tie_word_embeddings=False),
         "GPT-J-6B (24 GB in fp32: --layers 4 or --dtype bfloat16; parallel blocks, RoPE pairs on 64 of 256)"),
+    "falcon_7b": ("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+        parallel_attn=True, bias=False, max_position_embeddings=2048, bos_token_id=11, eos_token_id=11),
+        "Falcon-7B (28 GB in fp32: --layers 4 or --dtype bfloat16; one KV head, parallel blocks)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

@@ -224,6 +224,14 @@ SUPPORTED = {
     # each head (its rotary module returns sin, cos), fc_in / fc_out, an LM-head bias
     "gptj-partial-rotary": dict(arch="GPTJ", random_norms=True, rotary_dim=8),
     "gptj-full-rotary": dict(arch="GPTJ", random_norms=True, rotary_dim=16),
+    # Falcon (FalconLinear projections, RoPE): Falcon-7B's one KV head and parallel blocks from
+    # one norm; the new architecture's grouped q/k/v rows (GQA) and two norms (Falcon-40B);
+    # an MHA form with sequential blocks and biases
+    "falcon-7b-form": dict(arch="Falcon", random_norms=True, multi_query=True, parallel_attn=True),
+    "falcon-40b-form": dict(arch="Falcon", random_norms=True, new_decoder_architecture=True, num_kv_heads=2,
+                            ffn_hidden_size=96),
+    "falcon-mha-sequential": dict(arch="Falcon", random_norms=True, multi_query=False, parallel_attn=False,
+                                  bias=True),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -245,7 +253,7 @@ def test_supported_variant_gives_hf_greedy(case):
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
-                                  "gptj-partial-rotary"])
+                                  "gptj-partial-rotary", "falcon-40b-form"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -356,7 +364,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
     ("Bloom", {}, "bloom"),  # ALiBi: attention biased by distance, no positions
-    ("Falcon", {}, "falcon"),  # its fused query_key_value and dense_h_to_4h under other names
+    ("Mpt", {}, "mpt"),  # ALiBi too
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)
@@ -532,3 +540,9 @@ def test_gpt2_refusals():
     model.transformer.h[1].mlp.c_fc = torch.nn.Sequential(conv)
     with pytest.raises(UnsupportedModelError, match=r"model.layers.1.mlp.c_fc is a torch.nn.*Sequential.*Conv1D"):
         attach_heads(model, heads=False)
+
+
+def test_falcon_alibi_refused():
+    """Falcon-RW's ALiBi (attention biased by distance): refused by name."""
+    with pytest.raises(UnsupportedModelError, match="alibi=True.*plain model.generate"):
+        attach_heads(build("Falcon", alibi=True), heads=False)

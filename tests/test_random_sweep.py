@@ -68,6 +68,9 @@ ARCHS = {
     "GPTNeo": dict(attention_types=[[["global", "local"], 2]], window_size=24),
     "GPTBigCode": {},  # one KV head (multi_query); its MHA form in test_architectures
     "GPTJ": dict(rotary_dim=8),  # RoPE pairs on part of each head, parallel blocks
+    # the new architecture: q/k/v rows grouped per KV head, two norms (its other forms in
+    # test_architectures)
+    "Falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

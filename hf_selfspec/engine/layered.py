@@ -32,24 +32,25 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt", "gpt_neo", "gpt_bigcode", "gptj")
+                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
 IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
-                      "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer"}
+                      "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
+                      "falcon": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj")
+                    "gpt_bigcode", "gptj", "falcon")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj")
+                   "gptj", "falcon")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
@@ -63,7 +64,8 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J), MoE "
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J, "
+    "Falcon), MoE "
     "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
@@ -194,6 +196,9 @@ class LayerWeights:
     # GPT-NeoX's (and GPT-BigCode's MHA form's) q, k and v in one weight, their rows per head [heads, 3, head_dim]: one
     # product, split by a view
     qkv: torch.nn.Linear | None = None
+    # Falcon's new architecture: qkv's rows per KV head [kv_heads, group + 2, head_dim], its
+    # group of query heads, then its key and its value
+    qkv_grouped: bool = False
     moe: MoEWeights | None = None
 
     @property
@@ -259,7 +264,7 @@ def _mlp_block(layer):
 def _attention(layer):
     """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`; GPT-Neo's
     `attn` holds it as `attention`)."""
-    for name in ("self_attn", "attention", "attn"):
+    for name in ("self_attn", "attention", "attn", "self_attention"):
         if hasattr(layer, name):
             block = getattr(layer, name)
             return block.attention if name == "attn" and hasattr(block, "attention") else block
@@ -268,7 +273,8 @@ def _attention(layer):
 
 def _attention_name(layer) -> str:
     """Where `_attention` finds the block, as a module path ("attn.attention": GPT-Neo)."""
-    name = next((name for name in ("self_attn", "attention", "attn") if hasattr(layer, name)), "self_attn")
+    name = next((name for name in ("self_attn", "attention", "attn", "self_attention") if hasattr(layer, name)),
+                "self_attn")
     return "attn.attention" if name == "attn" and hasattr(layer.attn, "attention") else name
 
 
@@ -284,13 +290,16 @@ def _conv1d_class():
     return Conv1D
 
 
-def _check_plain_linear(name: str, module, conv1d: bool = False) -> None:
+def _check_plain_linear(name: str, module, model_type: str | None = None) -> None:
     """The engine runs a projection as `x @ weight^T (+ bias)` on the module's own float
-    weight (`conv1d`: GPT-2's transformers Conv1D, x @ weight + bias): a subclass
-    (bitsandbytes, GPTQ, AWQ, LoRA wrappers) or an integer weight would be computed wrongly,
-    so refuse it by name."""
+    weight (GPT-2's transformers Conv1D: x @ weight + bias; Falcon's FalconLinear, an
+    nn.Linear computing the same): a subclass (bitsandbytes, GPTQ, AWQ, LoRA wrappers) or an
+    integer weight would be computed wrongly, so refuse it by name."""
     weight = getattr(module, "weight", None)
-    expected = _conv1d_class() if conv1d else torch.nn.Linear
+    expected = _conv1d_class() if model_type in CONV1D_TYPES else torch.nn.Linear
+    if model_type == "falcon" and type(module).__name__ == "FalconLinear" \
+            and type(module).__module__.endswith("modeling_falcon"):
+        expected = type(module)
     if type(module) is not expected or not isinstance(weight, torch.Tensor) \
             or weight.dtype not in FLOAT_DTYPES:
         kind = type(module).__module__ + "." + type(module).__qualname__
@@ -529,7 +538,7 @@ def text_decoder(model: torch.nn.Module):
 
 def _embedding(inner):
     """The decoder's token embedding (GPT-NeoX: embed_in, GPT-2: wte)."""
-    for name in ("embed_tokens", "embed_in", "wte"):
+    for name in ("embed_tokens", "embed_in", "wte", "word_embeddings"):
         if hasattr(inner, name):
             return getattr(inner, name)
     raise UnsupportedModelError(f"{type(inner).__name__} has no token embedding the engine knows")
@@ -551,6 +560,8 @@ def _parallel_form(config) -> str | None:
         return "shared"
     if model_type == "gpt_neox" and config.use_parallel_residual:
         return "two"
+    if model_type == "falcon" and config.parallel_attn:  # Falcon-40B / 180B: ln_attn and ln_mlp
+        return "two" if config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2 else "shared"
     return None
 
 
@@ -571,6 +582,9 @@ class LayeredModel:
                              else getattr(config, "num_key_value_heads", None)) or self.num_heads
         if config.model_type == "gpt_bigcode" and config.multi_query:  # one KV head (StarCoder)
             self.num_kv_heads = 1
+        if config.model_type == "falcon":  # one KV head (Falcon-7B), or num_kv_heads (new architecture)
+            self.num_kv_heads = config.num_kv_heads if config.new_decoder_architecture or not config.multi_query \
+                else 1
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
@@ -610,7 +624,7 @@ class LayeredModel:
         # Cohere, StableLM's option), "two" each block its own (GPT-NeoX); the outputs join h
         # in HF's order: (attention + MLP) + h (Phi, GPT-NeoX) or (h + attention) + MLP
         self.parallel = _parallel_form(config)
-        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox", "gptj")
+        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox", "gptj", "falcon")
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
@@ -685,9 +699,8 @@ class LayeredModel:
         for i, layer in enumerate(layers):
             if hasattr(_mlp_block(layer), "experts"):
                 _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer))
-        conv1d = model_type in CONV1D_TYPES
         for name, module in projections:
-            _check_plain_linear(name, module, conv1d)
+            _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
         if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
             raise UnsupportedModelError(CPU_ONLY_REFUSAL)
@@ -729,6 +742,12 @@ class LayeredModel:
                 "this OPT model norms after its blocks (do_layer_norm_before=False) or projects its "
                 "embeddings (word_embed_proj_dim != hidden_size), as OPT-350m does; the engine runs "
                 "the other OPT models only: use plain model.generate() for this one")
+        if config.model_type == "falcon" and (config.alibi or (config.new_decoder_architecture
+                                                               and not config.parallel_attn)):
+            raise UnsupportedModelError(
+                "this Falcon model biases its attention by distance (alibi=True, as Falcon-RW) or is a "
+                "new-architecture model without parallel blocks; the engine runs Falcon's RoPE models: "
+                "use plain model.generate() for this one")
         if config.model_type == "gpt2" and config.scale_attn_by_inverse_layer_idx:
             raise UnsupportedModelError(
                 "scale_attn_by_inverse_layer_idx=True (gpt2): the engine scales every layer's "
@@ -754,14 +773,22 @@ class LayeredModel:
         # HunYuan names its per-head q/k norms query_ / key_layernorm
         q_norm = getattr(attn, "q_norm", None) if hasattr(attn, "q_norm") else getattr(attn, "query_layernorm", None)
         k_norm = getattr(attn, "k_norm", None) if hasattr(attn, "k_norm") else getattr(attn, "key_layernorm", None)
-        qkv = None
+        qkv, grouped = None, False
         if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
             qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = (RowSlice(attn.qkv_proj, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
                                                                         (qd + kvd, qd + 2 * kvd)))
-        elif hasattr(attn, "query_key_value"):  # GPT-NeoX: per head, its q, k and v rows
+        elif hasattr(attn, "query_key_value") and self.config.model_type == "falcon" \
+                and not self.config.new_decoder_architecture and self.config.multi_query:
+            # Falcon-7B: all query heads' rows, then one key head's, one value head's
+            qd, kvd = self.num_heads * self.head_dim, self.head_dim
+            q, k, v = (RowSlice(attn.query_key_value, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
+                                                                              (qd + kvd, qd + 2 * kvd)))
+        elif hasattr(attn, "query_key_value"):  # GPT-NeoX (Falcon's MHA): per head, its q, k and v rows
             q = k = v = None
             qkv = attn.query_key_value
+            # Falcon's new architecture: per KV head, its group's query rows, then its k and v rows
+            grouped = self.config.model_type == "falcon" and self.config.new_decoder_architecture
         elif isinstance(getattr(attn, "c_attn", None), _conv1d_class()):  # GPT-2: q, k, v columns of [H, 3H]
             width = self.num_heads * self.head_dim
             q, k, v = (TransposedLinear(attn.c_attn, lo, lo + width) for lo in (0, width, 2 * width))
@@ -805,7 +832,7 @@ class LayeredModel:
             # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2,
             # OPT self_attn_layer_norm / final_layer_norm (the layer's own)
             input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
-                                                "self_attn_layer_norm"))),
+                                                "self_attn_layer_norm", "ln_attn"))),
             q=q,
             k=k,
             v=v,
@@ -815,7 +842,7 @@ class LayeredModel:
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
                 _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2",
-                                    "final_layer_norm"))),
+                                    "final_layer_norm", "ln_mlp"))),
             gate=gate,
             up=up,
             down=down,
@@ -825,6 +852,7 @@ class LayeredModel:
                               else "post_mlp_layernorm"),
             act=act,
             qkv=qkv,
+            qkv_grouped=grouped,
             moe=moe,
         )
 

@@ -601,6 +601,10 @@ class Engine:
         """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
         (q/k norms applied: Qwen3's on each head, OLMo 2's on the whole projection)."""
         v, lin = self.view, self.layout.linear
+        if lw.qkv_grouped:  # Falcon's new architecture: per KV head, its query heads, k, v
+            group = v.num_heads // v.num_kv_heads
+            fused = lin(x, lw.qkv).view(rows, v.num_kv_heads, group + 2, v.head_dim)
+            return fused[:, :, :group].reshape(rows, v.num_heads, v.head_dim), fused[:, :, group], fused[:, :, group + 1]
         if lw.qkv is not None:  # GPT-NeoX: one product, each head's q, k, v rows in turn
             fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
             return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
@@ -840,8 +844,10 @@ class Engine:
         for li, layer in enumerate(cache.layers):
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
-            self.k_cache[li, :, base + n - kept:base + n] = layer.keys[0]
-            self.v_cache[li, :, base + n - kept:base + n] = layer.values[0]
+            # Falcon's new architecture caches each KV head repeated for its group of query heads
+            step = layer.keys.shape[1] // self.k_cache.shape[1]
+            self.k_cache[li, :, base + n - kept:base + n] = layer.keys[0, ::step]
+            self.v_cache[li, :, base + n - kept:base + n] = layer.values[0, ::step]
         last = out.last_hidden_state[0, -1]  # after the final norm
         return self.view.scale_logits(self.view.lm_head(last[None]))[0], last
 
