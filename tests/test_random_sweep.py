@@ -71,6 +71,7 @@ ARCHS = {
     # the new architecture: q/k/v rows grouped per KV head, two norms (its other forms in
     # test_architectures)
     "Falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "Nemotron": {},  # LayerNorm1P, ReLU² plain MLP, RoPE on half of each head
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

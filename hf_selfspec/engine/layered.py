@@ -9,7 +9,8 @@ read as row ranges; partial rotary), Granite (four multipliers), OLMo 2/3 and EX
 (norms on the blocks' outputs), Gemma 1-3 (norms scaling by 1 + w, GELU-gated MLPs, scaled
 embeddings, soft caps; Gemma 3's image-text class for its text), GLM, GLM-4, ERNIE 4.5 and
 Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, Phi,
-StarCoder 2, Cohere, GPT-NeoX: norm modules called as HF does, parallel blocks, plain MLPs),
+StarCoder 2, Cohere, GPT-NeoX, GPT-J, Falcon, Nemotron: norm modules called as HF does,
+parallel blocks, plain MLPs),
 the models with learned positions (GPT-2: Conv1D weights read transposed in place; OPT,
 GPT-Neo, GPT-BigCode) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
 MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
@@ -32,7 +33,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon")
+                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -45,12 +46,12 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj", "falcon")
+                    "gpt_bigcode", "gptj", "falcon", "nemotron")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj", "falcon")
+                   "gptj", "falcon", "nemotron")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
@@ -65,7 +66,7 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J, "
-    "Falcon), MoE "
+    "Falcon, Nemotron), MoE "
     "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
