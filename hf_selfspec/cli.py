@@ -56,9 +56,10 @@ def cmd_generate(args) -> int:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = _load(args)
-    messages = [{"role": "user", "content": args.prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+    from hf_selfspec.training.data import prompt_ids
+
+    # the chat template where the tokenizer has one; a base model's (GPT-2, OPT) the plain text
+    ids = torch.tensor([prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])])
     colour = sys.stdout.isatty() and not args.no_colour
 
     class SourceStreamer:

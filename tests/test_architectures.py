@@ -235,6 +235,9 @@ SUPPORTED = {
     # Nemotron: LayerNorm1P (weight + 1), a plain ReLU² MLP, RoPE on half of each head
     "nemotron": dict(arch="Nemotron", random_norms=True, head_dim=16, attention_bias=True,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # CodeGen: GPT-J's layers with q/k/v fused in 4 model-parallel shards (query, value, key
+    # rows in each)
+    "codegen": dict(arch="CodeGen", random_norms=True, rotary_dim=8, num_attention_heads=8, hidden_size=128),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -256,7 +259,7 @@ def test_supported_variant_gives_hf_greedy(case):
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
-                                  "gptj-partial-rotary", "falcon-40b-form", "nemotron"])
+                                  "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

@@ -26,6 +26,23 @@ def test_generate_streams_and_matches_hf_greedy(capsys):
 
 
 @pytest.mark.slow
+def test_generate_a_base_model_without_a_chat_template(tmp_path, capsys, default_model):
+    """A GPT-2 folder whose tokenizer has no chat template (a base model's, as gpt2 or OPT):
+    the prompt is its plain text, and the output equals HF greedy."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tokenizer = default_model
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    GPT2LMHeadModel(config).eval().save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    assert main(["generate", "Once upon a time", "--model", str(tmp_path), "--heads", "none",
+                 "--max-new-tokens", "12", "--no-colour", "--compare", "--threads", "1"]) == 0
+    assert "identical: True" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_generate_with_a_draft_model(tmp_path, capsys, default_model):
     """--model and --draft-model: two HF folders of the same tokenizer (tiny random models
     with the default model's vocabulary and tokenizer); the output equals HF greedy."""

@@ -161,16 +161,16 @@ def test_draft_model_with_other_token_ids_is_refused(models):
 
 
 def test_draft_model_of_an_unsupported_architecture_is_refused(models):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
     from hf_selfspec.engine.layered import UnsupportedModelError
 
     main, _, _ = models
     attach_heads(main, False)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2)).eval()
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2)).eval()  # ALiBi
     ids = torch.tensor([prompt(7, 10)])
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
-        main.generate(ids, assistant="self", assistant_model=gpt2, max_new_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="bloom"):
+        main.generate(ids, assistant="self", assistant_model=bloom, max_new_tokens=4)
 
 
 def test_draft_confidence_is_validated():

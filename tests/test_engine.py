@@ -216,10 +216,10 @@ def test_empty_prompt_is_refused():
 
 
 def test_unsupported_architecture_names_it():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
+    model = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))  # ALiBi
+    with pytest.raises(UnsupportedModelError, match="bloom"):
         Engine(model)
 
 

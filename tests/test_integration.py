@@ -216,10 +216,10 @@ def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(ki
 
 
 def test_unsupported_architecture():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="gpt2"):
+    model = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))  # ALiBi
+    with pytest.raises(ValueError, match="bloom"):
         attach_heads(model, heads=False)
 
 

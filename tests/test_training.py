@@ -149,15 +149,16 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, model_folder):
 
 
 def test_unsupported_model_is_refused():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BloomConfig, BloomForCausalLM, GPT2Config, GPT2LMHeadModel
 
     from hf_selfspec.training.recipe import check_model
 
     with pytest.raises(ValueError, match="causal LM"):
         check_model(torch.nn.Linear(2, 2))
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match="final norm"):  # no Llama-family model.model.norm
-        check_model(gpt2)
+    bloom = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))  # ALiBi
+    with pytest.raises(ValueError, match="model_type='bloom'"):
+        check_model(bloom)
+    check_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))  # served
 
 
 def test_card_names_the_prompts_the_heads_were_trained_on():

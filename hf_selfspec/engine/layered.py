@@ -33,7 +33,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron")
+                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -41,22 +41,22 @@ IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
                       "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
-                      "falcon": "transformer"}
+                      "falcon": "transformer", "codegen": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj", "falcon", "nemotron")
+                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj", "falcon", "nemotron")
+                   "gptj", "falcon", "nemotron", "codegen")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models without GQA: a num_key_value_heads their config carries is not read
-MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj")  # GPT-BigCode: or MQA (multi_query)
+MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "codegen")  # GPT-BigCode: or MQA (multi_query)
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -66,7 +66,7 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J, "
-    "Falcon, Nemotron), MoE "
+    "Falcon, Nemotron, CodeGen), MoE "
     "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
@@ -74,10 +74,10 @@ CPU_ONLY_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
-HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj")
+HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen")
 # models whose per-head q/k norms come after RoPE
 QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense",)
 # models whose full-attention layers go unrotated when the model has a sliding window
@@ -194,12 +194,13 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # [H]
     mlp_out_norm: torch.Tensor | None = None  # [H]
     act: torch.nn.Module | None = None  # a plain MLP's activation (HF's own module)
-    # GPT-NeoX's (and GPT-BigCode's MHA form's) q, k and v in one weight, their rows per head [heads, 3, head_dim]: one
-    # product, split by a view
+    # q, k and v in one weight: one product, split by a view as `qkv_layout` says
     qkv: torch.nn.Linear | None = None
-    # Falcon's new architecture: qkv's rows per KV head [kv_heads, group + 2, head_dim], its
-    # group of query heads, then its key and its value
-    qkv_grouped: bool = False
+    # "per_head": rows [heads, 3, head_dim] (GPT-NeoX, GPT-BigCode's and Falcon's MHA forms);
+    # "grouped": per KV head [kv_heads, group + 2, head_dim], its query heads, then its key
+    # and value (Falcon's new architecture); "shards": [4, 3, E / 4], per model-parallel
+    # shard its query, value and key rows (CodeGen), each shard a quarter of the heads
+    qkv_layout: str = "per_head"
     moe: MoEWeights | None = None
 
     @property
@@ -229,7 +230,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # `dense` output, GPT-NeoX's q/k/v fused per head
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
                          ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"),
-                         ("c_attn", "c_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"))
+                         ("c_attn", "c_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"), ("qkv_proj", "out_proj"))
 # and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
@@ -557,13 +558,26 @@ def _parallel_form(config) -> str | None:
     """How a layer's blocks read h (LayeredModel.parallel): None one after the other,
     "shared" both from one input norm, "two" each from its own."""
     model_type = config.model_type
-    if model_type in ("phi", "cohere", "gptj") or (model_type == "stablelm" and config.use_parallel_residual):
+    if model_type in ("phi", "cohere", "gptj", "codegen") or (model_type == "stablelm" and config.use_parallel_residual):
         return "shared"
     if model_type == "gpt_neox" and config.use_parallel_residual:
         return "two"
     if model_type == "falcon" and config.parallel_attn:  # Falcon-40B / 180B: ln_attn and ln_mlp
         return "two" if config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2 else "shared"
     return None
+
+
+def check_model_type(model: torch.nn.Module) -> str:
+    """The model's model_type, where it is one the engine implements; else
+    UnsupportedModelError naming it."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
+            f"got model_type={model_type!r} ({type(model).__name__}). "
+            "Use plain model.generate() for this model."
+        )
+    return model_type
 
 
 class LayeredModel:
@@ -625,7 +639,7 @@ class LayeredModel:
         # Cohere, StableLM's option), "two" each block its own (GPT-NeoX); the outputs join h
         # in HF's order: (attention + MLP) + h (Phi, GPT-NeoX) or (h + attention) + MLP
         self.parallel = _parallel_form(config)
-        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox", "gptj", "falcon")
+        self.parallel_sum_first = config.model_type in ("phi", "gpt_neox", "gptj", "falcon", "codegen")
         self.scaling = float(config.attention_multiplier) if granite else self.head_dim**-0.5
         if gemma2:  # Gemma 2 and 3
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
@@ -666,13 +680,7 @@ class LayeredModel:
         """Raise (UnsupportedModelError, a ValueError) naming what the engine cannot run:
         the architecture, a feature (sliding window, activation), quantization, or a
         projection that is not a plain float nn.Linear. Cheap: attach_heads may call it."""
-        model_type = getattr(model.config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
-                f"got model_type={model_type!r} ({type(model).__name__}). "
-                "Use plain model.generate() for this model."
-            )
+        model_type = check_model_type(model)
         config, inner = text_config(model), text_decoder(model)
         if not isinstance(getattr(model, "lm_head", None), torch.nn.Module) \
                 or not isinstance(decoder_layers(inner), torch.nn.ModuleList):
@@ -774,8 +782,11 @@ class LayeredModel:
         # HunYuan names its per-head q/k norms query_ / key_layernorm
         q_norm = getattr(attn, "q_norm", None) if hasattr(attn, "q_norm") else getattr(attn, "query_layernorm", None)
         k_norm = getattr(attn, "k_norm", None) if hasattr(attn, "k_norm") else getattr(attn, "key_layernorm", None)
-        qkv, grouped = None, False
-        if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
+        qkv, qkv_layout = None, "per_head"
+        if self.config.model_type == "codegen":  # q, v, k rows per shard of 4 (`qkv_layout`)
+            q = k = v = None
+            qkv, qkv_layout = attn.qkv_proj, "shards"
+        elif hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
             qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = (RowSlice(attn.qkv_proj, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
                                                                         (qd + kvd, qd + 2 * kvd)))
@@ -789,7 +800,8 @@ class LayeredModel:
             q = k = v = None
             qkv = attn.query_key_value
             # Falcon's new architecture: per KV head, its group's query rows, then its k and v rows
-            grouped = self.config.model_type == "falcon" and self.config.new_decoder_architecture
+            if self.config.model_type == "falcon" and self.config.new_decoder_architecture:
+                qkv_layout = "grouped"
         elif isinstance(getattr(attn, "c_attn", None), _conv1d_class()):  # GPT-2: q, k, v columns of [H, 3H]
             width = self.num_heads * self.head_dim
             q, k, v = (TransposedLinear(attn.c_attn, lo, lo + width) for lo in (0, width, 2 * width))
@@ -853,7 +865,7 @@ class LayeredModel:
                               else "post_mlp_layernorm"),
             act=act,
             qkv=qkv,
-            qkv_grouped=grouped,
+            qkv_layout=qkv_layout,
             moe=moe,
         )
 
@@ -907,7 +919,7 @@ class LayeredModel:
             if rope_type(self.config) == "dynamic":
                 inner.rotary_emb(probe, positions[:, :1], **kind)
             cos, sin = inner.rotary_emb(probe, positions, **kind)
-            if self.config.model_type == "gptj":
+            if self.config.model_type in ("gptj", "codegen"):
                 # its rotary module returns (sin, cos), one column per angle: laid out here as
                 # the other pair models' modules give them (the angles twice, in halves), which
                 # the interleaving below turns into GPT-J's repeat_interleave

@@ -601,10 +601,14 @@ class Engine:
         """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
         (q/k norms applied: Qwen3's on each head, OLMo 2's on the whole projection)."""
         v, lin = self.view, self.layout.linear
-        if lw.qkv_grouped:  # Falcon's new architecture: per KV head, its query heads, k, v
+        if lw.qkv_layout == "grouped":  # Falcon's new architecture: per KV head, its query heads, k, v
             group = v.num_heads // v.num_kv_heads
             fused = lin(x, lw.qkv).view(rows, v.num_kv_heads, group + 2, v.head_dim)
             return fused[:, :, :group].reshape(rows, v.num_heads, v.head_dim), fused[:, :, group], fused[:, :, group + 1]
+        if lw.qkv_layout == "shards":  # CodeGen: per shard of 4, its query, value and key rows
+            fused = lin(x, lw.qkv).view(rows, 4, 3, -1)
+            q, val, k = (fused[:, :, i].reshape(rows, v.num_heads, v.head_dim) for i in range(3))
+            return q, k, val
         if lw.qkv is not None:  # GPT-NeoX: one product, each head's q, k, v rows in turn
             fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
             return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]

@@ -120,10 +120,14 @@ class RecipeConfig:
 
 
 def check_model(model) -> None:
-    """ValueError unless `model` is a causal LM the heads support (a Llama-family final
-    norm at model.model.norm, an LM head, generate)."""
+    """ValueError unless `model` is a causal LM the heads support: an architecture the
+    engine runs (named where not), with a final norm, an LM head and generate() (the
+    recipe collects with HF's own generate(), on any device)."""
+    from hf_selfspec.engine.layered import check_model_type
+
     if not callable(getattr(model, "generate", None)):
         raise ValueError(f"{type(model).__name__} is not a causal LM with generate()")  # noqa: TRY004
+    check_model_type(model)
     final_norm(model)
     lm_head_weight(model)
 
