@@ -989,7 +989,8 @@ inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G, int64_t
 
 template <typename TC>
 void attention_rows(const float* qp, const TC* kp, const TC* vp, const AttentionMeta& meta, int64_t R, int64_t Hq,
-                    int64_t Hkv, int64_t S, int64_t d, float sc, float softcap, int64_t window, float* op) {
+                    int64_t Hkv, int64_t S, int64_t d, float sc, float softcap, int64_t window, float* op,
+                    const float* slopes = nullptr) {
   const int64_t G = Hq / Hkv, stride = (meta.keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
   auto scores = torch::empty({R * Hq, stride}, torch::dtype(torch::kFloat32));
   float* sp = scores.data_ptr<float>();
@@ -1107,6 +1108,10 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
           s[j] = dot<TC>(qs_all + c * dd, pr.kh + pr.path[j - pr.Lp] * d, d);
         if (softcap > 0.f)  // Gemma 2: cap * tanh(score / cap), per score
           for (int64_t j = c0; j < end; ++j) s[j] = std::tanh(s[j] / softcap) * softcap;
+        if (slopes != nullptr) {  // ALiBi: + the head's slope times the logical key index
+          const float slope = slopes[pr.item % Hq];
+          for (int64_t j = c0; j < end; ++j) s[j] += slope * static_cast<float>(j);
+        }
         const int64_t from = pr.from;  // keys [c0, from) lie before the row's window
         for (int64_t j = c0; j < from; ++j) s[j] = -INFINITY;
         float m = s[from];
@@ -1210,25 +1215,30 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
 // softmax (Gemma 2's attn_logit_softcapping); 0: as it is. window > 0: a sliding window, row r
 // sees only its logical keys j > limit[r] - window (the keys a query at position limit[r]
 // sees in HF's sliding layers); 0: every key up to limit[r].
-torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path, torch::Tensor base, double softcap, int64_t window);
-torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
-                             double scale, torch::Tensor path, torch::Tensor base, double softcap, int64_t window) {
-  const char* fn = "rows_attention";
-  TORCH_CHECK(q.defined() && q.device().is_cpu(), "rows_attention: q must be a CPU tensor");
-  TORCH_CHECK(float_kind(q), "rows_attention: q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
+namespace {
+torch::Tensor attention_call(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit, double scale,
+                             torch::Tensor path, torch::Tensor base, double softcap, int64_t window,
+                             const torch::Tensor* slopes, const char* fn) {
+  TORCH_CHECK(q.defined() && q.device().is_cpu(), fn, ": q must be a CPU tensor");
+  TORCH_CHECK(float_kind(q), fn, ": q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
   check_cache(k, v, fn);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == k.size(2),
-              "rows_attention: q [R, Hq, d], k and v [Hkv, S, d] (the same d), got q ", q.sizes(), " and k ",
+              fn, ": q [R, Hq, d], k and v [Hkv, S, d] (the same d), got q ", q.sizes(), " and k ",
               k.sizes());
-  TORCH_CHECK(q.is_contiguous(), "rows_attention: q must be contiguous");
+  TORCH_CHECK(q.is_contiguous(), fn, ": q must be contiguous");
   const int64_t R = q.size(0), Hq = q.size(1), d = q.size(2), Hkv = k.size(0), S = k.size(1);
-  TORCH_CHECK(R > 0 && Hq > 0, "rows_attention: empty q (rows and query heads must be >= 1), got ", q.sizes());
-  TORCH_CHECK(Hq % Hkv == 0, "rows_attention: query heads must be a multiple of KV heads, got ", Hq, " and ", Hkv);
-  TORCH_CHECK(std::isfinite(scale), "rows_attention: scale must be finite, got ", scale);
-  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, "rows_attention: softcap must be finite and >= 0 (0: none), got ",
+  TORCH_CHECK(R > 0 && Hq > 0, fn, ": empty q (rows and query heads must be >= 1), got ", q.sizes());
+  TORCH_CHECK(Hq % Hkv == 0, fn, ": query heads must be a multiple of KV heads, got ", Hq, " and ", Hkv);
+  TORCH_CHECK(std::isfinite(scale), fn, ": scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0, fn, ": softcap must be finite and >= 0 (0: none), got ",
               softcap);
-  TORCH_CHECK(window >= 0, "rows_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(window >= 0, fn, ": window must be >= 0 (0: none), got ", window);
+  if (slopes != nullptr) {
+    TORCH_CHECK(slopes->defined() && slopes->device().is_cpu() && slopes->scalar_type() == at::kFloat &&
+                    slopes->dim() == 1 && slopes->size(0) == Hq && slopes->is_contiguous(),
+                fn, ": slopes must be a contiguous float32 CPU tensor [Hq] = [", Hq, "], got ",
+                slopes->defined() ? slopes->sizes() : at::IntArrayRef{});
+  }
   const AttentionMeta meta = check_attention_meta(limit, path, base, R, S, fn);
   if (q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
   auto out = torch::empty({R, Hq * d}, q.options());
@@ -1236,9 +1246,30 @@ torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     using TC = decltype(tag);
     attention_rows<TC>(q.data_ptr<float>(), static_cast<const TC*>(k.data_ptr()),
                        static_cast<const TC*>(v.data_ptr()), meta, R, Hq, Hkv, S, d, static_cast<float>(scale),
-                       static_cast<float>(softcap), window, out.data_ptr<float>());
+                       static_cast<float>(softcap), window, out.data_ptr<float>(),
+                       slopes == nullptr ? nullptr : slopes->data_ptr<float>());
   });
   return out;
+}
+}  // namespace
+
+torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                             double scale, torch::Tensor path, torch::Tensor base, double softcap, int64_t window);
+torch::Tensor rows_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                             double scale, torch::Tensor path, torch::Tensor base, double softcap, int64_t window) {
+  return attention_call(q, k, v, limit, scale, path, base, softcap, window, nullptr, "rows_attention");
+}
+
+// rows_attention with ALiBi (Bloom): slopes float32 [Hq]; each score s_j (the scaled
+// product, capped where softcap > 0) becomes s_j + slopes[h] * j, j the logical key index
+// (a row's key positions: the prefix, then its tree path), before the softmax.
+torch::Tensor rows_attention_alibi(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                                   double scale, torch::Tensor path, torch::Tensor base, double softcap,
+                                   int64_t window, torch::Tensor slopes);
+torch::Tensor rows_attention_alibi(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                                   double scale, torch::Tensor path, torch::Tensor base, double softcap,
+                                   int64_t window, torch::Tensor slopes) {
+  return attention_call(q, k, v, limit, scale, path, base, softcap, window, &slopes, "rows_attention_alibi");
 }
 
 // ---- one decoder layer -------------------------------------------------------------------

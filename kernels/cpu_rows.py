@@ -142,7 +142,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
+                functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_attention_alibi", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
@@ -224,6 +224,15 @@ def load_rows_attention():
     return None if module is None else module.rows_attention
 
 
+def load_rows_attention_alibi():
+    """The compiled `rows_attention_alibi(q, k, v, limit, scale, path, base, softcap, window,
+    slopes)`: `load_rows_attention`'s with ALiBi (Bloom), slopes float32 [Hq]: each score s_j
+    becomes s_j + slopes[h] * j (j the logical key index) before the softmax. None when this
+    machine cannot build or run it."""
+    module = _load_module()
+    return None if module is None else module.rows_attention_alibi
+
+
 def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
     eps, scale, residual_scale, path, base) -> h after one Llama/Qwen3 decoder layer`
@@ -285,8 +294,9 @@ def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              limit: torch.Tensor, scale: float,
                              path: torch.Tensor | None = None,
                              base: torch.Tensor | None = None, softcap: float = 0.0,
-                             window: int = 0) -> torch.Tensor:
-    """What `rows_attention` computes, in float64 (for tests)."""
+                             window: int = 0, slopes: torch.Tensor | None = None) -> torch.Tensor:
+    """What `rows_attention` (with `slopes`: `rows_attention_alibi`) computes, in float64 (for
+    tests)."""
     R, Hq, d = q.shape
     group = Hq // k.shape[0]
     kk = k.double().repeat_interleave(group, 0)  # [Hq, S, d]
@@ -301,12 +311,15 @@ def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         first = 0 if base is None or base.numel() == 0 else int(base[r])
         visible[r] = (slots >= first) & (slots <= first + int(limit[r]) - len(tree))
         visible[r, tree] = True
-        if window:  # logical key j at slot first + j (prefix) or at its path slot
-            logical = torch.full((k.shape[1],), -1)
-            logical[first:first + int(limit[r]) + 1 - len(tree)] = torch.arange(int(limit[r]) + 1 - len(tree))
-            for i, slot in enumerate(tree):
-                logical[slot] = int(limit[r]) + 1 - len(tree) + i
+        # logical key j at slot first + j (prefix) or at its path slot
+        logical = torch.full((k.shape[1],), -1)
+        logical[first:first + int(limit[r]) + 1 - len(tree)] = torch.arange(int(limit[r]) + 1 - len(tree))
+        for i, slot in enumerate(tree):
+            logical[slot] = int(limit[r]) + 1 - len(tree) + i
+        if window:
             visible[r] &= logical > int(limit[r]) - window
+        if slopes is not None:  # ALiBi: + slope * logical key index
+            scores[r] += slopes.double()[:, None] * logical.double()[None, :]
     hidden = ~visible  # [R, S]
     scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
     o = torch.einsum("rhs,hsd->rhd", scores.softmax(-1), vv)

@@ -15,7 +15,7 @@ process: a fresh Python process loads the default model and times its first and 
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
 phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
-opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b: (not in the default parts) a random-weight model of a real checkpoint's
+opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b, bloom_560m: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -193,6 +193,9 @@ RANDOM_SHAPES = {
         vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
         parallel_attn=True, bias=False, max_position_embeddings=2048, bos_token_id=11, eos_token_id=11),
         "Falcon-7B (28 GB in fp32: --layers 4 or --dtype bfloat16; one KV head, parallel blocks)"),
+    "bloom_560m": ("BloomConfig", "BloomForCausalLM", dict(
+        vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16),
+        "bloom-560m (2.2 GB; ALiBi, embedding rows normed, a 250,880-token vocabulary)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

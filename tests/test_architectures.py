@@ -238,6 +238,9 @@ SUPPORTED = {
     # CodeGen: GPT-J's layers with q/k/v fused in 4 model-parallel shards (query, value, key
     # rows in each)
     "codegen": dict(arch="CodeGen", random_norms=True, rotary_dim=8, num_attention_heads=8, hidden_size=128),
+    # Bloom: ALiBi (each head's slope times the key's position, no RoPE), its embedding rows
+    # normed before the first layer, q/k/v fused per head, BloomGelu
+    "bloom": dict(arch="Bloom", random_norms=True, n_head=4),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -259,7 +262,7 @@ def test_supported_variant_gives_hf_greedy(case):
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
-                                  "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen"])
+                                  "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -369,8 +372,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
-    ("Bloom", {}, "bloom"),  # ALiBi: attention biased by distance, no positions
-    ("Mpt", {}, "mpt"),  # ALiBi too
+    ("Mpt", {}, "mpt"),  # ALiBi with its own options (clip_qkv, qk_ln, softmax_scale), under other names
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)
@@ -489,10 +491,10 @@ def test_what_only_the_cpu_programs_serve(case, cuda):
 
 
 
-@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local", "gpt_bigcode-mqa"])
+@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local", "gpt_bigcode-mqa", "bloom"])
 def test_learned_positions_with_either_prefill(case):
-    """GPT-2 and OPT with the engine's own prefill (every position's learned row added by the
-    engine) and HF's, a prompt of 200 tokens and a short one batched: HF's greedy output;
+    """GPT-2, OPT, GPT-Neo, GPT-BigCode and Bloom (ALiBi) with the engine's own prefill (every
+    position's learned row added by the engine; Bloom's slopes over every key) and HF's, a prompt of 200 tokens and a short one batched: HF's greedy output;
     the position rows the engine reads are a view of the model's own (OPT's from row 2)."""
     overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
@@ -502,6 +504,10 @@ def test_learned_positions_with_either_prefill(case):
         attach_heads(model, heads=False, engine=EngineConfig(prefill=prefill))
         assert self_greedy(model, rows) == expected
     view = model._selfspec.engine.view
+    if case == "bloom":  # ALiBi, no position rows: HF's own slopes, 2^(-8 h / heads)
+        assert view.position_embedding is None
+        torch.testing.assert_close(view.alibi_slopes, torch.tensor([0.25, 0.0625, 0.015625, 0.00390625]))
+        return
     table = text_decoder(model).embed_positions.weight[2] if case == "opt" else text_decoder(model).wpe.weight[0]
     assert view.position_embedding.data_ptr() == table.data_ptr()
 
@@ -552,3 +558,29 @@ def test_falcon_alibi_refused():
     """Falcon-RW's ALiBi (attention biased by distance): refused by name."""
     with pytest.raises(UnsupportedModelError, match="alibi=True.*plain model.generate"):
         attach_heads(build("Falcon", alibi=True), heads=False)
+
+
+@pytest.mark.parametrize("layout", ["kernel", "fixed"])
+def test_bloom_alibi_in_both_attentions(layout):
+    """ALiBi in the C++ row attention (kernel) and the PyTorch block attention (fixed), past
+    a 256-key block: HF's greedy tokens and its logits to float32 rounding, alone and (the
+    C++ rows) batched; Bloom's own options refused."""
+    overrides = dict(SUPPORTED["bloom"])
+    model = build(overrides.pop("arch"), **overrides)
+    rows = prompts(300, 11)
+    expected = [hf_greedy(model, p) for p in rows]
+    ids = torch.tensor(rows[:1])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    reference = model.generate(ids, **kw)
+    attach_heads(model, heads=False, engine=EngineConfig(row_layout=layout))
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    if layout == "kernel":
+        assert self_greedy(model, rows) == expected
+    got = model.generate(ids, assistant="self", **kw)
+    assert torch.equal(got.sequences, reference.sequences)
+    for a, b in zip(reference.logits, got.logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for bad in (dict(apply_residual_connection_post_layernorm=True), dict(pretraining_tp=2, slow_but_exact=True)):
+        with pytest.raises(UnsupportedModelError, match="Bloom.*plain model.generate"):
+            attach_heads(build("Bloom", n_head=4, **bad), heads=False)

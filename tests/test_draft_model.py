@@ -161,16 +161,16 @@ def test_draft_model_with_other_token_ids_is_refused(models):
 
 
 def test_draft_model_of_an_unsupported_architecture_is_refused(models):
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import MptConfig, MptForCausalLM
 
     from hf_selfspec.engine.layered import UnsupportedModelError
 
     main, _, _ = models
     attach_heads(main, False)
-    bloom = BloomForCausalLM(BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2)).eval()  # ALiBi
+    mpt = MptForCausalLM(MptConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2)).eval()
     ids = torch.tensor([prompt(7, 10)])
-    with pytest.raises(UnsupportedModelError, match="bloom"):
-        main.generate(ids, assistant="self", assistant_model=bloom, max_new_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="mpt"):
+        main.generate(ids, assistant="self", assistant_model=mpt, max_new_tokens=4)
 
 
 def test_draft_confidence_is_validated():

@@ -216,10 +216,10 @@ def test_empty_prompt_is_refused():
 
 
 def test_unsupported_architecture_names_it():
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import MptConfig, MptForCausalLM
 
-    model = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))  # ALiBi
-    with pytest.raises(UnsupportedModelError, match="bloom"):
+    model = MptForCausalLM(MptConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="mpt"):
         Engine(model)
 
 

@@ -216,10 +216,10 @@ def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(ki
 
 
 def test_unsupported_architecture():
-    from transformers import BloomConfig, BloomForCausalLM
+    from transformers import MptConfig, MptForCausalLM
 
-    model = BloomForCausalLM(BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64))  # ALiBi
-    with pytest.raises(ValueError, match="bloom"):
+    model = MptForCausalLM(MptConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64))
+    with pytest.raises(ValueError, match="mpt"):
         attach_heads(model, heads=False)
 
 

@@ -22,6 +22,7 @@ from hf_selfspec.kernels.cpu_rows import (
     build_error,
     cpu_supports_kernel,
     load_rows_attention,
+    load_rows_attention_alibi,
     load_rows_layer,
     load_rows_layers,
     load_rows_linear,
@@ -222,6 +223,42 @@ def test_attention_soft_cap_matches_float64_reference(attention):
                                                               softcap=2.0), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
         attention(q, k, v, lim, 0.25, softcap=-1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_alibi_matches_float64_reference(dtype):
+    """rows_attention_alibi: each score plus its head's slope times the logical key index
+    (Bloom's ALiBi), for chains across key chunks, tree rows (their path keys at their own
+    positions), rows of several sequences (base), with a window; a row alone == among others,
+    and slopes of zero == rows_attention bit for bit."""
+    alibi, plain = load_rows_attention_alibi(), load_rows_attention()
+    gen = torch.Generator().manual_seed(12)
+    k, v = (t.to(dtype) for t in _cache(gen, 2, 1200, 16))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    q = torch.randn(6, 4, 16, generator=gen)
+    lim = torch.tensor([0, 5, 40, 530, 700, 1099])
+    for window in (0, 40):
+        o = alibi(q, k, v, lim, 0.25, NO_PATH, NO_BASE, 0.0, window, slopes)
+        torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, 0.25, window=window, slopes=slopes),
+                                   rtol=1e-4, atol=1e-4)
+        for r in (0, 3, 5):
+            alone = alibi(q[r:r + 1].contiguous(), k, v, lim[r:r + 1], 0.25, NO_PATH, NO_BASE, 0.0, window, slopes)
+            assert torch.equal(alone[0], o[r])
+    zero = alibi(q, k, v, lim, 0.25, NO_PATH, NO_BASE, 0.0, 0, torch.zeros(4))
+    assert torch.equal(zero, plain(q, k, v, lim, 0.25, NO_PATH, NO_BASE, 0.0, 0))
+    q3 = torch.randn(3, 4, 16, generator=gen)
+    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, 105]])
+    lim = torch.tensor([100, 101, 102])
+    tree = alibi(q3, k, v, lim, 0.25, path, NO_BASE, 0.0, 0, slopes)
+    torch.testing.assert_close(tree, rows_attention_reference(q3, k, v, lim, 0.25, path, slopes=slopes),
+                               rtol=1e-4, atol=1e-4)
+    base = torch.tensor([0, 300, 600])
+    lim = torch.tensor([20, 250, 590])
+    batched = alibi(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, slopes)
+    torch.testing.assert_close(batched, rows_attention_reference(q3, k, v, lim, 0.25, None, base, slopes=slopes),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match=r"slopes must be a contiguous float32 CPU tensor \[Hq\] = \[4\]"):
+        alibi(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.zeros(3))
 
 
 def test_attention_sliding_window_matches_float64_reference(attention):

@@ -73,6 +73,7 @@ ARCHS = {
     "Falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
     "Nemotron": {},  # LayerNorm1P, ReLU² plain MLP, RoPE on half of each head
     "CodeGen": dict(rotary_dim=8),  # q/k/v in 4 shards; GPT-J's layers
+    "Bloom": {},  # ALiBi, its embedding rows normed
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

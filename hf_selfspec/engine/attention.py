@@ -63,7 +63,8 @@ def visible_bias(key_limit: torch.Tensor, num_keys: int, group: int, window: int
 
 
 def block_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor, softcap: float | None = None
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor, softcap: float | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Online-softmax attention over fixed key blocks.
 
@@ -76,7 +77,9 @@ def block_attention(
 
     A bf16/fp16 cache is widened block by block (exact, elementwise), so the softmax and
     the sums run in q's dtype whatever the model's. softcap: each score s becomes
-    softcap * tanh(s / softcap) before the mask (Gemma 2); None: as it is.
+    softcap * tanh(s / softcap) before the mask (Gemma 2); None: as it is. alibi: [Hkv, G*W, 1]
+    each row's head's slope (Bloom): its slot's index (= its position here) times the slope
+    joins each score after the mask.
     """
     num_blocks = bias.shape[1] // KEY_BLOCK
     acc = l_sum = m_max = None
@@ -85,6 +88,8 @@ def block_attention(
         keys = k_cache[:, lo:hi].to(q.dtype)  # no copy when the dtypes agree
         values = v_cache[:, lo:hi].to(q.dtype)
         scores = soft_cap(torch.matmul(q, keys.transpose(1, 2)), softcap) + bias[:, lo:hi]  # [Hkv, GW, B]
+        if alibi is not None:
+            scores = scores + alibi * torch.arange(lo, hi, dtype=q.dtype, device=q.device)
         # a block a sliding window hides from a row entirely has no finite score: its
         # maximum floors at -1e30, so its exponentials are 0 (a visible score is above)
         block_max = scores.amax(-1, keepdim=True).clamp_min(-1e30)
@@ -123,6 +128,9 @@ class BlockAttention:
         o_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
         k_cache, v_cache, scaling = engine.k_cache, engine.v_cache, v.scaling
         softcap = v.attention_softcap
+        # ALiBi: each chunk row's head's slope, in block_attention's row layout (head kv*G + g)
+        alibi = None if v.alibi_slopes is None else \
+            v.alibi_slopes.to(dtype).view(Hkv, group, 1, 1).expand(Hkv, group, A, 1).reshape(Hkv, group * A, 1)
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             q_all[:, :R] = q.to(dtype) * scaling
@@ -130,7 +138,7 @@ class BlockAttention:
             biases = meta.window_biases[v.layer_window[layer]] if v.layer_window[layer] else meta.biases
             for c, bias in enumerate(biases):
                 qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, group * A, d)
-                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias, softcap)
+                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias, softcap, alibi)
                 o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
             return o_all[:, :R].to(q.dtype).transpose(0, 1).reshape(R, Hq * d)
 
@@ -146,13 +154,20 @@ class CppRowAttention:
     supports_trees = True
     supports_batches = True  # a base slot per row: several sequences' KV regions in one step
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, kernel_alibi=None):
         self.kernel = kernel  # load_rows_attention()
+        self.kernel_alibi = kernel_alibi  # load_rows_attention_alibi()
 
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         fn, limits = self.kernel, meta.key_limit[:meta.rows]
         k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
         base, softcap, windows = meta.base, engine.view.attention_softcap or 0.0, engine.view.layer_window
+        slopes = engine.view.alibi_slopes
+        if slopes is not None:  # Bloom: the same call with each head's ALiBi slope
+            kernel_alibi = self.kernel_alibi
+
+            def fn(*args):
+                return kernel_alibi(*args, slopes)
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             # float32 out (bf16/fp16 q and caches widened exactly): back to q's dtype
@@ -240,7 +255,7 @@ def select_attention(device: torch.device, layout) -> BlockAttention | CppRowAtt
         wide = 2 * layout.width
         return TritonAttention(batches=layout.rows(wide) >= wide)
     if layout.kernel_attention is not None:
-        return CppRowAttention(layout.kernel_attention)
+        return CppRowAttention(layout.kernel_attention, layout.kernel_attention_alibi)
     return BlockAttention()
 
 

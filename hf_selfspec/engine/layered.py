@@ -12,7 +12,7 @@ Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, 
 StarCoder 2, Cohere, GPT-NeoX, GPT-J, Falcon, Nemotron: norm modules called as HF does,
 parallel blocks, plain MLPs),
 the models with learned positions (GPT-2: Conv1D weights read transposed in place; OPT,
-GPT-Neo, GPT-BigCode) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
+GPT-Neo, GPT-BigCode), Bloom (ALiBi) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
 MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
 HF rotary module (default, linear, dynamic, yarn, llama3, longrope), whose own tables the
 engine takes. Each type is listed only after its modeling code was read against Llama's:
@@ -33,7 +33,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral", "seed_oss", "glm", "ernie4_5", "stablelm", "olmo", "phi", "starcoder2",
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
-                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen")
+                         "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
+                         "bloom")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -41,22 +42,25 @@ IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
                       "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
-                      "falcon": "transformer", "codegen": "transformer"}
+                      "falcon": "transformer", "codegen": "transformer", "bloom": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen")
+                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj", "falcon", "nemotron", "codegen")
+                   "gptj", "falcon", "nemotron", "codegen", "bloom")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models without GQA: a num_key_value_heads their config carries is not read
-MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "codegen")  # GPT-BigCode: or MQA (multi_query)
+MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "bloom")
+# models whose attention scores get ALiBi's per-head slope times the key's position (no RoPE,
+# no position embedding); their embedding rows are normed before the first layer (Bloom)
+ALIBI_TYPES = ("bloom",)  # GPT-BigCode: or MQA (multi_query)
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -66,7 +70,7 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J, "
-    "Falcon, Nemotron, CodeGen), MoE "
+    "Falcon, Nemotron, CodeGen, Bloom), MoE "
     "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
@@ -487,7 +491,7 @@ def _rotates(attention, config) -> bool:
     """Whether HF rotates this attention module's q and k: SmolLM3's modules say so
     (`use_rope`); EXAONE 4 leaves its full-attention layers unrotated where the model has a
     sliding window (its "global NoPE")."""
-    if config.model_type in LEARNED_POSITION_TYPES:
+    if config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:
         return False
     if hasattr(attention, "use_rope"):
         return bool(attention.use_rope)
@@ -565,6 +569,14 @@ def _parallel_form(config) -> str | None:
     if model_type == "falcon" and config.parallel_attn:  # Falcon-40B / 180B: ln_attn and ln_mlp
         return "two" if config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2 else "shared"
     return None
+
+
+def _alibi_slopes(config) -> torch.Tensor:
+    """ALiBi's slope per head [Hq], float32: HF's build_alibi_tensor at key position 1."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    alibi = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), config.num_attention_heads, torch.float32)
+    return alibi[:, 0, 1].contiguous()
 
 
 def check_model_type(model: torch.nn.Module) -> str:
@@ -653,6 +665,10 @@ class LayeredModel:
             self.position_embedding = inner.wpe.weight
         elif config.model_type == "opt":
             self.position_embedding = inner.embed_positions.weight[inner.embed_positions.offset:]
+        # Bloom: ALiBi's slopes [Hq] (float32, from HF's own build_alibi_tensor), and the
+        # LayerNorm of the embedding rows before the first layer
+        self.alibi_slopes = _alibi_slopes(config) if config.model_type in ALIBI_TYPES else None
+        self.embedding_norm = getattr(inner, "word_embeddings_layernorm", None)
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
@@ -751,6 +767,12 @@ class LayeredModel:
                 "this OPT model norms after its blocks (do_layer_norm_before=False) or projects its "
                 "embeddings (word_embed_proj_dim != hidden_size), as OPT-350m does; the engine runs "
                 "the other OPT models only: use plain model.generate() for this one")
+        if config.model_type == "bloom" and (config.apply_residual_connection_post_layernorm
+                                             or (config.pretraining_tp > 1 and config.slow_but_exact)):
+            raise UnsupportedModelError(
+                "this Bloom model adds its blocks to the normed stream "
+                "(apply_residual_connection_post_layernorm=True) or sums its products in "
+                "pretraining_tp slices (slow_but_exact=True); use plain model.generate() for it")
         if config.model_type == "falcon" and (config.alibi or (config.new_decoder_architecture
                                                                and not config.parallel_attn)):
             raise UnsupportedModelError(
@@ -829,7 +851,8 @@ class LayeredModel:
             up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
             up, down = getattr(mlp, up_name), getattr(mlp, down_name)
             up, down = _as_linear(up), _as_linear(down)  # GPT-2's c_fc / c_proj: Conv1D
-            act = next(getattr(mlp, name) for name in ("act", "act_fn", "activation_fn") if hasattr(mlp, name))
+            act = next(getattr(mlp, name) for name in ("act", "act_fn", "activation_fn", "gelu_impl")
+                       if hasattr(mlp, name))
         # a layer with a feed-forward norm of its own (OLMo 2: post_feedforward_layernorm)
         # norms the attention's output with post_attention_layernorm; otherwise (Llama)
         # that name is the MLP's input norm
@@ -909,7 +932,7 @@ class LayeredModel:
           A prompt past that length has long factors at every position, which HF's own
           prefill (EngineConfig.prefill="hf", the default) gives the prompt's keys; generate()
           refuses such a prompt with prefill="engine"."""
-        if self.position_embedding is not None:  # no RoPE: tables that rotate nothing (shapes only)
+        if self.config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:  # no RoPE: tables that rotate nothing
             return (torch.ones(max_positions, self.head_dim, dtype=self.dtype, device=self.device),
                     torch.zeros(max_positions, self.head_dim, dtype=self.dtype, device=self.device))
         positions = torch.arange(max_positions, device=self.device)[None]
@@ -945,10 +968,12 @@ class LayeredModel:
                 and not self.qk_norm_after_rope
                 and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
 
-    def add_positions(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The first layer's input: the token rows h [n, H] plus their positions' learned
-        embedding rows (GPT-2: inputs_embeds + wpe(position_ids), as HF adds them); h itself
-        for every other model."""
+    def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first layer's input from the token rows h [n, H]: plus their positions' learned
+        embedding rows (GPT-2: inputs_embeds + wpe(position_ids), as HF adds them), or normed
+        (Bloom's word_embeddings_layernorm); h itself for every other model."""
+        if self.embedding_norm is not None:
+            return self.embedding_norm(h)
         if self.position_embedding is None:
             return h
         return h + F.embedding(positions, self.position_embedding)

@@ -83,6 +83,7 @@ class RowLayout:
     name: ClassVar[str]
     # C++ kernels the layout brings (kernel layout only): row attention and a fused layer
     kernel_attention = None
+    kernel_attention_alibi = None
     kernel_layer = None
     kernel_layers = None
 
@@ -196,6 +197,7 @@ class KernelLayout(RowLayout):
         from hf_selfspec.kernels.cpu_rows import (
             build_error,
             load_rows_attention,
+            load_rows_attention_alibi,
             load_rows_layer,
             load_rows_layers,
             load_rows_linear,
@@ -206,6 +208,7 @@ class KernelLayout(RowLayout):
         self._product = load_rows_linear()
         self._product_t = load_rows_linear_t()
         self.kernel_attention = load_rows_attention()
+        self.kernel_attention_alibi = load_rows_attention_alibi()
         self.kernel_layer = load_rows_layer()
         self.kernel_layers = load_rows_layers()
         if self._product is None or self.kernel_attention is None:
