@@ -15,7 +15,8 @@ process: a fresh Python process loads the default model and times its first and 
          assistant="self" calls (the engine's measurements come from the on-disk cache).
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
 phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
-opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b, bloom_560m: (not in the default parts) a random-weight model of a real checkpoint's
+opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b, bloom_560m, codegen_350m,
+nemotron_mini, mpt_7b: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -196,6 +197,18 @@ RANDOM_SHAPES = {
     "bloom_560m": ("BloomConfig", "BloomForCausalLM", dict(
         vocab_size=250880, hidden_size=1024, n_layer=24, n_head=16),
         "bloom-560m (2.2 GB; ALiBi, embedding rows normed, a 250,880-token vocabulary)"),
+    "codegen_350m": ("CodeGenConfig", "CodeGenForCausalLM", dict(
+        vocab_size=51200, n_embd=1024, n_layer=20, n_head=16, rotary_dim=32, n_positions=2048,
+        tie_word_embeddings=False),
+        "codegen-350M-mono (1.5 GB; q/k/v in 4 shards, GPT-J's layers)"),
+    "nemotron_mini": ("NemotronConfig", "NemotronForCausalLM", dict(
+        vocab_size=256000, hidden_size=3072, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=24,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        "Nemotron-Mini-4B (17 GB in fp32: --layers 4; LayerNorm1P, ReLU² MLP, RoPE on half of each head)"),
+    "mpt_7b": ("MptConfig", "MptForCausalLM", dict(
+        vocab_size=50432, d_model=4096, n_layers=32, n_heads=32, max_seq_len=2048, bos_token_id=0, eos_token_id=0),
+        "mpt-7b (27 GB in fp32: --layers 4; ALiBi, norms without biases)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

@@ -241,6 +241,11 @@ SUPPORTED = {
     # Bloom: ALiBi (each head's slope times the key's position, no RoPE), its embedding rows
     # normed before the first layer, q/k/v fused per head, BloomGelu
     "bloom": dict(arch="Bloom", random_norms=True, n_head=4),
+    # MPT (transformer.blocks, norm_1 / norm_2 without biases, Wqkv rows, ffn): ALiBi slopes
+    # over 6 heads (not a power of 2: HF interleaves them), softmax_scale, clip_qkv
+    "mpt": dict(arch="Mpt", random_norms=True, num_attention_heads=8,
+                attn_config={"softmax_scale": 0.3, "clip_qkv": 2.0}),
+    "mpt-6-heads": dict(arch="Mpt", random_norms=True, num_attention_heads=6, hidden_size=96),
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -262,7 +267,8 @@ def test_supported_variant_gives_hf_greedy(case):
 @pytest.mark.parametrize("case", ["gemma", "gemma2", "gemma3", "granite-multipliers", "olmo2-output-norms", "phi",
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
-                                  "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom"])
+                                  "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
+                                  "mpt-6-heads"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -372,7 +378,7 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
-    ("Mpt", {}, "mpt"),  # ALiBi with its own options (clip_qkv, qk_ln, softmax_scale), under other names
+    ("Lfm2", {}, "lfm2"),  # short convolutions beside attention
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)

@@ -161,16 +161,16 @@ def test_draft_model_with_other_token_ids_is_refused(models):
 
 
 def test_draft_model_of_an_unsupported_architecture_is_refused(models):
-    from transformers import MptConfig, MptForCausalLM
+    from transformers import MambaConfig, MambaForCausalLM
 
     from hf_selfspec.engine.layered import UnsupportedModelError
 
     main, _, _ = models
     attach_heads(main, False)
-    mpt = MptForCausalLM(MptConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2)).eval()
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1)).eval()  # no attention
     ids = torch.tensor([prompt(7, 10)])
-    with pytest.raises(UnsupportedModelError, match="mpt"):
-        main.generate(ids, assistant="self", assistant_model=mpt, max_new_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="mamba"):
+        main.generate(ids, assistant="self", assistant_model=mamba, max_new_tokens=4)
 
 
 def test_draft_confidence_is_validated():

@@ -216,10 +216,10 @@ def test_empty_prompt_is_refused():
 
 
 def test_unsupported_architecture_names_it():
-    from transformers import MptConfig, MptForCausalLM
+    from transformers import MambaConfig, MambaForCausalLM
 
-    model = MptForCausalLM(MptConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="mpt"):
+    model = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64))  # no attention
+    with pytest.raises(UnsupportedModelError, match="mamba"):
         Engine(model)
 
 

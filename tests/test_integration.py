@@ -216,10 +216,10 @@ def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(ki
 
 
 def test_unsupported_architecture():
-    from transformers import MptConfig, MptForCausalLM
+    from transformers import MambaConfig, MambaForCausalLM
 
-    model = MptForCausalLM(MptConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64))
-    with pytest.raises(ValueError, match="mpt"):
+    model = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64))  # no attention
+    with pytest.raises(ValueError, match="mamba"):
         attach_heads(model, heads=False)
 
 

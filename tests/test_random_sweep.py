@@ -74,6 +74,7 @@ ARCHS = {
     "Nemotron": {},  # LayerNorm1P, ReLU² plain MLP, RoPE on half of each head
     "CodeGen": dict(rotary_dim=8),  # q/k/v in 4 shards; GPT-J's layers
     "Bloom": {},  # ALiBi, its embedding rows normed
+    "Mpt": {},  # ALiBi relative to the last key, Wqkv rows, norms without biases
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

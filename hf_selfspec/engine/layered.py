@@ -12,7 +12,7 @@ Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, 
 StarCoder 2, Cohere, GPT-NeoX, GPT-J, Falcon, Nemotron: norm modules called as HF does,
 parallel blocks, plain MLPs),
 the models with learned positions (GPT-2: Conv1D weights read transposed in place; OPT,
-GPT-Neo, GPT-BigCode), Bloom (ALiBi) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
+GPT-Neo, GPT-BigCode), Bloom and MPT (ALiBi) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
 MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
 HF rotary module (default, linear, dynamic, yarn, llama3, longrope), whose own tables the
 engine takes. Each type is listed only after its modeling code was read against Llama's:
@@ -34,7 +34,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
-                         "bloom")
+                         "bloom", "mpt")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -42,25 +42,26 @@ IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
                       "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
-                      "falcon": "transformer", "codegen": "transformer", "bloom": "transformer"}
+                      "falcon": "transformer", "codegen": "transformer", "bloom": "transformer",
+                      "mpt": "transformer"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom")
+                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj", "falcon", "nemotron", "codegen", "bloom")
+                   "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models without GQA: a num_key_value_heads their config carries is not read
-MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "bloom")
+MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "bloom", "mpt")
 # models whose attention scores get ALiBi's per-head slope times the key's position (no RoPE,
 # no position embedding); their embedding rows are normed before the first layer (Bloom)
-ALIBI_TYPES = ("bloom",)  # GPT-BigCode: or MQA (multi_query)
+ALIBI_TYPES = ("bloom", "mpt")  # GPT-BigCode: or MQA (multi_query)
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -70,7 +71,7 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J, "
-    "Falcon, Nemotron, CodeGen, Bloom), MoE "
+    "Falcon, Nemotron, CodeGen, Bloom, MPT), MoE "
     "blocks or q/k "
     "norms after "
     "RoPE (HunYuan), which the engine's "
@@ -234,7 +235,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # `dense` output, GPT-NeoX's q/k/v fused per head
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
                          ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"),
-                         ("c_attn", "c_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"), ("qkv_proj", "out_proj"))
+                         ("c_attn", "c_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"), ("qkv_proj", "out_proj"),
+                         ("Wqkv", "out_proj"))
 # and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
@@ -255,7 +257,7 @@ def _mlp_path(layer) -> str:
     """Where a decoder layer holds its MLP or MoE block: "mlp." (Granite MoE:
     "block_sparse_moe."), or "" where the layer holds the MLP's projections itself (OPT's
     fc1 / fc2)."""
-    for name in ("mlp", "block_sparse_moe"):
+    for name in ("mlp", "block_sparse_moe", "ffn"):  # MPT: ffn
         if hasattr(layer, name):
             return name + "."
     return ""
@@ -286,8 +288,10 @@ def _attention_name(layer) -> str:
 
 def decoder_layers(inner) -> torch.nn.ModuleList | None:
     """The decoder's layer stack (GPT-2 names it `h`)."""
-    layers = getattr(inner, "layers", None)
-    return layers if layers is not None else getattr(inner, "h", None)
+    for name in ("layers", "h", "blocks"):  # GPT-2: h, MPT: blocks
+        if getattr(inner, name, None) is not None:
+            return getattr(inner, name)
+    return None
 
 
 def _conv1d_class():
@@ -390,7 +394,8 @@ def served_positions(config, windowed: bool = False) -> int | None:
     apply windows (`windowed` False: its CUDA attention), at most the window (HF's sliding
     window lets query position q see keys q - window < j <= q: every key while q is below the
     window, so full attention is the model's there). None: no limit."""
-    limit = getattr(config, "max_position_embeddings", None) or None
+    # MPT: its ALiBi tensor spans max_seq_len keys
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None) or None
     window = None if windowed else attention_window(config)
     if window is None:
         return limit
@@ -552,7 +557,7 @@ def _embedding(inner):
 
 def decoder_final_norm(inner):
     """The decoder's final norm module (Phi: final_layernorm, GPT-NeoX: final_layer_norm)."""
-    for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f"):
+    for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f"):
         if getattr(inner, name, None) is not None:
             return getattr(inner, name)
     raise UnsupportedModelError(f"{type(inner).__name__} has no final norm the engine knows")
@@ -572,7 +577,14 @@ def _parallel_form(config) -> str | None:
 
 
 def _alibi_slopes(config) -> torch.Tensor:
-    """ALiBi's slope per head [Hq], float32: HF's build_alibi_tensor at key position 1."""
+    """ALiBi's slope per head [Hq], float32, from HF's own tensors: Bloom's build_alibi_tensor
+    at key position 1; MPT's build_mpt_alibi_tensor (keys relative to the last one: the
+    softmax is the same for any shift) as the step between two keys."""
+    if config.model_type == "mpt":
+        from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+        alibi = build_mpt_alibi_tensor(config.num_attention_heads, 2).float()  # [H, 1, 2]
+        return (alibi[:, 0, 1] - alibi[:, 0, 0]).contiguous()
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
     alibi = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), config.num_attention_heads, torch.float32)
@@ -647,6 +659,8 @@ class LayeredModel:
         self.qk_norm_after_rope = config.model_type in QK_NORM_AFTER_ROPE_TYPES
         # OLMo (1) clamps q, k and v to [-clip_qkv, clip_qkv] after their products
         self.clip_qkv = getattr(config, "clip_qkv", None) if config.model_type in ("olmo", "olmoe") else None
+        if config.model_type == "mpt":  # a clip of 0 (falsy) clamps nothing in HF's MPT
+            self.clip_qkv = config.attn_config.clip_qkv or None
         # parallel layers (LayerWeights): "shared" one input norm for both blocks (Phi,
         # Cohere, StableLM's option), "two" each block its own (GPT-NeoX); the outputs join h
         # in HF's order: (attention + MLP) + h (Phi, GPT-NeoX) or (h + attention) + MLP
@@ -665,9 +679,11 @@ class LayeredModel:
             self.position_embedding = inner.wpe.weight
         elif config.model_type == "opt":
             self.position_embedding = inner.embed_positions.weight[inner.embed_positions.offset:]
-        # Bloom: ALiBi's slopes [Hq] (float32, from HF's own build_alibi_tensor), and the
-        # LayerNorm of the embedding rows before the first layer
+        # Bloom, MPT: ALiBi's slopes [Hq] (float32, from HF's own tensors); Bloom: the LayerNorm
+        # of the embedding rows before the first layer
         self.alibi_slopes = _alibi_slopes(config) if config.model_type in ALIBI_TYPES else None
+        if config.model_type == "mpt":  # its attention config's scale
+            self.scaling = config.attn_config.softmax_scale or self.scaling
         self.embedding_norm = getattr(inner, "word_embeddings_layernorm", None)
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
@@ -808,6 +824,9 @@ class LayeredModel:
         if self.config.model_type == "codegen":  # q, v, k rows per shard of 4 (`qkv_layout`)
             q = k = v = None
             qkv, qkv_layout = attn.qkv_proj, "shards"
+        elif hasattr(attn, "Wqkv"):  # MPT: q, k, v rows of one weight, in that order
+            width = self.num_heads * self.head_dim
+            q, k, v = (RowSlice(attn.Wqkv, lo, lo + width) for lo in (0, width, 2 * width))
         elif hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one weight, in that order
             qd, kvd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = (RowSlice(attn.qkv_proj, lo, hi) for lo, hi in ((0, qd), (qd, qd + kvd),
@@ -868,7 +887,7 @@ class LayeredModel:
             # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2,
             # OPT self_attn_layer_norm / final_layer_norm (the layer's own)
             input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
-                                                "self_attn_layer_norm", "ln_attn"))),
+                                                "self_attn_layer_norm", "ln_attn", "norm_1"))),
             q=q,
             k=k,
             v=v,
@@ -878,7 +897,7 @@ class LayeredModel:
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
                 _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2",
-                                    "final_layer_norm", "ln_mlp"))),
+                                    "final_layer_norm", "ln_mlp", "norm_2"))),
             gate=gate,
             up=up,
             down=down,
