@@ -231,7 +231,7 @@ def part_random_shape(name: str, args) -> None:
     text = config  # the decoder's config: the whole one, or an image-text model's text_config
     if "text_config" in config:
         text = config["text_config"] = dict(config["text_config"])
-    key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer") if k in text)  # GPT-Neo's, GPT-BigCode's
+    key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in text)  # GPT-Neo, GPT-BigCode, MPT
     layers = args.layers or text[key]
     if "layer_types" in text:
         text["layer_types"] = text["layer_types"][:1] * layers
