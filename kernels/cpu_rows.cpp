@@ -520,6 +520,20 @@ void check_matrix(const torch::Tensor& t, const char* fn, const char* name) {
   TORCH_CHECK(t.is_contiguous(), fn, ": ", name, " must be contiguous (row-major), got strides ", t.strides());
 }
 
+// y [R, O] float32 = product(w as its element type T, x widened exactly to float32, y, R, K)
+template <typename F>
+torch::Tensor product_out(torch::Tensor x, const torch::Tensor& w, int64_t O, const F& product) {
+  if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
+  auto y = torch::empty({x.size(0), O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  by_dtype(w.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    product(static_cast<const T*>(w.data_ptr()), xp, yp, x.size(0), x.size(1));
+  });
+  return y;
+}
+
 }  // namespace
 
 // x [R, K] (float32; bf16 / fp16 widened exactly first), w [O, K] float32, bfloat16 or
@@ -532,16 +546,10 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
               " and w ", w.sizes());
   TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && w.size(0) > 0,
               "rows_linear: empty input (R, K and O must be >= 1), got x ", x.sizes(), " and w ", w.sizes());
-  if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
-  const int64_t R = x.size(0), K = x.size(1), O = w.size(0);
-  auto y = torch::empty({R, O}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  by_dtype(w.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    linear_rows<T>(static_cast<const T*>(w.data_ptr()), xp, yp, R, K, O);
+  const int64_t O = w.size(0);
+  return product_out(x, w, O, [&](const auto* wp, const float* xp, float* yp, int64_t R, int64_t K) {
+    linear_rows(wp, xp, yp, R, K, O);
   });
-  return y;
 }
 
 // ---- weights stored transposed (GPT-2's Conv1D) ------------------------------------------
@@ -670,16 +678,10 @@ torch::Tensor rows_linear_t(torch::Tensor x, torch::Tensor wt) {
               " and wt ", wt.sizes());
   TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0 && wt.size(1) > 0,
               "rows_linear_t: empty input (R, K and O must be >= 1), got x ", x.sizes(), " and wt ", wt.sizes());
-  if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
-  const int64_t R = x.size(0), K = x.size(1), O = wt.size(1);
-  auto y = torch::empty({R, O}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  by_dtype(wt.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    linear_cols<T>(static_cast<const T*>(wt.data_ptr()), wt.stride(0), xp, yp, R, K, O);
+  const int64_t O = wt.size(1), ldw = wt.stride(0);
+  return product_out(x, wt, O, [&](const auto* wp, const float* xp, float* yp, int64_t R, int64_t K) {
+    linear_cols(wp, ldw, xp, yp, R, K, O);
   });
-  return y;
 }
 
 // mode 1: the AVX-512 paired-row tiles where the CPU has them (the default), 0: the 8-lane
