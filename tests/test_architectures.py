@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.pytorch_utils import Conv1D
 
 from hf_selfspec import attach_heads
 from hf_selfspec.engine.layered import UnsupportedModelError, cpu_only, text_config, text_decoder
 from hf_selfspec.engine.programs import EngineConfig
-from transformers.pytorch_utils import Conv1D
 
 NEW = 20  # new tokens per request
 

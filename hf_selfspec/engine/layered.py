@@ -9,10 +9,10 @@ read as row ranges; partial rotary), Granite (four multipliers), OLMo 2/3 and EX
 (norms on the blocks' outputs), Gemma 1-3 (norms scaling by 1 + w, GELU-gated MLPs, scaled
 embeddings, soft caps; Gemma 3's image-text class for its text), GLM, GLM-4, ERNIE 4.5 and
 Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, Phi,
-StarCoder 2, Cohere, GPT-NeoX, GPT-J, Falcon, Nemotron: norm modules called as HF does,
-parallel blocks, plain MLPs),
-the models with learned positions (GPT-2: Conv1D weights read transposed in place; OPT,
-GPT-Neo, GPT-BigCode), Bloom and MPT (ALiBi) and sparse MoE models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
+StarCoder 2, Cohere, GPT-NeoX, GPT-J, CodeGen, Falcon, Nemotron: norm modules called as HF
+does, parallel blocks, plain MLPs), the models with learned positions (GPT-2: Conv1D weights
+read transposed in place; OPT, GPT-Neo, GPT-BigCode), Bloom and MPT (ALiBi), and sparse MoE
+models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
 MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
 HF rotary module (default, linear, dynamic, yarn, llama3, longrope), whose own tables the
 engine takes. Each type is listed only after its modeling code was read against Llama's:
@@ -58,10 +58,11 @@ PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", 
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
 # models without GQA: a num_key_value_heads their config carries is not read
+# (GPT-BigCode: MHA, or one KV head where multi_query)
 MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "codegen", "bloom", "mpt")
 # models whose attention scores get ALiBi's per-head slope times the key's position (no RoPE,
 # no position embedding); their embedding rows are normed before the first layer (Bloom)
-ALIBI_TYPES = ("bloom", "mpt")  # GPT-BigCode: or MQA (multi_query)
+ALIBI_TYPES = ("bloom", "mpt")
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
@@ -70,12 +71,10 @@ GELU_TANH_NAMES = ("gelu_pytorch_tanh",)
 CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
-    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, GPT-J, "
-    "Falcon, Nemotron, CodeGen, Bloom, MPT), MoE "
-    "blocks or q/k "
-    "norms after "
-    "RoPE (HunYuan), which the engine's "
-    "CUDA programs do not serve yet: use it on the CPU, or plain model.generate()")
+    "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
+    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT), MoE blocks or q/k norms after RoPE "
+    "(HunYuan), which the engine's CUDA programs do not serve yet: use it on the CPU, or plain "
+    "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
@@ -287,8 +286,8 @@ def _attention_name(layer) -> str:
 
 
 def decoder_layers(inner) -> torch.nn.ModuleList | None:
-    """The decoder's layer stack (GPT-2 names it `h`)."""
-    for name in ("layers", "h", "blocks"):  # GPT-2: h, MPT: blocks
+    """The decoder's layer stack (GPT-2 names it `h`, MPT `blocks`)."""
+    for name in ("layers", "h", "blocks"):
         if getattr(inner, name, None) is not None:
             return getattr(inner, name)
     return None
@@ -316,7 +315,8 @@ def _check_plain_linear(name: str, module, model_type: str | None = None) -> Non
         dtype = getattr(weight, "dtype", None)
         raise UnsupportedModelError(
             f"{name} is a {kind} (weight dtype {dtype}); the engine runs plain "
-            f"{expected.__module__}.{expected.__qualname__} projections with float weights ({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
+            f"{expected.__module__}.{expected.__qualname__} projections with float weights "
+            f"({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
             "Quantized or wrapped layers are not supported: use plain model.generate().")
 
 
@@ -567,7 +567,8 @@ def _parallel_form(config) -> str | None:
     """How a layer's blocks read h (LayeredModel.parallel): None one after the other,
     "shared" both from one input norm, "two" each from its own."""
     model_type = config.model_type
-    if model_type in ("phi", "cohere", "gptj", "codegen") or (model_type == "stablelm" and config.use_parallel_residual):
+    if model_type in ("phi", "cohere", "gptj", "codegen") \
+            or (model_type == "stablelm" and config.use_parallel_residual):
         return "shared"
     if model_type == "gpt_neox" and config.use_parallel_residual:
         return "two"

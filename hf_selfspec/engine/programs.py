@@ -604,7 +604,8 @@ class Engine:
         if lw.qkv_layout == "grouped":  # Falcon's new architecture: per KV head, its query heads, k, v
             group = v.num_heads // v.num_kv_heads
             fused = lin(x, lw.qkv).view(rows, v.num_kv_heads, group + 2, v.head_dim)
-            return fused[:, :, :group].reshape(rows, v.num_heads, v.head_dim), fused[:, :, group], fused[:, :, group + 1]
+            q = fused[:, :, :group].reshape(rows, v.num_heads, v.head_dim)
+            return q, fused[:, :, group], fused[:, :, group + 1]
         if lw.qkv_layout == "shards":  # CodeGen: per shard of 4, its query, value and key rows
             fused = lin(x, lw.qkv).view(rows, 4, 3, -1)
             q, val, k = (fused[:, :, i].reshape(rows, v.num_heads, v.head_dim) for i in range(3))
