@@ -561,12 +561,13 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
 // x row and weight column only: never on R, the other rows, the column chunk or the thread.
 // A pass holds the accumulators of a chunk of TCOLS outputs for all rows in a buffer
 // (L1/L2) and walks k in blocks of 4 (each accumulator loaded once per 4 FMAs, each weight
-// vector used for two rows at a time); each weight row's TCOLS-wide segment is one
-// contiguous read, so a step streams the weight once for any R. Measured on a 2-core Xeon,
-// all products of GPT-2's 12 layers (fp32, 340 MB, from memory) at 1 / 4 / 8 rows: 17.5 /
-// 25.4 / 31.4 ms against torch's x @ wt 15.3 / 27.5 / 29.6 ms (chunks of 512 to 4096 outputs
-// within 6%; software prefetch of the rows ahead made it 1.2-1.4x slower: the hardware
-// streams them).
+// vector used for two rows at a time; one row alone: blocks of 8); each weight row's
+// TCOLS-wide segment is one contiguous read, so a step streams the weight once for any R.
+// Measured on a 2-core Xeon, all products of GPT-2's 12 layers (fp32, 340 MB, from memory),
+// A/B in one process: at 1 / 4 / 8 rows 13.1-13.4 / 21.5-21.9 / 26.2-26.5 ms against torch's
+// x @ wt 12.1 / 22.5-22.9 / 24.3-24.5 ms (one row in blocks of 4: 15.0 ms; chunks of 512 to
+// 4096 outputs within 6%; software prefetch of the rows ahead made it 1.2-1.4x slower: the
+// hardware streams them).
 namespace {
 
 constexpr int64_t TCOLS = 1536;  // outputs per pass: 6 KiB of an fp32 weight row per k
@@ -577,7 +578,27 @@ void cols_pass(const T* __restrict w, int64_t ldw, const float* __restrict x, fl
   const int64_t v8 = cw - cw % 8;
   std::fill(acc, acc + R * cw, 0.0f);
   const int64_t k4 = K - K % 4;
-  for (int64_t k = 0; k < K; k += (k < k4 ? 4 : 1)) {
+  int64_t k0 = 0;
+  if (R == 1) {  // one row: 8 k per accumulator load (the same chain of FMAs, in order)
+    k0 = K - K % 8;
+    for (int64_t k = 0; k < k0; k += 8) {
+      const T* wk = w + k * ldw + c0;
+      const float* xr = x + k;
+      __m256 xv[8];
+      for (int i = 0; i < 8; ++i) xv[i] = _mm256_set1_ps(xr[i]);
+      for (int64_t j = 0; j < v8; j += 8) {
+        __m256 a = _mm256_loadu_ps(acc + j);
+        for (int i = 0; i < 8; ++i) a = _mm256_fmadd_ps(xv[i], Elem<T>::load8(wk + i * ldw + j), a);
+        _mm256_storeu_ps(acc + j, a);
+      }
+      for (int64_t j = v8; j < cw; ++j) {
+        float a = acc[j];
+        for (int i = 0; i < 8; ++i) a = std::fma(xr[i], Elem<T>::load1(wk + i * ldw + j), a);
+        acc[j] = a;
+      }
+    }
+  }
+  for (int64_t k = k0; k < K; k += (k < k4 ? 4 : 1)) {
     const int64_t nk = k < k4 ? 4 : 1;
     const T* wk = w + k * ldw + c0;
     int64_t r = 0;
