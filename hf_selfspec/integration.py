@@ -40,7 +40,7 @@ from .decoding.sampling import (
 )
 from .engine import costs
 from .engine.layered import (
-    IMAGE_TEXT_DECODERS,
+    TOKEN_TYPE_EMBEDDING_TYPES,
     attention_window,
     served_positions,
     text_config,
@@ -732,18 +732,18 @@ _ENGINE_MODEL_INPUTS = frozenset({"attention_mask", "cache", "past_key_values", 
                                   "position_ids", "cache_position"})
 
 
-def _check_text_inputs(model_kwargs: dict, image_text: bool = False) -> None:
+def _check_text_inputs(model_kwargs: dict, model_type: str | None = None) -> None:
     """The engine decodes text: another input the model's forward would read (an image-text
     model's pixel_values, ...) would be silently dropped, so it is refused by name (an empty
     container, as HF's own mm_encoder_outputs={}, holds nothing).
-    An image-text model's token_type_ids marking no image (all 0: Gemma 3's processor gives
-    them for text) are the text's own; any other model's are refused (GPT-2 adds the
-    embedding of each token type, 0 included, to its rows)."""
+    token_type_ids all 0 (a tokenizer's for plain text; Gemma 3's processor marking no image)
+    are the text's own, except for the models that add the embedding of each type, 0
+    included, to their rows (GPT-2 and its kin: TOKEN_TYPE_EMBEDDING_TYPES)."""
     for name, value in model_kwargs.items():
         if name in _ENGINE_MODEL_INPUTS or value is None:
             continue
-        if image_text and name == "token_type_ids" and isinstance(value, torch.Tensor) \
-                and not bool(value.any()):
+        if name == "token_type_ids" and isinstance(value, torch.Tensor) and not bool(value.any()) \
+                and model_type not in TOKEN_TYPE_EMBEDDING_TYPES:
             continue
         if isinstance(value, torch.Tensor) or (isinstance(value, (dict, list, tuple)) and value):
             raise ValueError(
@@ -871,7 +871,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     logits_processor = logits_processor if logits_processor is not None else []
     # every check first, then the engine: a bad request costs no work
     row_processing = _check_request(gc, logits_processor)
-    _check_text_inputs(model_kwargs, getattr(model.config, "model_type", None) in IMAGE_TEXT_DECODERS)
+    _check_text_inputs(model_kwargs, getattr(model.config, "model_type", None))
     stopping_criteria = _with_stop_strings(stopping_criteria, call)
     state: SelfSpecState = model._selfspec
     # this call's drafting options (bad values refused here, before any work)

@@ -540,6 +540,20 @@ def test_opt_350m_form_refused():
             attach_heads(build("OPT", ffn_dim=96, **overrides), heads=False)
 
 
+@pytest.mark.parametrize("case", ["gpt2", "gptj-partial-rotary", "gpt_neo-local", "gpt_bigcode-mqa", "codegen"])
+def test_token_type_ids_of_zeros_refused_for_the_gpt2_kin(case):
+    """A tokenizer's token_type_ids of plain text (all 0): the GPT-2 kin add each type's
+    embedding row (wte[0] here) to every row, which the engine does not: refused by name
+    (HF's own generate() refuses them for a Llama-shaped model that does not read them)."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch"), **overrides)
+    ids = torch.tensor(prompts(12))
+    attach_heads(model, heads=False)
+    with pytest.raises(ValueError, match="token_type_ids is not supported with assistant='self'"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids),
+                       do_sample=False, max_new_tokens=4, pad_token_id=0, assistant="self")
+
+
 def test_gpt2_refusals():
     """What the engine would compute otherwise than HF: token_type_ids (GPT-2 adds each
     type's embedding row, 0 included), attention scaled per layer, a projection that is not

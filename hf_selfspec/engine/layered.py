@@ -63,6 +63,9 @@ MHA_ONLY_TYPES = ("gpt_neox", "gpt2", "opt", "gpt_neo", "gpt_bigcode", "gptj", "
 # models whose attention scores get ALiBi's per-head slope times the key's position (no RoPE,
 # no position embedding); their embedding rows are normed before the first layer (Bloom)
 ALIBI_TYPES = ("bloom", "mpt")
+# models whose forward adds the token embedding of each token_type_ids value (0 included)
+# to the rows: the engine does not, so generate() refuses token_type_ids for them
+TOKEN_TYPE_EMBEDDING_TYPES = ("gpt2", "gpt_bigcode", "gpt_neo", "gptj", "codegen")
 # models whose projections are transformers' Conv1D (weight [in, out]: TransposedLinear)
 CONV1D_TYPES = ("gpt2",)
 # HF's ACT2FN names of the gated MLP's activation: SiLU, or GELU's tanh approximation (Gemma)
