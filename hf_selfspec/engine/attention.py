@@ -77,9 +77,9 @@ def block_attention(
 
     A bf16/fp16 cache is widened block by block (exact, elementwise), so the softmax and
     the sums run in q's dtype whatever the model's. softcap: each score s becomes
-    softcap * tanh(s / softcap) before the mask (Gemma 2); None: as it is. alibi: [Hkv, G*W, 1]
-    each row's head's slope (Bloom): its slot's index (= its position here) times the slope
-    joins each score after the mask.
+    softcap * tanh(s / softcap) before the mask (Gemma 2); None: as it is. alibi:
+    [Hkv, G*W, >= nb*KEY_BLOCK] (Bloom, MPT): each row's head's slope times the key slot's
+    index (= its position here), added to each score after the mask.
     """
     num_blocks = bias.shape[1] // KEY_BLOCK
     acc = l_sum = m_max = None
@@ -89,7 +89,7 @@ def block_attention(
         values = v_cache[:, lo:hi].to(q.dtype)
         scores = soft_cap(torch.matmul(q, keys.transpose(1, 2)), softcap) + bias[:, lo:hi]  # [Hkv, GW, B]
         if alibi is not None:
-            scores = scores + alibi * torch.arange(lo, hi, dtype=q.dtype, device=q.device)
+            scores = scores + alibi[:, :, lo:hi]
         # a block a sliding window hides from a row entirely has no finite score: its
         # maximum floors at -1e30, so its exponentials are 0 (a visible score is above)
         block_max = scores.amax(-1, keepdim=True).clamp_min(-1e30)
@@ -128,9 +128,12 @@ class BlockAttention:
         o_all = torch.zeros(Hq, QR, d, dtype=dtype, device=v.device)
         k_cache, v_cache, scaling = engine.k_cache, engine.v_cache, v.scaling
         softcap = v.attention_softcap
-        # ALiBi: each chunk row's head's slope, in block_attention's row layout (head kv*G + g)
-        alibi = None if v.alibi_slopes is None else \
-            v.alibi_slopes.to(dtype).view(Hkv, group, 1, 1).expand(Hkv, group, A, 1).reshape(Hkv, group * A, 1)
+        # ALiBi, once per step for every layer and chunk: each chunk row's head's slope (head
+        # kv*G + g, block_attention's row layout) times each key slot's index
+        alibi = None
+        if v.alibi_slopes is not None and meta.biases:
+            slopes = v.alibi_slopes.to(dtype).view(Hkv, group, 1, 1).expand(Hkv, group, A, 1).reshape(Hkv, group * A, 1)
+            alibi = slopes * torch.arange(meta.biases[0].shape[1], dtype=dtype, device=v.device)
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             q_all[:, :R] = q.to(dtype) * scaling

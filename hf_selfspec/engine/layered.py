@@ -309,9 +309,10 @@ def _check_plain_linear(name: str, module, model_type: str | None = None) -> Non
     integer weight would be computed wrongly, so refuse it by name."""
     weight = getattr(module, "weight", None)
     expected = _conv1d_class() if model_type in CONV1D_TYPES else torch.nn.Linear
-    if model_type == "falcon" and type(module).__name__ == "FalconLinear" \
-            and type(module).__module__.endswith("modeling_falcon"):
-        expected = type(module)
+    if model_type == "falcon" and type(module) is not torch.nn.Linear:
+        from transformers.models.falcon.modeling_falcon import FalconLinear
+
+        expected = FalconLinear
     if type(module) is not expected or not isinstance(weight, torch.Tensor) \
             or weight.dtype not in FLOAT_DTYPES:
         kind = type(module).__module__ + "." + type(module).__qualname__
@@ -992,14 +993,15 @@ class LayeredModel:
                 and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The first layer's input from the token rows h [n, H]: plus their positions' learned
-        embedding rows (GPT-2: inputs_embeds + wpe(position_ids), as HF adds them), or normed
-        (Bloom's word_embeddings_layernorm); h itself for every other model."""
+        """The first layer's input from the token rows h [n, H] (positions: the step's, its
+        first n the rows'): plus their positions' learned embedding rows (GPT-2:
+        inputs_embeds + wpe(position_ids), as HF adds them), or normed (Bloom's
+        word_embeddings_layernorm); h itself for every other model."""
         if self.embedding_norm is not None:
             return self.embedding_norm(h)
         if self.position_embedding is None:
             return h
-        return h + F.embedding(positions, self.position_embedding)
+        return h + F.embedding(positions[:h.shape[0]], self.position_embedding)
 
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [W] -> hidden [W, H] (times embedding_multiplier or Gemma's scale, as

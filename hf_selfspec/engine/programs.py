@@ -491,7 +491,7 @@ class Engine:
         v = self.view
         R, n = meta.rows, h.shape[0]
         if start == 0:  # GPT-2: the tokens' rows plus their positions'; Bloom: normed
-            h = v.first_layer_input(h, meta.positions[:n])
+            h = v.first_layer_input(h, meta.positions)
         if self._fused_weights is not None:  # kernel layout: one C++ call per step, no padding
             slots, limits = meta.slots[:n], meta.key_limit[:n]
             # rows_layers computes in float32 (bf16/fp16 weights and caches widened in
