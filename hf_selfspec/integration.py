@@ -42,6 +42,7 @@ from .engine import costs
 from .engine.layered import (
     TOKEN_TYPE_EMBEDDING_TYPES,
     attention_window,
+    query_scaling_positions,
     served_positions,
     text_config,
     text_decoder,
@@ -312,6 +313,13 @@ def _windowed(model) -> bool:
 
 
 def _check_positions(model, need: int, whose: str) -> None:
+    scaled_from = query_scaling_positions(text_config(model))
+    if scaled_from is not None and need > scaled_from:
+        raise ValueError(
+            f"this request needs {need} positions (prompt + max_new_tokens); from position "
+            f"{scaled_from} (original_max_position_embeddings) {whose} attention scales its queries by "
+            "position (llama_4_scaling_beta), which hf_selfspec's engine does not: shorten the prompt "
+            "or lower max_new_tokens, or run this request with plain model.generate()")
     limit = getattr(text_config(model), "max_position_embeddings", None) or need
     if need > limit:
         raise ValueError(

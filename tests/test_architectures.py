@@ -249,6 +249,32 @@ SUPPORTED = {
     # Granite MoE: the softmax of the top-k logits, Granite's four multipliers, block_sparse_moe
     "granitemoe": dict(arch="GraniteMoe", num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
+    # VaultGemma: Gemma 2 without the blocks' output norms (soft caps, a window)
+    "vaultgemma": dict(arch="VaultGemma", head_dim=16, tie_word_embeddings=False, attn_logit_softcapping=5.0,
+                       final_logit_softcapping=3.0, query_pre_attn_scalar=24, sliding_window=256, random_norms=True),
+    # IQuest-Coder loads as LlamaForCausalLM under its own model_type
+    "iquestcoder": dict(arch="IQuestCoder", model_class="LlamaForCausalLM", head_dim=16),
+    # CWM: Llama's layers with Qwen2's per-layer windows (every 4th layer full) and llama3 RoPE
+    "cwm-window": dict(arch="Cwm", head_dim=16, num_hidden_layers=4, sliding_window=16,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 64}),
+    # Jais 2: Llama's layers with LayerNorms and Nemotron's plain ReLU² MLP, biases everywhere
+    "jais2": dict(arch="Jais2", random_norms=True),
+    # HyperCLOVAX: Granite's multipliers, RMSNorms on both blocks' outputs (post_norm1 / 2),
+    # logits multiplied by logits_scaling; and without the output norms (nn.Identity)
+    "hyperclovax": dict(arch="HyperCLOVAX", random_norms=True, embedding_multiplier=3.0,
+                        attention_multiplier=0.1, residual_multiplier=0.5, logits_scaling=0.25),
+    "hyperclovax-no-post-norm": dict(arch="HyperCLOVAX", use_post_norm=False, logits_scaling=4.0),
+    # Ministral 3: Mistral's layers, yarn RoPE, queries scaled from original_max_position_embeddings
+    # on (the engine serves the positions below it, where the scale is 1)
+    "ministral3": dict(arch="Ministral3", head_dim=16, max_position_embeddings=2048,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 512, "llama_4_scaling_beta": 0.1}),
+    # Cohere 2 (Command R7B): Cohere's parallel blocks and LayerNorms, RoPE pairs in its sliding
+    # layers only (the full-attention ones are NoPE), logit_scale
+    "cohere2-window": dict(arch="Cohere2", random_norms=True, num_hidden_layers=4, sliding_window=16,
+                           logit_scale=0.5, max_position_embeddings=1024),
 }
 
 
@@ -268,7 +294,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
-                                  "mpt-6-heads"])
+                                  "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -531,6 +557,19 @@ def test_gpt2_weights_are_read_in_place():
     for lw in view.layers:
         for lin in lw.linears:
             assert lin.weight.untyped_storage().data_ptr() in storages and not lin.weight.is_contiguous()
+
+
+def test_ministral3_served_below_its_query_scaling():
+    """Ministral 3 scales its queries from original_max_position_embeddings on: a request
+    ending there is HF's greedy output; one reaching past it is refused before any work,
+    naming why."""
+    overrides = dict(SUPPORTED["ministral3"])
+    model = build(overrides.pop("arch"), **overrides)
+    attach_heads(model, heads=False)
+    below = prompts(512 - NEW)[0]
+    assert self_greedy(model, [below])[0] == hf_greedy(model, below)
+    with pytest.raises(ValueError, match="original_max_position_embeddings.*llama_4_scaling_beta"):
+        self_greedy(model, [below + [5]])
 
 
 def test_opt_350m_form_refused():

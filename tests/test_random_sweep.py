@@ -75,6 +75,21 @@ ARCHS = {
     "CodeGen": dict(rotary_dim=8),  # q/k/v in 4 shards; GPT-J's layers
     "Bloom": {},  # ALiBi, its embedding rows normed
     "Mpt": {},  # ALiBi relative to the last key, Wqkv rows, norms without biases
+    # Gemma 2 without the blocks' output norms
+    "VaultGemma": dict(tie_word_embeddings=False, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                       query_pre_attn_scalar=24),
+    "Cwm": dict(sliding_window=24, layer_types=["full_attention", "sliding_attention"] * 2,  # Qwen2's windows
+                rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+    "Jais2": {},  # LayerNorms, ReLU² plain MLP, biases
+    # Granite's multipliers, output norms (post_norm1 / 2), logits times logits_scaling
+    "HyperCLOVAX": dict(embedding_multiplier=3.0, attention_multiplier=0.1, residual_multiplier=0.5,
+                        logits_scaling=0.25),
+    # yarn RoPE; its query scaling starts at original_max_position_embeddings (= the positions here)
+    "Ministral3": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 2048, "llama_4_scaling_beta": 0.1}),
+    # parallel blocks, RoPE pairs in its sliding layers only, the full ones NoPE
+    "Cohere2": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -96,7 +111,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
-                "HunYuanDenseV1", "Helium"):
+                "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -114,7 +129,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 p.normal_(0.0, 1.0)
             if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
-                p.uniform_(-0.5, 0.5) if arch.startswith("Gemma") else p.uniform_(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
             if p.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
     return model.to(dtype).eval(), config

@@ -34,7 +34,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "cohere", "gpt_neox", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "glm4",
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
-                         "bloom", "mpt")
+                         "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
+                         "ministral3", "cohere2")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -48,12 +49,12 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt")
+                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt")
+                   "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
@@ -79,9 +80,9 @@ CPU_ONLY_REFUSAL = (
     "(HunYuan), which the engine's CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
-NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text")
+NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
 HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen")
@@ -89,8 +90,14 @@ HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen"
 QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense",)
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4",)
-# Gemma 2 and 3: query_pre_attn_scalar, soft caps (Gemma 3's are None), hidden_activation
-GEMMA_LATER_TYPES = ("gemma2", "gemma3_text")
+# models that rotate q and k in their sliding layers only (Cohere 2: its full-attention
+# layers are NoPE whatever the window)
+SLIDING_ROPE_TYPES = ("cohere2",)
+# Gemma 2 and 3 (VaultGemma: Gemma 2 without the blocks' output norms): query_pre_attn_scalar,
+# soft caps (Gemma 3's are None), hidden_activation
+GEMMA_LATER_TYPES = ("gemma2", "gemma3_text", "vaultgemma")
+# Granite's four multipliers (HyperCLOVAX: Granite's, its logits multiplied by logits_scaling)
+GRANITE_MULTIPLIER_TYPES = ("granite", "granitemoe", "hyperclovax")
 
 
 class UnsupportedModelError(ValueError):
@@ -400,10 +407,26 @@ def served_positions(config, windowed: bool = False) -> int | None:
     window, so full attention is the model's there). None: no limit."""
     # MPT: its ALiBi tensor spans max_seq_len keys
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "max_seq_len", None) or None
+    scaled_from = query_scaling_positions(config)
+    if scaled_from is not None:
+        limit = scaled_from if limit is None else min(limit, scaled_from)
     window = None if windowed else attention_window(config)
     if window is None:
         return limit
     return window if limit is None else min(limit, window)
+
+
+def query_scaling_positions(config) -> int | None:
+    """Where Ministral 3 starts scaling its queries by position (Llama 4's attention
+    temperature, 1 + beta * log(1 + floor(p / original_max_position_embeddings)), after RoPE):
+    below original_max_position_embeddings the factor is exactly 1, which the engine serves;
+    None where no query is scaled (every other model, or a beta of 0)."""
+    if config.model_type != "ministral3":
+        return None
+    params = getattr(config, "rope_parameters", None) or {}
+    if not params.get("llama_4_scaling_beta"):
+        return None
+    return int(params["original_max_position_embeddings"])
 
 
 def rope_type(config) -> str:
@@ -499,13 +522,15 @@ def cpu_only(config, inner) -> bool:
 def _rotates(attention, config) -> bool:
     """Whether HF rotates this attention module's q and k: SmolLM3's modules say so
     (`use_rope`); EXAONE 4 leaves its full-attention layers unrotated where the model has a
-    sliding window (its "global NoPE")."""
+    sliding window (its "global NoPE"), Cohere 2 its full-attention layers always."""
     if config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:
         return False
     if hasattr(attention, "use_rope"):
         return bool(attention.use_rope)
     if config.model_type in GLOBAL_NOPE_TYPES:
         return getattr(attention, "sliding_window", None) is None or bool(attention.is_sliding)
+    if config.model_type in SLIDING_ROPE_TYPES:
+        return attention.sliding_window is not None
     return True
 
 
@@ -571,7 +596,7 @@ def _parallel_form(config) -> str | None:
     """How a layer's blocks read h (LayeredModel.parallel): None one after the other,
     "shared" both from one input norm, "two" each from its own."""
     model_type = config.model_type
-    if model_type in ("phi", "cohere", "gptj", "codegen") \
+    if model_type in ("phi", "cohere", "gptj", "codegen", "cohere2") \
             or (model_type == "stablelm" and config.use_parallel_residual):
         return "shared"
     if model_type == "gpt_neox" and config.use_parallel_residual:
@@ -644,7 +669,7 @@ class LayeredModel:
         # keys its config carries): the embedding rows are scaled, attention scores scaled by
         # attention_multiplier, each block's output joins the residual stream scaled, the
         # logits divided
-        granite = config.model_type in ("granite", "granitemoe")
+        granite = config.model_type in GRANITE_MULTIPLIER_TYPES
         self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
         # Gemma's embedding module scales its rows by sqrt(hidden), rounded to the weights'
         # dtype first (a buffer of the module: read when used, so a .to() is followed)
@@ -657,9 +682,10 @@ class LayeredModel:
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
         self.logits_softcap = getattr(config, "final_logit_softcapping", None) if gemma2 else None
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
-        self.logits_scaling = float(config.logits_scaling) if granite else 1.0
-        # Cohere multiplies its logits by logit_scale
-        self.logit_scale = float(config.logit_scale) if config.model_type == "cohere" else 1.0
+        self.logits_scaling = float(config.logits_scaling) if granite and config.model_type != "hyperclovax" else 1.0
+        # Cohere multiplies its logits by logit_scale, HyperCLOVAX by logits_scaling
+        self.logit_scale = (float(config.logit_scale) if config.model_type in ("cohere", "cohere2")
+                            else float(config.logits_scaling) if config.model_type == "hyperclovax" else 1.0)
         # HunYuan norms q and k (per head) after RoPE, every other model before it
         self.qk_norm_after_rope = config.model_type in QK_NORM_AFTER_ROPE_TYPES
         # OLMo (1) clamps q, k and v to [-clip_qkv, clip_qkv] after their products
@@ -883,7 +909,9 @@ class LayeredModel:
         out_norms = hasattr(layer, "post_feedforward_layernorm") or hasattr(layer, "pre_feedforward_layernorm")
 
         def held(module):  # an RMSNorm's weight, a LayerNorm model's module (Cohere's q/k too)
-            return None if module is None else module if self.layer_norm else module.weight
+            if module is None or isinstance(module, torch.nn.Identity):  # HyperCLOVAX without post norms
+                return None
+            return module if self.layer_norm else module.weight
 
         def norm(name):
             return held(getattr(layer, name, None))
@@ -906,10 +934,11 @@ class LayeredModel:
             gate=gate,
             up=up,
             down=down,
-            # GLM-4 names its blocks' output norms post_self_attn_ / post_mlp_layernorm
-            attn_out_norm=norm("post_attention_layernorm") if out_norms else norm("post_self_attn_layernorm"),
-            mlp_out_norm=norm("post_feedforward_layernorm" if hasattr(layer, "post_feedforward_layernorm")
-                              else "post_mlp_layernorm"),
+            # GLM-4 names its blocks' output norms post_self_attn_ / post_mlp_layernorm,
+            # HyperCLOVAX post_norm1 / post_norm2 (its Peri-LN)
+            attn_out_norm=norm("post_attention_layernorm") if out_norms
+            else norm(_first_held(layer, ("post_self_attn_layernorm", "post_norm1"))),
+            mlp_out_norm=norm(_first_held(layer, ("post_feedforward_layernorm", "post_mlp_layernorm", "post_norm2"))),
             act=act,
             qkv=qkv,
             qkv_layout=qkv_layout,
