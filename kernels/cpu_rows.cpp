@@ -1010,10 +1010,34 @@ inline AttentionItems attention_items(int64_t R, int64_t Hkv, int64_t G, int64_t
   return it;
 }
 
+// A pair's output o = acc / l (acc and l its weighted sum and softmax sum relative to its
+// maximum score m; acc 32-byte aligned). With an attention sink (GPT-OSS, Granite-SWA: one
+// more logit per head in the softmax's denominator, of value 0) the sum gains exp(sink - m),
+// taken relative to max(m, sink) so that neither exponential overflows.
+inline void write_output(const float* acc, float m, float l, const float* sink, int64_t d, float* o) {
+  float scale = 1.f;  // acc's factor before the division
+  if (sink != nullptr) {
+    if (*sink > m) {
+      scale = std::exp(m - *sink);
+      l = std::fma(l, scale, 1.f);
+    } else {
+      l += std::exp(*sink - m);
+    }
+  }
+  const int64_t d8 = d - d % 8;
+  const __m256 lvec = _mm256_set1_ps(l), svec = _mm256_set1_ps(scale);
+  for (int64_t c8 = 0; c8 < d8; c8 += 8) {
+    __m256 a = _mm256_load_ps(acc + c8);
+    if (sink != nullptr) a = _mm256_mul_ps(a, svec);
+    _mm256_storeu_ps(o + c8, _mm256_div_ps(a, lvec));
+  }
+  for (int64_t i = d8; i < d; ++i) o[i] = (sink != nullptr ? acc[i] * scale : acc[i]) / l;
+}
+
 template <typename TC>
 void attention_rows(const float* qp, const TC* kp, const TC* vp, const AttentionMeta& meta, int64_t R, int64_t Hq,
                     int64_t Hkv, int64_t S, int64_t d, float sc, float softcap, int64_t window, float* op,
-                    const float* slopes = nullptr) {
+                    const float* slopes = nullptr, const float* sinks = nullptr) {
   const int64_t G = Hq / Hkv, stride = (meta.keys + 7) / 8 * 8;  // scores rows padded to 8 lanes
   auto scores = torch::empty({R * Hq, stride}, torch::dtype(torch::kFloat32));
   float* sp = scores.data_ptr<float>();
@@ -1171,10 +1195,8 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
         for (int64_t j = std::max(pr.Lp, c0); j < pr.end; ++j)
           weighted_sum_d<TC>(pr.s + j, pr.vh + pr.path[j - pr.Lp] * d, d, 0, 1, acc);
         if (first_key(pr.item / Hq) / KEY_CHUNK == (pr.L - 1) / KEY_CHUNK) {  // its only chunk: its output
-          float* o = op + pr.item * d;  // out[r, h*d : (h+1)*d]
-          const __m256 lvec = _mm256_set1_ps(sums[c]);
-          for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
-          for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / sums[c];
+          write_output(acc, maxima[c], sums[c], sinks == nullptr ? nullptr : sinks + pr.item % Hq, d,
+                       op + pr.item * d);  // out[r, h*d : (h+1)*d]
         } else {
           float* dst = part + (pr.item * chunks + chunk) * part_floats;
           for (int64_t i = 0; i < d; ++i) dst[i] = acc[i];
@@ -1208,10 +1230,7 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
           _mm256_store_ps(acc + c8, _mm256_fmadd_ps(wv, _mm256_loadu_ps(chunk_part + c8), _mm256_load_ps(acc + c8)));
         for (int64_t i = d8; i < d; ++i) acc[i] = std::fma(w, chunk_part[i], acc[i]);
       }
-      float* o = op + (r * Hq + h) * d;
-      const __m256 lvec = _mm256_set1_ps(l);
-      for (int64_t c8 = 0; c8 < d8; c8 += 8) _mm256_storeu_ps(o + c8, _mm256_div_ps(_mm256_load_ps(acc + c8), lvec));
-      for (int64_t i = d8; i < d; ++i) o[i] = acc[i] / l;
+      write_output(acc, top, l, sinks == nullptr ? nullptr : sinks + h, d, op + (r * Hq + h) * d);
     }
   }
 }
@@ -1241,7 +1260,7 @@ void attention_rows(const float* qp, const TC* kp, const TC* vp, const Attention
 namespace {
 torch::Tensor attention_call(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit, double scale,
                              torch::Tensor path, torch::Tensor base, double softcap, int64_t window,
-                             const torch::Tensor* slopes, const char* fn) {
+                             const torch::Tensor* slopes, const char* fn, const torch::Tensor* sinks = nullptr) {
   TORCH_CHECK(q.defined() && q.device().is_cpu(), fn, ": q must be a CPU tensor");
   TORCH_CHECK(float_kind(q), fn, ": q must be float32 (or bfloat16 / float16), got ", q.scalar_type());
   check_cache(k, v, fn);
@@ -1262,6 +1281,14 @@ torch::Tensor attention_call(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
                 fn, ": slopes must be a contiguous float32 CPU tensor [Hq] = [", Hq, "], got ",
                 slopes->defined() ? slopes->sizes() : at::IntArrayRef{});
   }
+  if (sinks != nullptr) {
+    TORCH_CHECK(sinks->defined() && sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat &&
+                    sinks->dim() == 1 && sinks->size(0) == Hq && sinks->is_contiguous(),
+                fn, ": sinks must be a contiguous float32 CPU tensor [Hq] = [", Hq, "], got ",
+                sinks->defined() ? sinks->sizes() : at::IntArrayRef{});
+    const float* sp = sinks->data_ptr<float>();
+    for (int64_t h = 0; h < Hq; ++h) TORCH_CHECK(std::isfinite(sp[h]), fn, ": sinks must be finite, got ", sp[h]);
+  }
   const AttentionMeta meta = check_attention_meta(limit, path, base, R, S, fn);
   if (q.scalar_type() != at::kFloat) q = q.to(at::kFloat);
   auto out = torch::empty({R, Hq * d}, q.options());
@@ -1270,7 +1297,8 @@ torch::Tensor attention_call(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
     attention_rows<TC>(q.data_ptr<float>(), static_cast<const TC*>(k.data_ptr()),
                        static_cast<const TC*>(v.data_ptr()), meta, R, Hq, Hkv, S, d, static_cast<float>(scale),
                        static_cast<float>(softcap), window, out.data_ptr<float>(),
-                       slopes == nullptr ? nullptr : slopes->data_ptr<float>());
+                       slopes == nullptr ? nullptr : slopes->data_ptr<float>(),
+                       sinks == nullptr ? nullptr : sinks->data_ptr<float>());
   });
   return out;
 }
@@ -1293,6 +1321,20 @@ torch::Tensor rows_attention_alibi(torch::Tensor q, torch::Tensor k, torch::Tens
                                    double scale, torch::Tensor path, torch::Tensor base, double softcap,
                                    int64_t window, torch::Tensor slopes) {
   return attention_call(q, k, v, limit, scale, path, base, softcap, window, &slopes, "rows_attention_alibi");
+}
+
+// rows_attention with an attention sink per head (GPT-OSS, Granite-SWA): sinks float32 [Hq]
+// (finite); head h's softmax over its keys gains one more logit, sinks[h], whose value is 0:
+// o = sum_j exp(s_j) v_j / (exp(sinks[h]) + sum_j exp(s_j)), computed relative to the
+// largest of them.
+torch::Tensor rows_attention_sinks(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                                   double scale, torch::Tensor path, torch::Tensor base, double softcap,
+                                   int64_t window, torch::Tensor sinks);
+torch::Tensor rows_attention_sinks(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor limit,
+                                   double scale, torch::Tensor path, torch::Tensor base, double softcap,
+                                   int64_t window, torch::Tensor sinks) {
+  return attention_call(q, k, v, limit, scale, path, base, softcap, window, nullptr, "rows_attention_sinks",
+                        &sinks);
 }
 
 // ---- one decoder layer -------------------------------------------------------------------

@@ -142,7 +142,8 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text()],
-                functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_attention_alibi", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
+                functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_attention_alibi",
+                           "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
@@ -233,6 +234,15 @@ def load_rows_attention_alibi():
     return None if module is None else module.rows_attention_alibi
 
 
+def load_rows_attention_sinks():
+    """The compiled `rows_attention_sinks(q, k, v, limit, scale, path, base, softcap, window,
+    sinks)`: `load_rows_attention`'s with an attention sink per head (GPT-OSS, Granite-SWA),
+    sinks float32 [Hq]: each head's softmax denominator gains exp(sinks[h]) (one more logit,
+    of value 0). None when this machine cannot build or run it."""
+    module = _load_module()
+    return None if module is None else module.rows_attention_sinks
+
+
 def load_rows_layer():
     """The compiled `rows_layer(h [R, H], weights, k_cache, v_cache, cos, sin, slots, limit,
     eps, scale, residual_scale, path, base) -> h after one Llama/Qwen3 decoder layer`
@@ -294,9 +304,10 @@ def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              limit: torch.Tensor, scale: float,
                              path: torch.Tensor | None = None,
                              base: torch.Tensor | None = None, softcap: float = 0.0,
-                             window: int = 0, slopes: torch.Tensor | None = None) -> torch.Tensor:
-    """What `rows_attention` (with `slopes`: `rows_attention_alibi`) computes, in float64 (for
-    tests)."""
+                             window: int = 0, slopes: torch.Tensor | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """What `rows_attention` (with `slopes`: `rows_attention_alibi`; with `sinks`:
+    `rows_attention_sinks`) computes, in float64 (for tests)."""
     R, Hq, d = q.shape
     group = Hq // k.shape[0]
     kk = k.double().repeat_interleave(group, 0)  # [Hq, S, d]
@@ -322,5 +333,9 @@ def rows_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             scores[r] += slopes.double()[:, None] * logical.double()[None, :]
     hidden = ~visible  # [R, S]
     scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+    if sinks is not None:  # one more logit per head, its value 0 (dropped after the softmax)
+        sink = sinks.double()[None, :, None].expand(R, Hq, 1)
+        o = torch.einsum("rhs,hsd->rhd", torch.cat((scores, sink), -1).softmax(-1)[..., :-1], vv)
+        return o.reshape(R, Hq * d).to(q.dtype)
     o = torch.einsum("rhs,hsd->rhd", scores.softmax(-1), vv)
     return o.reshape(R, Hq * d).to(q.dtype)

@@ -51,8 +51,12 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
-            if param.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
+            if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE experts; routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else 4.0) * param.shape[-1] ** -0.5)
+            if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
+                param.normal_(0.0, 0.5)
+            if name.endswith("sinks"):  # GPT-OSS's attention sinks: as large as the scores
+                param.normal_(0.0, 2.0)
     return model.to(dtype).eval()
 
 
@@ -275,6 +279,19 @@ SUPPORTED = {
     # layers only (the full-attention ones are NoPE), logit_scale
     "cohere2-window": dict(arch="Cohere2", random_norms=True, num_hidden_layers=4, sliding_window=16,
                            logit_scale=0.5, max_position_embeddings=1024),
+    # GPT-OSS: attention sinks, a window in every other layer, biases on every projection, MoE
+    # experts stored [in, out] with biases, gate/up interleaved, a clamped SwiGLU (a limit low
+    # enough to clamp), the softmax of the top-k router logits, RoPE's halves from one table
+    "gpt_oss": dict(arch="GptOss", head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                    sliding_window=16, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+                    random_norms=True, max_position_embeddings=1024,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                     "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0}),
+    # Granite-SWA: Granite's multipliers, attention sinks (HF's sigmoid(lse - sink) scaling), a
+    # window in 3 of 4 layers, a RoPE base per layer (two bases, and a layer without RoPE)
+    "granite_swa": dict(arch="GraniteSWA", num_hidden_layers=4, sliding_window=16, layer_rope_theta=[10000.0, 10.0, 0, 10.0],
+                        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+                        logits_scaling=2.0, max_position_embeddings=1024),
 }
 
 
@@ -617,6 +634,30 @@ def test_falcon_alibi_refused():
     """Falcon-RW's ALiBi (attention biased by distance): refused by name."""
     with pytest.raises(UnsupportedModelError, match="alibi=True.*plain model.generate"):
         attach_heads(build("Falcon", alibi=True), heads=False)
+
+
+@pytest.mark.parametrize("layout", ["kernel", "fixed"])
+@pytest.mark.parametrize("case", ["gpt_oss", "granite_swa"])
+def test_attention_sinks_in_both_attentions(case, layout):
+    """GPT-OSS's and Granite-SWA's attention sinks in the C++ row attention (kernel) and the
+    PyTorch block attention (fixed), within and past their windows and a 256-key block: HF's
+    greedy tokens alone and (the C++ rows) batched, and its logits to float32 rounding."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch"), **overrides)
+    rows = prompts(300, 11)
+    expected = [hf_greedy(model, p) for p in rows]
+    ids = torch.tensor(rows[:1])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, pad_token_id=0,
+              return_dict_in_generate=True, output_logits=True)
+    reference = model.generate(ids, **kw)
+    attach_heads(model, heads=False, engine=EngineConfig(row_layout=layout))
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    if layout == "kernel":
+        assert self_greedy(model, rows) == expected
+    got = model.generate(ids, assistant="self", **kw)
+    assert torch.equal(got.sequences, reference.sequences)
+    for a, b in zip(reference.logits, got.logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", ["kernel", "fixed"])

@@ -23,6 +23,7 @@ from hf_selfspec.kernels.cpu_rows import (
     cpu_supports_kernel,
     load_rows_attention,
     load_rows_attention_alibi,
+    load_rows_attention_sinks,
     load_rows_layer,
     load_rows_layers,
     load_rows_linear,
@@ -259,6 +260,43 @@ def test_attention_alibi_matches_float64_reference(dtype):
                                rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match=r"slopes must be a contiguous float32 CPU tensor \[Hq\] = \[4\]"):
         alibi(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_sinks_match_float64_reference(dtype):
+    """rows_attention_sinks: one more logit per head in the softmax's denominator (GPT-OSS),
+    sinks below and far above the scores (the exponentials taken relative to the larger),
+    for chains across key chunks, tree rows, rows of several sequences (base), with a window
+    and a soft cap; a row alone == among others; the kernel refuses bad sinks."""
+    sinks_fn = load_rows_attention_sinks()
+    gen = torch.Generator().manual_seed(13)
+    k, v = (t.to(dtype) for t in _cache(gen, 2, 1200, 16))
+    q = torch.randn(6, 4, 16, generator=gen)
+    lim = torch.tensor([0, 5, 40, 530, 700, 1099])
+    for sinks in (torch.tensor([-3.0, 0.0, 1.5, 4.0]), torch.tensor([200.0, -200.0, 60.0, 2.0])):
+        for window, softcap in ((0, 0.0), (40, 2.0)):
+            o = sinks_fn(q, k, v, lim, 0.25, NO_PATH, NO_BASE, softcap, window, sinks)
+            torch.testing.assert_close(o, rows_attention_reference(q, k, v, lim, 0.25, softcap=softcap, window=window,
+                                                                   sinks=sinks), rtol=1e-4, atol=1e-4)
+            for r in (0, 3, 5):
+                alone = sinks_fn(q[r:r + 1].contiguous(), k, v, lim[r:r + 1], 0.25, NO_PATH, NO_BASE, softcap, window,
+                                 sinks)
+                assert torch.equal(alone[0], o[r])
+    q3 = torch.randn(3, 4, 16, generator=gen)
+    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, 105]])
+    lim = torch.tensor([100, 101, 102])
+    tree = sinks_fn(q3, k, v, lim, 0.25, path, NO_BASE, 0.0, 0, sinks)
+    torch.testing.assert_close(tree, rows_attention_reference(q3, k, v, lim, 0.25, path, sinks=sinks),
+                               rtol=1e-4, atol=1e-4)
+    base = torch.tensor([0, 300, 600])
+    lim = torch.tensor([20, 250, 590])
+    batched = sinks_fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, sinks)
+    torch.testing.assert_close(batched, rows_attention_reference(q3, k, v, lim, 0.25, None, base, sinks=sinks),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float32 CPU tensor \[Hq\] = \[4\]"):
+        sinks_fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="sinks must be finite"):
+        sinks_fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.tensor([0.0, float("nan"), 0.0, 0.0]))
 
 
 def test_attention_sliding_window_matches_float64_reference(attention):

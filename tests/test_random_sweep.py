@@ -90,6 +90,16 @@ ARCHS = {
                                         "original_max_position_embeddings": 2048, "llama_4_scaling_beta": 0.1}),
     # parallel blocks, RoPE pairs in its sliding layers only, the full ones NoPE
     "Cohere2": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"] * 2),
+    # attention sinks, windows in alternate layers, MoE experts stored [in, out] with biases,
+    # a clamped SwiGLU, yarn RoPE from half-width tables
+    "GptOss": dict(num_local_experts=8, num_experts_per_tok=2, swiglu_limit=2.0, sliding_window=24,
+                   layer_types=["sliding_attention", "full_attention"] * 2,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0}),
+    # attention sinks as a sigmoid scaling, Granite's multipliers, a RoPE base per layer (0: NoPE)
+    "GraniteSWA": dict(sliding_window=24, layer_types=["full_attention"] + ["sliding_attention"] * 3,
+                       layer_rope_theta=[10000.0, 10.0, 0, 10.0], embedding_multiplier=3.0, attention_multiplier=0.2,
+                       residual_multiplier=0.5, logits_scaling=2.0),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -111,7 +121,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
-                "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3"):
+                "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -130,8 +140,12 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 1.0)
             if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
-            if p.dim() == 3 or name.endswith("mlp.gate.weight"):  # MoE experts; routers: decisive
+            if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE experts; routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
+            if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
+                p.normal_(0.0, 0.5)
+            if name.endswith("sinks"):  # GPT-OSS's attention sinks
+                p.normal_(0.0, 2.0)
     return model.to(dtype).eval(), config
 
 

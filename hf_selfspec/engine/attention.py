@@ -64,7 +64,7 @@ def visible_bias(key_limit: torch.Tensor, num_keys: int, group: int, window: int
 
 def block_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, bias: torch.Tensor, softcap: float | None = None,
-    alibi: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None, sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Online-softmax attention over fixed key blocks.
 
@@ -79,7 +79,9 @@ def block_attention(
     the sums run in q's dtype whatever the model's. softcap: each score s becomes
     softcap * tanh(s / softcap) before the mask (Gemma 2); None: as it is. alibi:
     [Hkv, G*W, >= nb*KEY_BLOCK] (Bloom, MPT): each row's head's slope times the key slot's
-    index (= its position here), added to each score after the mask.
+    index (= its position here), added to each score after the mask. sink: [Hkv, G*W, 1]
+    (GPT-OSS, Granite-SWA): each row's head's sink, one more logit in the softmax's
+    denominator (its value 0), taken relative to the larger of it and the scores' maximum.
     """
     num_blocks = bias.shape[1] // KEY_BLOCK
     acc = l_sum = m_max = None
@@ -105,6 +107,10 @@ def block_attention(
         l_sum = l_sum * rescale + p.sum(-1, keepdim=True)
         acc = acc * rescale + torch.matmul(p, values)
         m_max = m_new
+    if sink is not None:
+        top = torch.maximum(m_max, sink)
+        rescale = torch.exp(m_max - top)
+        return acc * rescale / (l_sum * rescale + torch.exp(sink - top))
     return acc / l_sum
 
 
@@ -134,14 +140,19 @@ class BlockAttention:
         if v.alibi_slopes is not None and meta.biases:
             slopes = v.alibi_slopes.to(dtype).view(Hkv, group, 1, 1).expand(Hkv, group, A, 1).reshape(Hkv, group * A, 1)
             alibi = slopes * torch.arange(meta.biases[0].shape[1], dtype=dtype, device=v.device)
+        layer_sinks = v.layer_sinks
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             q_all[:, :R] = q.to(dtype) * scaling
             # the masks of this layer's window (meta.biases: full attention)
             biases = meta.window_biases[v.layer_window[layer]] if v.layer_window[layer] else meta.biases
+            sink = None
+            if layer_sinks is not None:  # each chunk row's head's sink, block_attention's row layout
+                sink = layer_sinks[layer].to(dtype).view(Hkv, group, 1, 1).expand(Hkv, group, A, 1) \
+                    .reshape(Hkv, group * A, 1)
             for c, bias in enumerate(biases):
                 qc = q_all[:, c * A:(c + 1) * A].reshape(Hkv, group * A, d)
-                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias, softcap, alibi)
+                oc = block_attention(qc, k_cache[layer], v_cache[layer], bias, softcap, alibi, sink)
                 o_all[:, c * A:(c + 1) * A] = oc.view(Hq, A, d)
             return o_all[:, :R].to(q.dtype).transpose(0, 1).reshape(R, Hq * d)
 
@@ -157,9 +168,10 @@ class CppRowAttention:
     supports_trees = True
     supports_batches = True  # a base slot per row: several sequences' KV regions in one step
 
-    def __init__(self, kernel, kernel_alibi=None):
+    def __init__(self, kernel, kernel_alibi=None, kernel_sinks=None):
         self.kernel = kernel  # load_rows_attention()
         self.kernel_alibi = kernel_alibi  # load_rows_attention_alibi()
+        self.kernel_sinks = kernel_sinks  # load_rows_attention_sinks()
 
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
         fn, limits = self.kernel, meta.key_limit[:meta.rows]
@@ -171,12 +183,16 @@ class CppRowAttention:
 
             def fn(*args):
                 return kernel_alibi(*args, slopes)
+        layer_sinks = engine.view.layer_sinks
+        kernel_sinks = self.kernel_sinks
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             # float32 out (bf16/fp16 q and caches widened exactly): back to q's dtype
-            o = fn(q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path, base,
-                   softcap, windows[layer])
-            return o.to(q.dtype)
+            args = (q.transpose(0, 1).contiguous(), k_cache[layer], v_cache[layer], limits, scale, path, base,
+                    softcap, windows[layer])
+            if layer_sinks is not None:  # GPT-OSS: the layer's sink per head, in float32
+                return kernel_sinks(*args, layer_sinks[layer].float()).to(q.dtype)
+            return fn(*args).to(q.dtype)
 
         return attend
 
@@ -258,7 +274,8 @@ def select_attention(device: torch.device, layout) -> BlockAttention | CppRowAtt
         wide = 2 * layout.width
         return TritonAttention(batches=layout.rows(wide) >= wide)
     if layout.kernel_attention is not None:
-        return CppRowAttention(layout.kernel_attention, layout.kernel_attention_alibi)
+        return CppRowAttention(layout.kernel_attention, layout.kernel_attention_alibi,
+                               layout.kernel_attention_sinks)
     return BlockAttention()
 
 

@@ -35,7 +35,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
-                         "ministral3", "cohere2")
+                         "ministral3", "cohere2", "gpt_oss", "granite_swa")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -51,7 +51,16 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
-MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe")
+MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss")
+# models whose attention modules hold a learnable sink per head (`sinks`: one more logit in
+# each softmax's denominator, of value 0)
+ATTENTION_SINK_TYPES = ("gpt_oss", "granite_swa")
+# models rotating each layer by a RoPE base of its own (layer_rope_theta; 0: no RoPE), one
+# rotary module per distinct base (`rotary_embs`, in ascending base order)
+PER_LAYER_THETA_TYPES = ("granite_swa",)
+# models whose rotary module gives tables of half a head's width (the angles once: GPT-OSS's
+# rotation of the two halves), doubled here into the rotate_half form
+HALF_WIDTH_ROPE_TYPES = ("gpt_oss",)
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
                    "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2")
@@ -76,8 +85,8 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
-    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT), MoE blocks or q/k norms after RoPE "
-    "(HunYuan), which the engine's CUDA programs do not serve yet: use it on the CPU, or plain "
+    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2), MoE blocks (GPT-OSS's too), "
+    "attention sinks (GPT-OSS) or q/k norms after RoPE (HunYuan), which the engine's CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
@@ -97,7 +106,7 @@ SLIDING_ROPE_TYPES = ("cohere2",)
 # soft caps (Gemma 3's are None), hidden_activation
 GEMMA_LATER_TYPES = ("gemma2", "gemma3_text", "vaultgemma")
 # Granite's four multipliers (HyperCLOVAX: Granite's, its logits multiplied by logits_scaling)
-GRANITE_MULTIPLIER_TYPES = ("granite", "granitemoe", "hyperclovax")
+GRANITE_MULTIPLIER_TYPES = ("granite", "granitemoe", "hyperclovax", "granite_swa")
 
 
 class UnsupportedModelError(ValueError):
@@ -121,16 +130,18 @@ class RowSlice:
 
 class MatrixView:
     """A weight matrix held by a module that is not an nn.Linear (an MoE router's, one
-    expert's slice of a 3D expert weight) as a linear layer without bias: a view of the
-    module's own tensor (contiguous: its leading index picks whole matrices)."""
+    expert's slice of a 3D expert weight) as a linear layer: a view of the module's own
+    tensor [out, in] (contiguous: its leading index picks whole matrices; or the transpose
+    of one stored [in, out], GPT-OSS's experts, which the C++ product reads in place), and
+    its bias where it has one (GPT-OSS's router and experts)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
-        self.bias = None
+        self.bias = bias
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class TransposedLinear:
@@ -155,7 +166,10 @@ class MoEWeights:
     router logits, softmax in float32, the top_k experts (their probabilities renormalised
     where `normalize`, rounded to the model's dtype where `round_weights`; Granite MoE: the
     softmax of the top_k logits), each expert act(gate) * up -> down on its rows, times the
-    row's weight, added to a zero row in ascending expert order."""
+    row's weight, added to a zero row in ascending expert order. GPT-OSS: the softmax of the
+    top_k logits in the model's dtype, biases on the router and the experts, gate and up
+    interleaved in gate_up's outputs and combined by HF's own experts._apply_gate (its
+    clamped SwiGLU) on the whole product (`gate_fn`)."""
 
     router: MatrixView  # [E, H]
     gate_up: list  # per expert, a MatrixView [2I, H]: the gate's rows, then up's
@@ -170,6 +184,10 @@ class MoEWeights:
     # sigmoid(shared_gate(x)) * shared(x) added after the experts'
     shared: tuple | None = None
     shared_gate: torch.nn.Linear | None = None
+    # GPT-OSS: the top_k logits' softmax in their own dtype (Granite MoE's in float32)
+    route_in_float32: bool = True
+    # GPT-OSS: gate_up's product -> the experts' hidden rows, HF's own function
+    gate_fn: object | None = None
 
     @property
     def linears(self) -> tuple:
@@ -347,10 +365,17 @@ def _router(block):
     return getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
 
 
-def _check_moe(name: str, block) -> None:
+def _check_moe(name: str, block, model_type: str | None = None) -> None:
     """An MoE block the engine computes as MoEWeights says: a router with a float weight
     [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     float weights (a quantized or biased expert, or another router, is refused by name)."""
+    if model_type == "gpt_oss":
+        if _check_gpt_oss_moe(name, block):
+            return
+        raise UnsupportedModelError(
+            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+            f"{type(block.experts).__name__}: for GPT-OSS it runs a float top-k router with a bias and "
+            "experts of gate_up_proj / down_proj with their biases only); use plain model.generate()")
     router, experts = _router(block), block.experts
     weights = dict(experts.named_parameters(recurse=False))
     gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
@@ -375,6 +400,30 @@ def _check_moe(name: str, block) -> None:
             f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
             f"{type(experts).__name__}: it runs a float top-k router and experts of gate_up_proj / "
             "down_proj only); use plain model.generate() for this model")
+
+
+def _check_gpt_oss_moe(name: str, block) -> bool:
+    """Whether an MoE block is GPT-OSS's form (MoEWeights' gate_fn): a router with weight
+    [E, H], bias [E] and top_k, experts holding exactly gate_up_proj [E, H, 2I] and
+    down_proj [E, I, H] (stored transposed) with biases [E, 2I] and [E, H], all float, and
+    their own _apply_gate."""
+    router, experts = _router(block), block.experts
+    weights = dict(experts.named_parameters(recurse=False))
+    shapes = {key: tuple(weights[key].shape) if key in weights else None
+              for key in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+    if set(weights) != set(shapes) or any(w.dtype not in FLOAT_DTYPES for w in weights.values()) \
+            or router is None or not hasattr(router, "top_k") or list(router.children()) \
+            or not callable(getattr(experts, "_apply_gate", None)) or list(experts.children()):
+        return False
+    params = dict(router.named_parameters(recurse=False))
+    if set(params) != {"weight", "bias"} or any(p.dtype not in FLOAT_DTYPES for p in params.values()):
+        return False
+    E, H = params["weight"].shape
+    if len(shapes["gate_up_proj"]) != 3 or shapes["gate_up_proj"][:2] != (E, H):
+        return False
+    two_i = shapes["gate_up_proj"][2]
+    return two_i % 2 == 0 and shapes["gate_up_proj_bias"] == (E, two_i) and shapes["down_proj"] == (E, two_i // 2, H) \
+        and shapes["down_proj_bias"] == (E, H) and tuple(params["bias"].shape) == (E,)
 
 
 def attention_window(config) -> int | None:
@@ -511,12 +560,12 @@ def _activation(config) -> str:
 def cpu_only(config, inner) -> bool:
     """Whether the model needs what only the engine's CPU programs do: Gemma 2's attention
     soft cap (the Triton attention has none), a RoPE per layer type (the CUDA-graph runner
-    gathers one table), RoPE pairs (the Triton RoPE turns halves); LayerNorm and MoE models
-    and HunYuan's q/k norms after RoPE have not run on a GPU yet, so they stay on the CPU
-    until they have."""
+    gathers one table), RoPE pairs (the Triton RoPE turns halves), attention sinks (the
+    Triton attention has none); LayerNorm and MoE models and HunYuan's q/k norms after RoPE
+    have not run on a GPU yet, so they stay on the CPU until they have."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
-        or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES
+        or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -531,6 +580,8 @@ def _rotates(attention, config) -> bool:
         return getattr(attention, "sliding_window", None) is None or bool(attention.is_sliding)
     if config.model_type in SLIDING_ROPE_TYPES:
         return attention.sliding_window is not None
+    if config.model_type in PER_LAYER_THETA_TYPES:  # Granite-SWA: a base of 0 is NoPE
+        return bool(config.layer_rope_theta[attention.layer_idx])
     return True
 
 
@@ -545,9 +596,12 @@ def _layer_window(attention, config_window: int) -> int:
     return int(getattr(attention, "sliding_window", config_window) or 0)
 
 
-def _rope_layer_types(inner, config) -> tuple[str, ...] | None:
+def _rope_layer_types(inner, config) -> tuple | None:
     """The layer types whose RoPE differs, in first-seen layer order, where HF's rotary
-    module takes a layer type (Gemma 3); None where one RoPE serves every layer."""
+    module takes a layer type (Gemma 3); Granite-SWA's distinct nonzero RoPE bases in its
+    rotary_embs' (ascending) order; None where one RoPE serves every layer."""
+    if config.model_type in PER_LAYER_THETA_TYPES:
+        return tuple(sorted({theta for theta in config.layer_rope_theta if theta}))
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
         return None
@@ -676,7 +730,7 @@ class LayeredModel:
         self._embed_module = embedding
         self.scaled_embedding = isinstance(getattr(embedding, "embed_scale", None), torch.Tensor)
         self.norm_plus_one = config.model_type in NORM_PLUS_ONE_TYPES
-        self.norm_scale_in_float32 = config.model_type == "helium"
+        self.norm_scale_in_float32 = config.model_type in ("helium", "gpt_oss")
         self.gelu = _activation(config) in GELU_TANH_NAMES
         gemma2 = config.model_type in GEMMA_LATER_TYPES
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
@@ -718,6 +772,10 @@ class LayeredModel:
         self.embedding_norm = getattr(inner, "word_embeddings_layernorm", None)
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
+        # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
+        # None for a model without sinks
+        self.layer_sinks = tuple(_attention(layer).sinks for layer in layers) \
+            if config.model_type in ATTENTION_SINK_TYPES else None
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
         self.rope_layers = tuple(_rotates(_attention(layer), config) for layer in layers)
@@ -725,10 +783,11 @@ class LayeredModel:
         # rotary module takes the layer type. rope_types: the types in table order (None:
         # one RoPE for every layer); layer_rope: each layer's table, -1 for none
         self.rope_types = _rope_layer_types(inner, config)
+        kinds = (config.layer_rope_theta if config.model_type in PER_LAYER_THETA_TYPES
+                 else getattr(config, "layer_types", None) or [None] * self.num_layers)
         self.layer_rope = tuple(
             -1 if not rotated else (0 if self.rope_types is None else self.rope_types.index(kind))
-            for rotated, kind in zip(self.rope_layers, getattr(config, "layer_types", None) or
-                                     [None] * self.num_layers))
+            for rotated, kind in zip(self.rope_layers, kinds))
         # per layer, the sliding window of its attention (0: none; _layer_window)
         window = attention_window(config) or 0
         self.layer_window = tuple(_layer_window(_attention(layer), window) for layer in layers)
@@ -770,7 +829,7 @@ class LayeredModel:
                        for name in names]
         for i, layer in enumerate(layers):
             if hasattr(_mlp_block(layer), "experts"):
-                _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer))
+                _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer), model_type)
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -948,6 +1007,13 @@ class LayeredModel:
     def _moe(self, block) -> MoEWeights:
         experts, router = block.experts, _router(block)
         shared = getattr(block, "shared_expert", None)
+        if self.config.model_type == "gpt_oss":  # experts stored [in, out]: transposed views
+            return MoEWeights(
+                router=MatrixView(router.weight, router.bias),
+                gate_up=[MatrixView(w.t(), b) for w, b in zip(experts.gate_up_proj, experts.gate_up_proj_bias)],
+                down=[MatrixView(w.t(), b) for w, b in zip(experts.down_proj, experts.down_proj_bias)],
+                act=None, top_k=int(router.top_k), normalize=False, round_weights=True, softmax_of_top=True,
+                route_in_float32=False, gate_fn=experts._apply_gate)
         return MoEWeights(
             router=MatrixView(router.weight),
             gate_up=[MatrixView(w) for w in experts.gate_up_proj],
@@ -966,6 +1032,8 @@ class LayeredModel:
         """One (cos, sin) per RoPE the layers use (rope_types' order; one for most models)."""
         if self.rope_types is None:
             return [self._rope_tables(inner, max_positions)]
+        if not self.rope_types:  # Granite-SWA without RoPE in any layer: tables that rotate nothing
+            return [self._identity_tables(max_positions)]
         return [self._rope_tables(inner, max_positions, kind) for kind in self.rope_types]
 
     def _rope_tables(self, inner, max_positions: int, layer_type: str | None = None):
@@ -986,15 +1054,18 @@ class LayeredModel:
           prefill (EngineConfig.prefill="hf", the default) gives the prompt's keys; generate()
           refuses such a prompt with prefill="engine"."""
         if self.config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:  # no RoPE: tables that rotate nothing
-            return (torch.ones(max_positions, self.head_dim, dtype=self.dtype, device=self.device),
-                    torch.zeros(max_positions, self.head_dim, dtype=self.dtype, device=self.device))
+            return self._identity_tables(max_positions)
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
-        kind = {} if layer_type is None else {"layer_type": layer_type}
+        rotary, kind = inner.rotary_emb, {} if layer_type is None else {"layer_type": layer_type}
+        if self.config.model_type in PER_LAYER_THETA_TYPES:  # layer_type: a RoPE base, its own module
+            rotary, kind = inner.rotary_embs[self.rope_types.index(layer_type)], {}
         with torch.no_grad():
             if rope_type(self.config) == "dynamic":
-                inner.rotary_emb(probe, positions[:, :1], **kind)
-            cos, sin = inner.rotary_emb(probe, positions, **kind)
+                rotary(probe, positions[:, :1], **kind)
+            cos, sin = rotary(probe, positions, **kind)
+            if self.config.model_type in HALF_WIDTH_ROPE_TYPES:  # the angles once: both halves turn by them
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             if self.config.model_type in ("gptj", "codegen"):
                 # its rotary module returns (sin, cos), one column per angle: laid out here as
                 # the other pair models' modules give them (the angles twice, in halves), which
@@ -1002,13 +1073,18 @@ class LayeredModel:
                 cos, sin = sin.repeat(1, 1, 2), cos.repeat(1, 1, 2)
             short = longrope_short_positions(self.config)
             if short is not None and short < max_positions:
-                cos[:, :short], sin[:, :short] = inner.rotary_emb(probe, positions[:, :short])
+                cos[:, :short], sin[:, :short] = rotary(probe, positions[:, :short])
         cos, sin = cos[0], sin[0]
         if self.config.model_type in HALF_TABLE_PAIRS_TYPES:  # as their apply_rotary_pos_emb
             cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
             sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
         # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model)
         return cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
+
+    def _identity_tables(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos = 1, sin = 0 at every position: a model without RoPE."""
+        return (torch.ones(max_positions, self.head_dim, dtype=self.dtype, device=self.device),
+                torch.zeros(max_positions, self.head_dim, dtype=self.dtype, device=self.device))
 
     # ---- maths on a block of rows -------------------------------------------------------
 
@@ -1018,7 +1094,7 @@ class LayeredModel:
         one after the other, gated MLPs, q/k/v products of their own, nothing clamped, q/k
         norms (if any) before RoPE."""
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
-                and not self.qk_norm_after_rope
+                and not self.qk_norm_after_rope and self.layer_sinks is None
                 and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,7 @@ class RowLayout:
     # C++ kernels the layout brings (kernel layout only): row attention and a fused layer
     kernel_attention = None
     kernel_attention_alibi = None
+    kernel_attention_sinks = None
     kernel_layer = None
     kernel_layers = None
 
@@ -198,6 +199,7 @@ class KernelLayout(RowLayout):
             build_error,
             load_rows_attention,
             load_rows_attention_alibi,
+            load_rows_attention_sinks,
             load_rows_layer,
             load_rows_layers,
             load_rows_linear,
@@ -209,6 +211,7 @@ class KernelLayout(RowLayout):
         self._product_t = load_rows_linear_t()
         self.kernel_attention = load_rows_attention()
         self.kernel_attention_alibi = load_rows_attention_alibi()
+        self.kernel_attention_sinks = load_rows_attention_sinks()
         self.kernel_layer = load_rows_layer()
         self.kernel_layers = load_rows_layers()
         if self._product is None or self.kernel_attention is None:

@@ -644,8 +644,8 @@ class Engine:
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
         logits = lin(x, moe.router)[:real_rows]  # [n, E]
-        if moe.softmax_of_top:  # Granite MoE
-            top, chosen = torch.topk(logits.float(), moe.top_k, dim=-1)
+        if moe.softmax_of_top:  # Granite MoE (in float32), GPT-OSS (in the model's dtype)
+            top, chosen = torch.topk(logits.float() if moe.route_in_float32 else logits, moe.top_k, dim=-1)
             top = torch.softmax(top, dim=-1)
         else:
             top, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)  # [R, k]
@@ -656,8 +656,13 @@ class Engine:
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # ascending, as HF's loop
             rows, slot = torch.where(chosen == expert)
-            gate, up = lin(x, moe.gate_up[expert]).chunk(2, dim=-1)
-            y = lin(moe.act(gate) * up, moe.down[expert])[rows] * top[rows, slot, None]
+            gate_up = lin(x, moe.gate_up[expert])
+            if moe.gate_fn is not None:  # GPT-OSS: HF's own clamped SwiGLU of its interleaved gate/up
+                hidden = moe.gate_fn(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = moe.act(gate) * up
+            y = lin(hidden, moe.down[expert])[rows] * top[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         if moe.shared is not None:  # Qwen2-MoE: its shared expert, sigmoid-gated, added last
             gate, up, down = moe.shared
