@@ -292,6 +292,15 @@ SUPPORTED = {
     "granite_swa": dict(arch="GraniteSWA", num_hidden_layers=4, sliding_window=16, layer_rope_theta=[10000.0, 10.0, 0, 10.0],
                         embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
                         logits_scaling=2.0, max_position_embeddings=1024),
+    # GraniteMoeShared: Granite MoE with the layer's ungated shared MLP (gate/up rows fused)
+    "granitemoeshared": dict(arch="GraniteMoeShared", num_local_experts=8, num_experts_per_tok=3,
+                             shared_intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                             residual_multiplier=0.22, logits_scaling=8.0),
+    # Granite-MoE-SWA: GraniteMoeShared's layers with Granite-SWA's attention (sinks, windows, a
+    # RoPE base per layer)
+    "granitemoe_swa": dict(arch="GraniteMoeSWA", num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+                           shared_intermediate_size=48, sliding_window=16, layer_rope_theta=[10000.0, 0, 10.0, 10.0],
+                           max_position_embeddings=1024),
 }
 
 
@@ -637,7 +646,7 @@ def test_falcon_alibi_refused():
 
 
 @pytest.mark.parametrize("layout", ["kernel", "fixed"])
-@pytest.mark.parametrize("case", ["gpt_oss", "granite_swa"])
+@pytest.mark.parametrize("case", ["gpt_oss", "granite_swa", "granitemoe_swa"])
 def test_attention_sinks_in_both_attentions(case, layout):
     """GPT-OSS's and Granite-SWA's attention sinks in the C++ row attention (kernel) and the
     PyTorch block attention (fixed), within and past their windows and a 256-key block: HF's

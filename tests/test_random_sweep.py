@@ -100,6 +100,13 @@ ARCHS = {
     "GraniteSWA": dict(sliding_window=24, layer_types=["full_attention"] + ["sliding_attention"] * 3,
                        layer_rope_theta=[10000.0, 10.0, 0, 10.0], embedding_multiplier=3.0, attention_multiplier=0.2,
                        residual_multiplier=0.5, logits_scaling=2.0),
+    # Granite MoE with the layer's shared MLP; and with Granite-SWA's attention
+    "GraniteMoeShared": dict(num_local_experts=8, num_experts_per_tok=3, shared_intermediate_size=64,
+                             embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+                             logits_scaling=8.0),
+    "GraniteMoeSWA": dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=64, sliding_window=24,
+                          layer_types=["full_attention"] + ["sliding_attention"] * 3,
+                          layer_rope_theta=[10000.0, 0, 10.0, 10.0]),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

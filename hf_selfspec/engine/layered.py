@@ -35,7 +35,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe", "arcee", "apertus", "hunyuan_v1_dense", "helium", "gpt2",
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
-                         "ministral3", "cohere2", "gpt_oss", "granite_swa")
+                         "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
+                         "granitemoe_swa")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -51,13 +52,17 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
-MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
+             "granitemoe_swa")
+# Granite MoE and its kin: the softmax of the top-k router logits; GraniteMoeShared and
+# Granite-MoE-SWA add the layer's ungated shared MLP (`shared_mlp`, gate and up rows fused)
+GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
 # models whose attention modules hold a learnable sink per head (`sinks`: one more logit in
 # each softmax's denominator, of value 0)
-ATTENTION_SINK_TYPES = ("gpt_oss", "granite_swa")
+ATTENTION_SINK_TYPES = ("gpt_oss", "granite_swa", "granitemoe_swa")
 # models rotating each layer by a RoPE base of its own (layer_rope_theta; 0: no RoPE), one
 # rotary module per distinct base (`rotary_embs`, in ascending base order)
-PER_LAYER_THETA_TYPES = ("granite_swa",)
+PER_LAYER_THETA_TYPES = ("granite_swa", "granitemoe_swa")
 # models whose rotary module gives tables of half a head's width (the angles once: GPT-OSS's
 # rotation of the two halves), doubled here into the rotate_half form
 HALF_WIDTH_ROPE_TYPES = ("gpt_oss",)
@@ -106,7 +111,7 @@ SLIDING_ROPE_TYPES = ("cohere2",)
 # soft caps (Gemma 3's are None), hidden_activation
 GEMMA_LATER_TYPES = ("gemma2", "gemma3_text", "vaultgemma")
 # Granite's four multipliers (HyperCLOVAX: Granite's, its logits multiplied by logits_scaling)
-GRANITE_MULTIPLIER_TYPES = ("granite", "granitemoe", "hyperclovax", "granite_swa")
+GRANITE_MULTIPLIER_TYPES = ("granite", "hyperclovax", "granite_swa") + GRANITE_MOE_TYPES
 
 
 class UnsupportedModelError(ValueError):
@@ -181,7 +186,8 @@ class MoEWeights:
     # Granite MoE: the top_k of the float32 logits first, then a softmax over them alone
     softmax_of_top: bool = False
     # Qwen2-MoE's shared expert (a gated MLP: gate, up, down) and its sigmoid gate [1, H]:
-    # sigmoid(shared_gate(x)) * shared(x) added after the experts'
+    # sigmoid(shared_gate(x)) * shared(x) added after the experts' (GraniteMoeShared's shared
+    # MLP: no gate, shared(x) added)
     shared: tuple | None = None
     shared_gate: torch.nn.Linear | None = None
     # GPT-OSS: the top_k logits' softmax in their own dtype (Granite MoE's in float32)
@@ -192,7 +198,7 @@ class MoEWeights:
     @property
     def linears(self) -> tuple:
         """The router's and every expert's matrices (and the shared expert's)."""
-        shared = () if self.shared is None else (*self.shared, self.shared_gate)
+        shared = () if self.shared is None else tuple(lin for lin in (*self.shared, self.shared_gate) if lin is not None)
         return (self.router, *self.gate_up, *self.down, *shared)
 
 
@@ -830,6 +836,10 @@ class LayeredModel:
         for i, layer in enumerate(layers):
             if hasattr(_mlp_block(layer), "experts"):
                 _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer), model_type)
+            shared_mlp = getattr(layer, "shared_mlp", None)
+            if shared_mlp is not None:  # GraniteMoeShared's: a gated MLP, gate and up rows fused
+                projections += [(f"model.layers.{i}.shared_mlp.{name}", getattr(shared_mlp, name, None))
+                                for name in ("input_linear", "output_linear")]
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -948,7 +958,7 @@ class LayeredModel:
         gate = act = moe = None
         if hasattr(mlp, "experts"):  # a sparse MoE block (its dense layers: an MLP below)
             up = down = None
-            moe = self._moe(mlp)
+            moe = self._moe(mlp, getattr(layer, "shared_mlp", None))
         elif hasattr(mlp, "gate_up_proj"):  # Phi-3: the gate's rows, then the up projection's
             inter = mlp.gate_up_proj.out_features // 2
             gate, up = RowSlice(mlp.gate_up_proj, 0, inter), RowSlice(mlp.gate_up_proj, inter, 2 * inter)
@@ -1004,9 +1014,14 @@ class LayeredModel:
             moe=moe,
         )
 
-    def _moe(self, block) -> MoEWeights:
+    def _moe(self, block, shared_mlp=None) -> MoEWeights:
         experts, router = block.experts, _router(block)
         shared = getattr(block, "shared_expert", None)
+        shared_rows = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+        if shared_mlp is not None:  # GraniteMoeShared: the layer's own, its gate rows then up's in input_linear
+            inter = shared_mlp.input_linear.out_features // 2
+            shared_rows = (RowSlice(shared_mlp.input_linear, 0, inter),
+                           RowSlice(shared_mlp.input_linear, inter, 2 * inter), shared_mlp.output_linear)
         if self.config.model_type == "gpt_oss":  # experts stored [in, out]: transposed views
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),
@@ -1021,10 +1036,10 @@ class LayeredModel:
             act=experts.act_fn,
             top_k=int(router.top_k),
             # Mixtral always renormalises and multiplies by the float32 weights
-            normalize=bool(getattr(router, "norm_topk_prob", True)) and self.config.model_type != "granitemoe",
+            normalize=bool(getattr(router, "norm_topk_prob", True)) and self.config.model_type not in GRANITE_MOE_TYPES,
             round_weights=self.config.model_type != "mixtral",
-            softmax_of_top=self.config.model_type == "granitemoe",
-            shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
+            softmax_of_top=self.config.model_type in GRANITE_MOE_TYPES,
+            shared=shared_rows,
             shared_gate=getattr(block, "shared_expert_gate", None),
         )
 

@@ -667,7 +667,7 @@ class Engine:
         if moe.shared is not None:  # Qwen2-MoE: its shared expert, sigmoid-gated, added last
             gate, up, down = moe.shared
             shared = lin(self.view.act_mul(lin(x, gate), lin(x, up)), down)
-            out = out + torch.sigmoid(lin(x, moe.shared_gate)) * shared
+            out = out + (shared if moe.shared_gate is None else torch.sigmoid(lin(x, moe.shared_gate)) * shared)
         return out
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
