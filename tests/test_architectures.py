@@ -57,6 +57,9 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks: as large as the scores
                 param.normal_(0.0, 2.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing: a bias that decides
+                buffer.normal_(0.0, 0.2)
     return model.to(dtype).eval()
 
 
@@ -301,6 +304,19 @@ SUPPORTED = {
     "granitemoe_swa": dict(arch="GraniteMoeSWA", num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                            shared_intermediate_size=48, sliding_window=16, layer_rope_theta=[10000.0, 0, 10.0, 10.0],
                            max_position_embeddings=1024),
+    # DeepSeek-V3's MoE routing (sigmoid scores, a correction bias, the best 2 of 4 expert
+    # groups, renormalised and scaled weights, a shared MLP): GLM-4.5 (a dense first layer,
+    # per-head q/k norms, RoPE on half of each head, q/k/v biases), dots.llm1 (Qwen3's
+    # attention), Solar Open (Llama's attention, every layer MoE)
+    "glm4_moe": dict(arch="Glm4Moe", head_dim=16, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1,
+                     norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True,
+                     random_norms=True),
+    "dots1": dict(arch="Dots1", head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                  n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False,
+                  routed_scaling_factor=1.5),
+    "solar_open": dict(arch="SolarOpen", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True),
 }
 
 
@@ -320,7 +336,8 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "cohere-qk-norm", "gpt_neox", "qwen3_moe", "mixtral-window", "gpt2", "opt",
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
-                                  "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2"])
+                                  "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
+                                  "granitemoeshared"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

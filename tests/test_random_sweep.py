@@ -107,6 +107,12 @@ ARCHS = {
     "GraniteMoeSWA": dict(num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=64, sliding_window=24,
                           layer_types=["full_attention"] + ["sliding_attention"] * 3,
                           layer_rope_theta=[10000.0, 0, 10.0, 10.0]),
+    # DeepSeek-V3's routing (sigmoid, correction bias, expert groups, a shared MLP)
+    "Glm4Moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_group=4, topk_group=2,
+                    first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True),
+    "Dots1": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, n_group=2, topk_group=1, n_shared_experts=1,
+                  first_k_dense_replace=0, norm_topk_prob=False),
+    "SolarOpen": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -128,7 +134,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
-                "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss"):
+                "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
+                "SolarOpen"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -153,6 +160,9 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks
                 p.normal_(0.0, 2.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing
+                b.normal_(0.0, 0.2)
     return model.to(dtype).eval(), config
 
 

@@ -36,7 +36,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
-                         "granitemoe_swa")
+                         "granitemoe_swa", "glm4_moe", "dots1", "solar_open")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -53,7 +53,11 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
-             "granitemoe_swa")
+             "granitemoe_swa", "glm4_moe", "dots1", "solar_open")
+# MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
+# float32 router logits, experts chosen by score + e_score_correction_bias within the best
+# groups, and an ungated shared MLP (`shared_experts`)
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open")
 # Granite MoE and its kin: the softmax of the top-k router logits; GraniteMoeShared and
 # Granite-MoE-SWA add the layer's ungated shared MLP (`shared_mlp`, gate and up rows fused)
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
@@ -146,7 +150,9 @@ class MatrixView:
         self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # a float32 x on a 16-bit router weight (DeepSeek-V3's routing): the weight widened
+        # exactly, as HF's router does
+        return F.linear(x, self.weight.to(x.dtype), self.bias)
 
 
 class TransposedLinear:
@@ -194,6 +200,14 @@ class MoEWeights:
     route_in_float32: bool = True
     # GPT-OSS: gate_up's product -> the experts' hidden rows, HF's own function
     gate_fn: object | None = None
+    # DeepSeek-V3's routing (SIGMOID_ROUTER_TYPES), on float32 logits of the rows widened:
+    # sigmoid scores; the choice by score + correction_bias [E] among the experts of the
+    # topk_group best of n_group groups (a group's worth: its two best choice values); the
+    # weights the chosen scores (renormalised where `normalize`) times routed_scaling, float32
+    correction_bias: torch.Tensor | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
 
     @property
     def linears(self) -> tuple:
@@ -375,6 +389,9 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     """An MoE block the engine computes as MoEWeights says: a router with a float weight
     [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     float weights (a quantized or biased expert, or another router, is refused by name)."""
+    if model_type in SIGMOID_ROUTER_TYPES:
+        _check_sigmoid_router_moe(name, block)
+        return
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
             return
@@ -430,6 +447,36 @@ def _check_gpt_oss_moe(name: str, block) -> bool:
     two_i = shapes["gate_up_proj"][2]
     return two_i % 2 == 0 and shapes["gate_up_proj_bias"] == (E, two_i) and shapes["down_proj"] == (E, two_i // 2, H) \
         and shapes["down_proj_bias"] == (E, H) and tuple(params["bias"].shape) == (E,)
+
+
+def _check_sigmoid_router_moe(name: str, block) -> None:
+    """DeepSeek-V3's MoE form (MoEWeights' correction_bias): a router with a float weight
+    [E, H], e_score_correction_bias [E], n_group / topk_group / norm_topk_prob /
+    routed_scaling_factor / top_k; experts of gate_up_proj [E, 2I, H] / down_proj [E, H, I];
+    a plain gated shared MLP (`shared_experts`). Anything else is refused by name."""
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
+    weights = dict(experts.named_parameters(recurse=False))
+    gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
+    weight, bias = getattr(router, "weight", None), getattr(router, "e_score_correction_bias", None)
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and all(hasattr(router, a) for a in ("top_k", "num_group", "topk_group", "norm_topk_prob",
+                                                  "routed_scaling_factor"))
+            and weight.shape[0] % router.num_group == 0 and weight.shape[0] // router.num_group >= 2
+            and set(weights) == {"gate_up_proj", "down_proj"} and hasattr(experts, "act_fn")
+            and all(child is experts.act_fn for child in experts.children())
+            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.dtype in FLOAT_DTYPES
+            and down.dtype in FLOAT_DTYPES and gate_up.shape[0] == down.shape[0] == weight.shape[0]
+            and gate_up.shape[1] == 2 * down.shape[2]
+            and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
+    if not fits:
+        raise UnsupportedModelError(
+            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+            f"{type(experts).__name__}: for this model type it runs DeepSeek-V3's sigmoid router with a "
+            "correction bias, experts of gate_up_proj / down_proj and a gated shared MLP only); use plain "
+            "model.generate() for this model")
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
 
 
 def attention_window(config) -> int | None:
@@ -1022,6 +1069,16 @@ class LayeredModel:
             inter = shared_mlp.input_linear.out_features // 2
             shared_rows = (RowSlice(shared_mlp.input_linear, 0, inter),
                            RowSlice(shared_mlp.input_linear, inter, 2 * inter), shared_mlp.output_linear)
+        if self.config.model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-V3's routing
+            shared = block.shared_experts
+            return MoEWeights(
+                router=MatrixView(router.weight),
+                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+                down=[MatrixView(w) for w in experts.down_proj],
+                act=experts.act_fn, top_k=int(router.top_k), normalize=bool(router.norm_topk_prob),
+                round_weights=False, shared=(shared.gate_proj, shared.up_proj, shared.down_proj),
+                correction_bias=router.e_score_correction_bias, n_group=int(router.num_group),
+                topk_group=int(router.topk_group), routed_scaling=float(router.routed_scaling_factor))
         if self.config.model_type == "gpt_oss":  # experts stored [in, out]: transposed views
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),

@@ -643,16 +643,10 @@ class Engine:
         the same [R, H] block as the layer's others (so a row's result is its own whatever
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
-        logits = lin(x, moe.router)[:real_rows]  # [n, E]
-        if moe.softmax_of_top:  # Granite MoE (in float32), GPT-OSS (in the model's dtype)
-            top, chosen = torch.topk(logits.float() if moe.route_in_float32 else logits, moe.top_k, dim=-1)
-            top = torch.softmax(top, dim=-1)
+        if moe.correction_bias is not None:  # DeepSeek-V3's routing (GLM-4.5, dots.llm1)
+            top, chosen = self._sigmoid_route(lin(x.float(), moe.router)[:real_rows], moe)
         else:
-            top, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)  # [R, k]
-        if moe.normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        if moe.round_weights:
-            top = top.to(logits.dtype)
+            top, chosen = self._softmax_route(lin(x, moe.router)[:real_rows], moe)
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # ascending, as HF's loop
             rows, slot = torch.where(chosen == expert)
@@ -669,6 +663,41 @@ class Engine:
             shared = lin(self.view.act_mul(lin(x, gate), lin(x, up)), down)
             out = out + (shared if moe.shared_gate is None else torch.sigmoid(lin(x, moe.shared_gate)) * shared)
         return out
+
+    @staticmethod
+    def _softmax_route(logits: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [n, E] -> (weights [n, k], experts [n, k]): the softmax's top_k in
+        float32 (renormalised where `normalize`), or the softmax of the top_k logits (Granite
+        MoE in float32, GPT-OSS in the logits' dtype); rounded to the logits' dtype where
+        `round_weights`."""
+        if moe.softmax_of_top:
+            top, chosen = torch.topk(logits.float() if moe.route_in_float32 else logits, moe.top_k, dim=-1)
+            top = torch.softmax(top, dim=-1)
+        else:
+            top, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
+        if moe.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if moe.round_weights:
+            top = top.to(logits.dtype)
+        return top, chosen
+
+    @staticmethod
+    def _sigmoid_route(logits: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing of float32 logits [n, E] -> (weights [n, k] float32, experts
+        [n, k]), HF's ops in HF's order (MoEWeights.correction_bias)."""
+        scores = torch.sigmoid(logits)
+        choice = scores + moe.correction_bias
+        n, experts = choice.shape
+        group_scores = choice.view(n, moe.n_group, experts // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, moe.n_group, experts // moe.n_group).reshape(n, experts)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        chosen = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+        top = scores.gather(1, chosen)
+        if moe.normalize:
+            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+        return top * moe.routed_scaling, chosen
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
         """`run_layers`' PyTorch-ops branch with the fused Triton kernels (fused_small_ops):
