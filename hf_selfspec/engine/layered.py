@@ -95,7 +95,8 @@ CPU_ONLY_REFUSAL = (
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2), MoE blocks (GPT-OSS's too), "
-    "attention sinks (GPT-OSS) or q/k norms after RoPE (HunYuan), which the engine's CUDA programs do not serve yet: use it on the CPU, or plain "
+    "attention sinks (GPT-OSS, Granite-SWA) or q/k norms after RoPE (HunYuan), which the engine's "
+    "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
@@ -212,8 +213,8 @@ class MoEWeights:
     @property
     def linears(self) -> tuple:
         """The router's and every expert's matrices (and the shared expert's)."""
-        shared = () if self.shared is None else tuple(lin for lin in (*self.shared, self.shared_gate) if lin is not None)
-        return (self.router, *self.gate_up, *self.down, *shared)
+        shared = () if self.shared is None else (*self.shared, self.shared_gate)
+        return (self.router, *self.gate_up, *self.down, *(lin for lin in shared if lin is not None))
 
 
 @dataclass
