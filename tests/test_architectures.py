@@ -317,6 +317,13 @@ SUPPORTED = {
                   routed_scaling_factor=1.5),
     "solar_open": dict(arch="SolarOpen", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True),
+    # K-EXAONE: EXAONE 4's attention (per-head q/k norms; with a window, its full-attention
+    # layers unrotated) in pre-norm layers, a dense first layer, DeepSeek-V3's routing
+    "exaone_moe": dict(arch="ExaoneMoe", head_dim=16, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, num_shared_experts=1, n_group=2, topk_group=1,
+                       mlp_layer_types=["dense", "sparse", "sparse", "sparse"], routed_scaling_factor=2.0,
+                       sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                       max_position_embeddings=1024, random_norms=True),
 }
 
 
