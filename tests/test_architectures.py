@@ -324,6 +324,9 @@ SUPPORTED = {
                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], routed_scaling_factor=2.0,
                        sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
                        max_position_embeddings=1024, random_norms=True),
+    # FlexOlmo: OLMo 2's layers (norms on the blocks' outputs, whole-projection q/k norms)
+    # with OLMoE's experts
+    "flex_olmo": dict(arch="FlexOlmo", num_experts=8, num_experts_per_tok=2, random_norms=True),
 }
 
 

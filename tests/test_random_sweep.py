@@ -117,6 +117,7 @@ ARCHS = {
     "ExaoneMoe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1, n_group=2,
                       topk_group=1, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=24,
                       layer_types=["sliding_attention", "full_attention"] * 2),
+    "FlexOlmo": dict(num_experts=8, num_experts_per_tok=2),  # OLMo 2's layers, OLMoE's experts
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

@@ -36,7 +36,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
-                         "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe")
+                         "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -53,7 +53,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
-             "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe")
+             "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
