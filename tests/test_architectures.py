@@ -51,7 +51,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
-            if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE experts; routers: decisive
+            if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight")):  # routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else 4.0) * param.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 param.normal_(0.0, 0.5)
@@ -327,6 +327,9 @@ SUPPORTED = {
     # FlexOlmo: OLMo 2's layers (norms on the blocks' outputs, whole-projection q/k norms)
     # with OLMoE's experts
     "flex_olmo": dict(arch="FlexOlmo", num_experts=8, num_experts_per_tok=2, random_norms=True),
+    # HunYuan-MoE: HunYuan's q/k norms after RoPE, a float32 router (`wg`) on the rows widened,
+    # renormalised top-k weights, the block's ungated shared MLP
+    "hunyuan_v1_moe": dict(arch="HunYuanMoEV1", head_dim=16, num_experts=8, moe_topk=2, random_norms=True),
 }
 
 

@@ -118,6 +118,8 @@ ARCHS = {
                       topk_group=1, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], sliding_window=24,
                       layer_types=["sliding_attention", "full_attention"] * 2),
     "FlexOlmo": dict(num_experts=8, num_experts_per_tok=2),  # OLMo 2's layers, OLMoE's experts
+    # q/k norms after RoPE, a router `wg`, the block's shared MLP
+    "HunYuanMoEV1": dict(num_experts=8, moe_topk=2),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -140,7 +142,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe"):
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -159,7 +161,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 1.0)
             if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
-            if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # MoE experts; routers: decisive
+            if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight")):  # routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 p.normal_(0.0, 0.5)

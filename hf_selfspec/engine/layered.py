@@ -36,7 +36,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "opt", "gpt_neo", "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen",
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
-                         "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo")
+                         "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
+                         "hunyuan_v1_moe")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -53,7 +54,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
-             "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo")
+             "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -106,7 +107,7 @@ ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "code
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
 HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen")
 # models whose per-head q/k norms come after RoPE
-QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense",)
+QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4", "exaone_moe")
 # models that rotate q and k in their sliding layers only (Cohere 2: its full-attention
@@ -199,6 +200,9 @@ class MoEWeights:
     shared_gate: torch.nn.Linear | None = None
     # GPT-OSS: the top_k logits' softmax in their own dtype (Granite MoE's in float32)
     route_in_float32: bool = True
+    # the router's product on the rows widened to float32 (DeepSeek-V3's routing; HunYuan-MoE's
+    # where its router weight is float32), else on the rows as they are
+    router_input_float32: bool = False
     # GPT-OSS: gate_up's product -> the experts' hidden rows, HF's own function
     gate_fn: object | None = None
     # DeepSeek-V3's routing (SIGMOID_ROUTER_TYPES), on float32 logits of the rows widened:
@@ -401,16 +405,17 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
             f"{type(block.experts).__name__}: for GPT-OSS it runs a float top-k router with a bias and "
             "experts of gate_up_proj / down_proj with their biases only); use plain model.generate()")
     router, experts = _router(block), block.experts
-    weights = dict(experts.named_parameters(recurse=False))
-    gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
-    fits = (router is not None and isinstance(getattr(router, "weight", None), torch.Tensor)
-            and router.weight.dtype in FLOAT_DTYPES and router.weight.dim() == 2 and hasattr(router, "top_k")
-            and set(weights) == {"gate_up_proj", "down_proj"}
-            and all(child is getattr(experts, "act_fn", None) for child in experts.children())
-            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.dtype in FLOAT_DTYPES
-            and down.dtype in FLOAT_DTYPES and hasattr(experts, "act_fn")
-            and gate_up.shape[0] == down.shape[0] == router.weight.shape[0]
-            and gate_up.shape[1] == 2 * down.shape[2])
+    weight = _router_linear(block, model_type).weight if router is not None else None
+    fits = (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_DTYPES and weight.dim() == 2
+            and hasattr(router, "top_k") and _standard_experts(experts, weight.shape[0]))
+    if fits and model_type == "hunyuan_v1_moe":  # its router's `wg`, its ungated shared MLP in the block
+        shared_mlp = getattr(block, "shared_mlp", None)
+        fits = router.wg.bias is None and shared_mlp is not None \
+            and all(hasattr(shared_mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        for part, module in ((f"{name}.gate.wg", router.wg),
+                             *((f"{name}.shared_mlp.{n}", getattr(shared_mlp, n, None))
+                               for n in ("gate_proj", "up_proj", "down_proj"))):
+            _check_plain_linear(part, module)
     shared, shared_gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
     if fits and (shared is not None or shared_gate is not None):  # Qwen2-MoE's: both, plain
         fits = shared is not None and shared_gate is not None and shared_gate.out_features == 1 \
@@ -424,6 +429,26 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
             f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
             f"{type(experts).__name__}: it runs a float top-k router and experts of gate_up_proj / "
             "down_proj only); use plain model.generate() for this model")
+
+
+def _standard_experts(experts, num_experts: int) -> bool:
+    """Whether an MoE block's experts hold exactly gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I] float weights and their activation module (nothing else)."""
+    weights = dict(experts.named_parameters(recurse=False))
+    gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
+    return (set(weights) == {"gate_up_proj", "down_proj"} and hasattr(experts, "act_fn")
+            and all(child is experts.act_fn for child in experts.children())
+            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.dtype in FLOAT_DTYPES
+            and down.dtype in FLOAT_DTYPES and gate_up.shape[0] == down.shape[0] == num_experts
+            and gate_up.shape[1] == 2 * down.shape[2])
+
+
+def _router_linear(block, model_type: str | None):
+    """The module holding an MoE block's router weight [E, H] (HunYuan-MoE's gate holds it in
+    an nn.Linear `wg`; every other router holds it itself)."""
+    router = _router(block)
+    return router.wg if model_type == "hunyuan_v1_moe" and isinstance(getattr(router, "wg", None),
+                                                                      torch.nn.Linear) else router
 
 
 def _check_gpt_oss_moe(name: str, block) -> bool:
@@ -456,19 +481,13 @@ def _check_sigmoid_router_moe(name: str, block) -> None:
     routed_scaling_factor / top_k; experts of gate_up_proj [E, 2I, H] / down_proj [E, H, I];
     a plain gated shared MLP (`shared_experts`). Anything else is refused by name."""
     router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
-    weights = dict(experts.named_parameters(recurse=False))
-    gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
     weight, bias = getattr(router, "weight", None), getattr(router, "e_score_correction_bias", None)
     fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
             and isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
             and all(hasattr(router, a) for a in ("top_k", "num_group", "topk_group", "norm_topk_prob",
                                                   "routed_scaling_factor"))
             and weight.shape[0] % router.num_group == 0 and weight.shape[0] // router.num_group >= 2
-            and set(weights) == {"gate_up_proj", "down_proj"} and hasattr(experts, "act_fn")
-            and all(child is experts.act_fn for child in experts.children())
-            and gate_up.dim() == 3 and down.dim() == 3 and gate_up.dtype in FLOAT_DTYPES
-            and down.dtype in FLOAT_DTYPES and gate_up.shape[0] == down.shape[0] == weight.shape[0]
-            and gate_up.shape[1] == 2 * down.shape[2]
+            and _standard_experts(experts, weight.shape[0])
             and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
     if not fits:
         raise UnsupportedModelError(
@@ -1063,14 +1082,9 @@ class LayeredModel:
         )
 
     def _moe(self, block, shared_mlp=None) -> MoEWeights:
-        experts, router = block.experts, _router(block)
-        shared = getattr(block, "shared_expert", None)
-        shared_rows = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
-        if shared_mlp is not None:  # GraniteMoeShared: the layer's own, its gate rows then up's in input_linear
-            inter = shared_mlp.input_linear.out_features // 2
-            shared_rows = (RowSlice(shared_mlp.input_linear, 0, inter),
-                           RowSlice(shared_mlp.input_linear, inter, 2 * inter), shared_mlp.output_linear)
-        if self.config.model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-V3's routing
+        """The MoE block's MoEWeights (shared_mlp: GraniteMoeShared's, held by the layer)."""
+        experts, router, model_type = block.experts, _router(block), self.config.model_type
+        if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-V3's routing
             shared = block.shared_experts
             return MoEWeights(
                 router=MatrixView(router.weight),
@@ -1078,27 +1092,38 @@ class LayeredModel:
                 down=[MatrixView(w) for w in experts.down_proj],
                 act=experts.act_fn, top_k=int(router.top_k), normalize=bool(router.norm_topk_prob),
                 round_weights=False, shared=(shared.gate_proj, shared.up_proj, shared.down_proj),
-                correction_bias=router.e_score_correction_bias, n_group=int(router.num_group),
-                topk_group=int(router.topk_group), routed_scaling=float(router.routed_scaling_factor))
-        if self.config.model_type == "gpt_oss":  # experts stored [in, out]: transposed views
+                router_input_float32=True, correction_bias=router.e_score_correction_bias,
+                n_group=int(router.num_group), topk_group=int(router.topk_group),
+                routed_scaling=float(router.routed_scaling_factor))
+        if model_type == "gpt_oss":  # experts stored [in, out]: transposed views
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),
                 gate_up=[MatrixView(w.t(), b) for w, b in zip(experts.gate_up_proj, experts.gate_up_proj_bias)],
                 down=[MatrixView(w.t(), b) for w, b in zip(experts.down_proj, experts.down_proj_bias)],
                 act=None, top_k=int(router.top_k), normalize=False, round_weights=True, softmax_of_top=True,
                 route_in_float32=False, gate_fn=experts._apply_gate)
+        # Qwen2-MoE's gated shared expert; HunYuan-MoE's ungated shared MLP in the block
+        shared = block.shared_mlp if model_type == "hunyuan_v1_moe" else getattr(block, "shared_expert", None)
+        shared_rows = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+        if shared_mlp is not None:  # GraniteMoeShared: gate rows, then up's, in input_linear
+            inter = shared_mlp.input_linear.out_features // 2
+            shared_rows = (RowSlice(shared_mlp.input_linear, 0, inter),
+                           RowSlice(shared_mlp.input_linear, inter, 2 * inter), shared_mlp.output_linear)
+        router_weight = _router_linear(block, model_type).weight
         return MoEWeights(
-            router=MatrixView(router.weight),
+            router=MatrixView(router_weight),
             gate_up=[MatrixView(w) for w in experts.gate_up_proj],
             down=[MatrixView(w) for w in experts.down_proj],
             act=experts.act_fn,
             top_k=int(router.top_k),
             # Mixtral always renormalises and multiplies by the float32 weights
-            normalize=bool(getattr(router, "norm_topk_prob", True)) and self.config.model_type not in GRANITE_MOE_TYPES,
-            round_weights=self.config.model_type != "mixtral",
-            softmax_of_top=self.config.model_type in GRANITE_MOE_TYPES,
+            normalize=bool(getattr(router, "norm_topk_prob", True)) and model_type not in GRANITE_MOE_TYPES,
+            round_weights=model_type != "mixtral",
+            softmax_of_top=model_type in GRANITE_MOE_TYPES,
             shared=shared_rows,
             shared_gate=getattr(block, "shared_expert_gate", None),
+            # HunYuan-MoE: HF widens the rows where its router's weight is float32
+            router_input_float32=model_type == "hunyuan_v1_moe" and router_weight.dtype == torch.float32,
         )
 
     def _all_rope_tables(self, inner, max_positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

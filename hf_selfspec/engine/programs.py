@@ -643,10 +643,11 @@ class Engine:
         the same [R, H] block as the layer's others (so a row's result is its own whatever
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
+        logits = lin(x.float() if moe.router_input_float32 else x, moe.router)[:real_rows]  # [n, E]
         if moe.correction_bias is not None:  # DeepSeek-V3's routing (GLM-4.5, dots.llm1)
-            top, chosen = self._sigmoid_route(lin(x.float(), moe.router)[:real_rows], moe)
+            top, chosen = self._sigmoid_route(logits, moe)
         else:
-            top, chosen = self._softmax_route(lin(x, moe.router)[:real_rows], moe)
+            top, chosen = self._softmax_route(logits, moe)
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # ascending, as HF's loop
             rows, slot = torch.where(chosen == expert)
