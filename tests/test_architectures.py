@@ -33,6 +33,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
     torch.manual_seed(0)
     model_class = overrides.pop("model_class", f"{arch}ForCausalLM")
     random_norms = overrides.pop("random_norms", False)  # else HF's ones and zeros
+    router_scale = overrides.pop("router_scale", 4.0)  # MoE routers' logits: decisive by default
     config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -52,7 +53,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
             if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight")):  # routers: decisive
-                param.normal_(0.0, (1.0 if param.dim() == 3 else 4.0) * param.shape[-1] ** -0.5)
+                param.normal_(0.0, (1.0 if param.dim() == 3 else router_scale) * param.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 param.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks: as large as the scores
@@ -60,6 +61,9 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing: a bias that decides
                 buffer.normal_(0.0, 0.2)
+        for name, param in model.named_parameters():
+            if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's, a parameter
+                param.normal_(0.0, 0.2)
     return model.to(dtype).eval()
 
 
@@ -330,6 +334,10 @@ SUPPORTED = {
     # HunYuan-MoE: HunYuan's q/k norms after RoPE, a float32 router (`wg`) on the rows widened,
     # renormalised top-k weights, the block's ungated shared MLP
     "hunyuan_v1_moe": dict(arch="HunYuanMoEV1", head_dim=16, num_experts=8, moe_topk=2, random_norms=True),
+    # ERNIE 4.5 MoE: RoPE pairs, biases, a dense first layer, a float32 router whose choice adds
+    # a correction bias, weights over their clamped sum, a shared MLP
+    "ernie4_5_moe": dict(arch="Ernie4_5_Moe", head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=32, moe_num_shared_experts=1, use_bias=True, router_scale=0.5),
 }
 
 

@@ -120,6 +120,9 @@ ARCHS = {
     "FlexOlmo": dict(num_experts=8, num_experts_per_tok=2),  # OLMo 2's layers, OLMoE's experts
     # q/k norms after RoPE, a router `wg`, the block's shared MLP
     "HunYuanMoEV1": dict(num_experts=8, moe_topk=2),
+    # RoPE pairs, a float32 router whose choice adds a correction bias, a shared MLP
+    "Ernie4_5_Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, moe_num_shared_experts=1,
+                         use_bias=True),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -142,7 +145,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1"):
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -167,6 +170,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks
                 p.normal_(0.0, 2.0)
+            if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's routing
+                p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing
                 b.normal_(0.0, 0.2)

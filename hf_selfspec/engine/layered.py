@@ -37,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
-                         "hunyuan_v1_moe")
+                         "hunyuan_v1_moe", "ernie4_5_moe")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -54,7 +54,8 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
-             "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe")
+             "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
+             "ernie4_5_moe")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -102,10 +103,10 @@ CPU_ONLY_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
-HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen")
+HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen", "ernie4_5_moe")
 # models whose per-head q/k norms come after RoPE
 QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 # models whose full-attention layers go unrotated when the model has a sliding window
@@ -213,6 +214,10 @@ class MoEWeights:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
+    # ERNIE 4.5 MoE (`norm_min` set): the softmax of float32 logits; the choice by probability
+    # + correction_bias; the weights the chosen probabilities over their sum (at least
+    # norm_min), rounded to the rows' dtype
+    norm_min: float | None = None
 
     @property
     def linears(self) -> tuple:
@@ -397,6 +402,9 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     if model_type in SIGMOID_ROUTER_TYPES:
         _check_sigmoid_router_moe(name, block)
         return
+    if model_type == "ernie4_5_moe":
+        _check_ernie_moe(name, block)
+        return
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
             return
@@ -429,6 +437,27 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
             f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
             f"{type(experts).__name__}: it runs a float top-k router and experts of gate_up_proj / "
             "down_proj only); use plain model.generate() for this model")
+
+
+def _check_ernie_moe(name: str, block) -> None:
+    """ERNIE 4.5's MoE form (MoEWeights.norm_min): a router with a float weight [E, H],
+    moe_statics.e_score_correction_bias [1, E], top_k and norm_min; experts of gate_up_proj /
+    down_proj; a gated shared MLP (`shared_experts`) or none."""
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
+    weight = getattr(router, "weight", None)
+    bias = getattr(getattr(router, "moe_statics", None), "e_score_correction_bias", None)
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and isinstance(bias, torch.Tensor) and bias.numel() == weight.shape[0] and bias.dtype in FLOAT_DTYPES
+            and hasattr(router, "top_k") and hasattr(router, "norm_min")
+            and _standard_experts(experts, weight.shape[0])
+            and (shared is None or all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))))
+    if not fits:
+        raise UnsupportedModelError(
+            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+            f"{type(experts).__name__}: for ERNIE 4.5 it runs a float32 router with a correction bias, "
+            "experts of gate_up_proj / down_proj and a gated shared MLP only); use plain model.generate()")
+    for n in ("gate_proj", "up_proj", "down_proj") if shared is not None else ():
+        _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
 
 
 def _standard_experts(experts, num_experts: int) -> bool:
@@ -1095,6 +1124,16 @@ class LayeredModel:
                 router_input_float32=True, correction_bias=router.e_score_correction_bias,
                 n_group=int(router.num_group), topk_group=int(router.topk_group),
                 routed_scaling=float(router.routed_scaling_factor))
+        if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
+            shared = block.shared_experts
+            return MoEWeights(
+                router=MatrixView(router.weight),
+                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+                down=[MatrixView(w) for w in experts.down_proj],
+                act=experts.act_fn, top_k=int(router.top_k), normalize=True, round_weights=True,
+                shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
+                router_input_float32=True, correction_bias=router.moe_statics.e_score_correction_bias.view(-1),
+                norm_min=float(router.norm_min))
         if model_type == "gpt_oss":  # experts stored [in, out]: transposed views
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),

@@ -644,7 +644,9 @@ class Engine:
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
         logits = lin(x.float() if moe.router_input_float32 else x, moe.router)[:real_rows]  # [n, E]
-        if moe.correction_bias is not None:  # DeepSeek-V3's routing (GLM-4.5, dots.llm1)
+        if moe.norm_min is not None:  # ERNIE 4.5
+            top, chosen = self._biased_softmax_route(logits, moe, x.dtype)
+        elif moe.correction_bias is not None:  # DeepSeek-V3's routing (GLM-4.5, dots.llm1)
             top, chosen = self._sigmoid_route(logits, moe)
         else:
             top, chosen = self._softmax_route(logits, moe)
@@ -681,6 +683,17 @@ class Engine:
         if moe.round_weights:
             top = top.to(logits.dtype)
         return top, chosen
+
+    @staticmethod
+    def _biased_softmax_route(logits: torch.Tensor, moe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """ERNIE 4.5's routing of float32 logits [n, E] -> (weights [n, k] in `dtype`, experts
+        [n, k]): the softmax; the choice by probability + correction_bias; the chosen
+        probabilities over their sum, at least norm_min."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        chosen = torch.topk(probs + moe.correction_bias, moe.top_k, dim=-1)[1]
+        top = torch.gather(probs, dim=-1, index=chosen)
+        top = top / torch.clamp(top.sum(dim=-1, keepdim=True), min=moe.norm_min)
+        return top.to(dtype), chosen
 
     @staticmethod
     def _sigmoid_route(logits: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
