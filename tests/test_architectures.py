@@ -338,6 +338,10 @@ SUPPORTED = {
     # a correction bias, weights over their clamped sum, a shared MLP
     "ernie4_5_moe": dict(arch="Ernie4_5_Moe", head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                          moe_intermediate_size=32, moe_num_shared_experts=1, use_bias=True, router_scale=0.5),
+    # MiniMax-M2: whole-projection q/k norms, RoPE on part of each head, a sigmoid router whose
+    # choice adds the block's correction bias, renormalised weights
+    "minimax_m2": dict(arch="MiniMaxM2", head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 
 

@@ -123,6 +123,9 @@ ARCHS = {
     # RoPE pairs, a float32 router whose choice adds a correction bias, a shared MLP
     "Ernie4_5_Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, moe_num_shared_experts=1,
                          use_bias=True),
+    # whole-projection q/k norms, partial RoPE, a sigmoid router with the block's correction bias
+    "MiniMaxM2": dict(num_local_experts=8, num_experts_per_tok=2, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -145,7 +148,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe"):
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

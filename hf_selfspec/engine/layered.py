@@ -37,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
-                         "hunyuan_v1_moe", "ernie4_5_moe")
+                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -55,7 +55,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
-             "ernie4_5_moe")
+             "ernie4_5_moe", "minimax_m2")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -214,6 +214,9 @@ class MoEWeights:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
+    # added to the chosen scores' sum before the renormalisation (DeepSeek-V3's 1e-20;
+    # MiniMax-M2, whose choice has no groups: 0)
+    norm_eps: float = 1e-20
     # ERNIE 4.5 MoE (`norm_min` set): the softmax of float32 logits; the choice by probability
     # + correction_bias; the weights the chosen probabilities over their sum (at least
     # norm_min), rounded to the rows' dtype
@@ -405,6 +408,9 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     if model_type == "ernie4_5_moe":
         _check_ernie_moe(name, block)
         return
+    if model_type == "minimax_m2":
+        _check_minimax_moe(name, block)
+        return
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
             return
@@ -458,6 +464,21 @@ def _check_ernie_moe(name: str, block) -> None:
             "experts of gate_up_proj / down_proj and a gated shared MLP only); use plain model.generate()")
     for n in ("gate_proj", "up_proj", "down_proj") if shared is not None else ():
         _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
+
+
+def _check_minimax_moe(name: str, block) -> None:
+    """MiniMax-M2's MoE form: a router with a float weight [E, H] and top_k, the block's
+    e_score_correction_bias [E], experts of gate_up_proj / down_proj, no shared expert."""
+    router, experts = _router(block), block.experts
+    weight, bias = getattr(router, "weight", None), getattr(block, "e_score_correction_bias", None)
+    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and hasattr(router, "top_k") and weight.shape[0] >= 2 and _standard_experts(experts, weight.shape[0])
+            and not hasattr(block, "shared_experts")):
+        raise UnsupportedModelError(
+            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+            f"{type(experts).__name__}: for MiniMax-M2 it runs a sigmoid router with a correction bias and "
+            "experts of gate_up_proj / down_proj only); use plain model.generate()")
 
 
 def _standard_experts(experts, num_experts: int) -> bool:
@@ -1124,6 +1145,14 @@ class LayeredModel:
                 router_input_float32=True, correction_bias=router.e_score_correction_bias,
                 n_group=int(router.num_group), topk_group=int(router.topk_group),
                 routed_scaling=float(router.routed_scaling_factor))
+        if model_type == "minimax_m2":  # DeepSeek-V3's routing without groups, scaling or shared MLP
+            return MoEWeights(
+                router=MatrixView(router.weight),
+                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+                down=[MatrixView(w) for w in experts.down_proj],
+                act=experts.act_fn, top_k=int(router.top_k), normalize=True, round_weights=False,
+                router_input_float32=router.weight.dtype == torch.float32,
+                correction_bias=block.e_score_correction_bias, norm_eps=0.0)
         if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
             shared = block.shared_experts
             return MoEWeights(

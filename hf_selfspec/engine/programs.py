@@ -697,9 +697,10 @@ class Engine:
 
     @staticmethod
     def _sigmoid_route(logits: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's routing of float32 logits [n, E] -> (weights [n, k] float32, experts
-        [n, k]), HF's ops in HF's order (MoEWeights.correction_bias)."""
-        scores = torch.sigmoid(logits)
+        """DeepSeek-V3's routing of logits [n, E] (float32; MiniMax-M2's in its router's dtype)
+        -> (weights [n, k] float32, experts [n, k]), HF's ops in HF's order
+        (MoEWeights.correction_bias)."""
+        scores = torch.sigmoid(logits.float())
         choice = scores + moe.correction_bias
         n, experts = choice.shape
         group_scores = choice.view(n, moe.n_group, experts // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
@@ -710,7 +711,7 @@ class Engine:
         chosen = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
         top = scores.gather(1, chosen)
         if moe.normalize:
-            top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+            top = top / (top.sum(dim=-1, keepdim=True) + moe.norm_eps)
         return top * moe.routed_scaling, chosen
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
