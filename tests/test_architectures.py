@@ -342,6 +342,10 @@ SUPPORTED = {
     # choice adds the block's correction bias, renormalised weights
     "minimax_m2": dict(arch="MiniMaxM2", head_dim=16, num_local_experts=8, num_experts_per_tok=2,
                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # PhiMoE (Phi-3.5-MoE): LayerNorms, biases on q/k/v/o and the LM head, its sparsemixer's top-2
+    # routing (HF's own function), a window
+    "phimoe": dict(arch="Phimoe", num_local_experts=8, num_experts_per_tok=2, random_norms=True,
+                   attention_bias=True, lm_head_bias=True, sliding_window=16, router_scale=1.0),
 }
 
 

@@ -126,6 +126,8 @@ ARCHS = {
     # whole-projection q/k norms, partial RoPE, a sigmoid router with the block's correction bias
     "MiniMaxM2": dict(num_local_experts=8, num_experts_per_tok=2, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    # LayerNorms, biases, the sparsemixer's top-2 routing, a window
+    "Phimoe": dict(num_local_experts=8, num_experts_per_tok=2, attention_bias=True, sliding_window=24),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

@@ -37,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
-                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2")
+                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -51,11 +51,12 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
-                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2")
+                    "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2",
+                    "phimoe")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
-             "ernie4_5_moe", "minimax_m2")
+             "ernie4_5_moe", "minimax_m2", "phimoe")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -96,7 +97,7 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
-    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2), MoE blocks (GPT-OSS's too), "
+    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA) or q/k norms after RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
@@ -217,6 +218,9 @@ class MoEWeights:
     # added to the chosen scores' sum before the renormalisation (DeepSeek-V3's 1e-20;
     # MiniMax-M2, whose choice has no groups: 0)
     norm_eps: float = 1e-20
+    # PhiMoE: HF's own routing function of the logits -> (weights [n, k], experts [n, k])
+    # (its sparsemixer, evaluation mode)
+    route_fn: object | None = None
     # ERNIE 4.5 MoE (`norm_min` set): the softmax of float32 logits; the choice by probability
     # + correction_bias; the weights the chosen probabilities over their sum (at least
     # norm_min), rounded to the rows' dtype
@@ -1145,6 +1149,16 @@ class LayeredModel:
                 router_input_float32=True, correction_bias=router.e_score_correction_bias,
                 n_group=int(router.num_group), topk_group=int(router.topk_group),
                 routed_scaling=float(router.routed_scaling_factor))
+        if model_type == "phimoe":  # HF's own sparsemixer on the router's logits
+            from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+            return MoEWeights(
+                router=MatrixView(router.weight),
+                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+                down=[MatrixView(w) for w in experts.down_proj],
+                act=experts.act_fn, top_k=int(router.top_k), normalize=False, round_weights=False,
+                route_fn=functools.partial(sparsemixer, jitter_eps=router.router_jitter_noise, training=False,
+                                           top_k=int(router.top_k)))
         if model_type == "minimax_m2":  # DeepSeek-V3's routing without groups, scaling or shared MLP
             return MoEWeights(
                 router=MatrixView(router.weight),

@@ -644,7 +644,9 @@ class Engine:
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
         logits = lin(x.float() if moe.router_input_float32 else x, moe.router)[:real_rows]  # [n, E]
-        if moe.norm_min is not None:  # ERNIE 4.5
+        if moe.route_fn is not None:  # PhiMoE: HF's own
+            top, chosen = moe.route_fn(logits)
+        elif moe.norm_min is not None:  # ERNIE 4.5
             top, chosen = self._biased_softmax_route(logits, moe, x.dtype)
         elif moe.correction_bias is not None:  # DeepSeek-V3's routing (GLM-4.5, dots.llm1)
             top, chosen = self._sigmoid_route(logits, moe)
