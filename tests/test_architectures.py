@@ -346,6 +346,21 @@ SUPPORTED = {
     # routing (HF's own function), a window
     "phimoe": dict(arch="Phimoe", num_local_experts=8, num_experts_per_tok=2, random_norms=True,
                    attention_bias=True, lm_head_bias=True, sliding_window=16, router_scale=1.0),
+    # Cohere 2 MoE: Cohere 2's parallel layers with a dense prefix layer (RoPE forced there) and
+    # MoE blocks: the top-k logits' softmax, a shared MLP averaged in; its RMSNorm form, and
+    # its LayerNorm form with a sigmoid selection and the shared MLP summed
+    "cohere2_moe": dict(arch="Cohere2Moe", num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                        num_shared_experts=1, mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                        prefix_dense_intermediate_size=96, sliding_window=16, rms_norm_eps=1e-5, logit_scale=0.5,
+                        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                        max_position_embeddings=1024, random_norms=True, router_scale=1.0),
+    "cohere2_moe-layernorm-sigmoid": dict(arch="Cohere2Moe", num_hidden_layers=4, num_experts=8,
+                                          num_experts_per_tok=2, num_shared_experts=1,
+                                          mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                                          prefix_dense_intermediate_size=96, sliding_window=16,
+                                          expert_selection_fn="sigmoid", norm_topk_prob=True,
+                                          shared_expert_combination_strategy="sum", max_position_embeddings=1024,
+                                          random_norms=True, router_scale=1.0),
 }
 
 

@@ -128,6 +128,10 @@ ARCHS = {
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     # LayerNorms, biases, the sparsemixer's top-2 routing, a window
     "Phimoe": dict(num_local_experts=8, num_experts_per_tok=2, attention_bias=True, sliding_window=24),
+    # parallel layers, RoPE pairs in sliding layers (and the dense prefix), top-k logits' softmax
+    "Cohere2Moe": dict(num_experts=8, num_experts_per_tok=2, num_shared_experts=1, sliding_window=24,
+                       mlp_layer_types=["dense", "sparse", "sparse", "sparse"], prefix_dense_intermediate_size=96,
+                       layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

@@ -37,7 +37,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
-                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe")
+                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -52,11 +52,11 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2",
-                    "phimoe")
+                    "phimoe", "cohere2_moe")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
-             "ernie4_5_moe", "minimax_m2", "phimoe")
+             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -104,7 +104,8 @@ CPU_ONLY_REFUSAL = (
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
-ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe")
+ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe",
+                    "cohere2_moe")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
 HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen", "ernie4_5_moe")
@@ -114,7 +115,7 @@ QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
 GLOBAL_NOPE_TYPES = ("exaone4", "exaone_moe")
 # models that rotate q and k in their sliding layers only (Cohere 2: its full-attention
 # layers are NoPE whatever the window)
-SLIDING_ROPE_TYPES = ("cohere2",)
+SLIDING_ROPE_TYPES = ("cohere2", "cohere2_moe")
 # Gemma 2 and 3 (VaultGemma: Gemma 2 without the blocks' output norms): query_pre_attn_scalar,
 # soft caps (Gemma 3's are None), hidden_activation
 GEMMA_LATER_TYPES = ("gemma2", "gemma3_text", "vaultgemma")
@@ -218,9 +219,11 @@ class MoEWeights:
     # added to the chosen scores' sum before the renormalisation (DeepSeek-V3's 1e-20;
     # MiniMax-M2, whose choice has no groups: 0)
     norm_eps: float = 1e-20
-    # PhiMoE: HF's own routing function of the logits -> (weights [n, k], experts [n, k])
-    # (its sparsemixer, evaluation mode)
+    # PhiMoE, Cohere 2 MoE: a routing function of the logits -> (weights [n, k], experts
+    # [n, k]) (PhiMoE's: HF's own sparsemixer, evaluation mode)
     route_fn: object | None = None
+    # Cohere 2 MoE's "average": (experts + shared) / 2 (else their sum)
+    shared_average: bool = False
     # ERNIE 4.5 MoE (`norm_min` set): the softmax of float32 logits; the choice by probability
     # + correction_bias; the weights the chosen probabilities over their sum (at least
     # norm_min), rounded to the rows' dtype
@@ -415,6 +418,9 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     if model_type == "minimax_m2":
         _check_minimax_moe(name, block)
         return
+    if model_type == "cohere2_moe":
+        _check_cohere2_moe(name, block)
+        return
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
             return
@@ -483,6 +489,40 @@ def _check_minimax_moe(name: str, block) -> None:
             f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
             f"{type(experts).__name__}: for MiniMax-M2 it runs a sigmoid router with a correction bias and "
             "experts of gate_up_proj / down_proj only); use plain model.generate()")
+
+
+def _check_cohere2_moe(name: str, block) -> None:
+    """Cohere 2 MoE's form: a router with a float weight [E, H], top_k, a softmax or sigmoid
+    selection; experts of gate_up_proj / down_proj; a gated shared MLP (or none) summed or
+    averaged."""
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
+    weight = getattr(router, "weight", None)
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and hasattr(router, "top_k") and getattr(router, "expert_selection_fn", None) in ("softmax", "sigmoid")
+            and getattr(block, "shared_expert_combination_strategy", None) in ("sum", "average")
+            and _standard_experts(experts, weight.shape[0])
+            and (shared is None or all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))))
+    if not fits:
+        raise UnsupportedModelError(
+            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+            f"{type(experts).__name__}: for Cohere 2 MoE it runs a softmax or sigmoid top-k router, "
+            "experts of gate_up_proj / down_proj and a gated shared MLP only); use plain model.generate()")
+    for n in ("gate_proj", "up_proj", "down_proj") if shared is not None else ():
+        _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
+
+
+def cohere2_moe_route(logits: torch.Tensor, top_k: int, selection: str, normalize: bool):
+    """Cohere 2 MoE's routing, as its router computes it from the logits [n, E]: the top_k
+    logits, their softmax in float32 or their sigmoid (renormalised where `normalize`),
+    rounded to the logits' dtype -> (weights [n, k], experts [n, k])."""
+    scores, chosen = torch.topk(logits, top_k, dim=-1)
+    if selection == "softmax":
+        scores = F.softmax(scores, dim=1, dtype=torch.float)
+    else:
+        scores = F.sigmoid(scores)
+        if normalize:
+            scores = scores / torch.sum(scores, dim=-1, keepdim=True)
+    return scores.to(logits.dtype), chosen
 
 
 def _standard_experts(experts, num_experts: int) -> bool:
@@ -705,8 +745,8 @@ def _rotates(attention, config) -> bool:
         return bool(attention.use_rope)
     if config.model_type in GLOBAL_NOPE_TYPES:
         return getattr(attention, "sliding_window", None) is None or bool(attention.is_sliding)
-    if config.model_type in SLIDING_ROPE_TYPES:
-        return attention.sliding_window is not None
+    if config.model_type in SLIDING_ROPE_TYPES:  # Cohere 2 MoE: its dense prefix layers may force RoPE
+        return attention.sliding_window is not None or bool(getattr(attention, "force_rope", False))
     if config.model_type in PER_LAYER_THETA_TYPES:  # Granite-SWA: a base of 0 is NoPE
         return bool(config.layer_rope_theta[attention.layer_idx])
     return True
@@ -777,7 +817,7 @@ def _parallel_form(config) -> str | None:
     """How a layer's blocks read h (LayeredModel.parallel): None one after the other,
     "shared" both from one input norm, "two" each from its own."""
     model_type = config.model_type
-    if model_type in ("phi", "cohere", "gptj", "codegen", "cohere2") \
+    if model_type in ("phi", "cohere", "gptj", "codegen", "cohere2", "cohere2_moe") \
             or (model_type == "stablelm" and config.use_parallel_residual):
         return "shared"
     if model_type == "gpt_neox" and config.use_parallel_residual:
@@ -865,7 +905,7 @@ class LayeredModel:
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
         self.logits_scaling = float(config.logits_scaling) if granite and config.model_type != "hyperclovax" else 1.0
         # Cohere multiplies its logits by logit_scale, HyperCLOVAX by logits_scaling
-        self.logit_scale = (float(config.logit_scale) if config.model_type in ("cohere", "cohere2")
+        self.logit_scale = (float(config.logit_scale) if config.model_type in ("cohere", "cohere2", "cohere2_moe")
                             else float(config.logits_scaling) if config.model_type == "hyperclovax" else 1.0)
         # HunYuan norms q and k (per head) after RoPE, every other model before it
         self.qk_norm_after_rope = config.model_type in QK_NORM_AFTER_ROPE_TYPES
@@ -1159,6 +1199,18 @@ class LayeredModel:
                 act=experts.act_fn, top_k=int(router.top_k), normalize=False, round_weights=False,
                 route_fn=functools.partial(sparsemixer, jitter_eps=router.router_jitter_noise, training=False,
                                            top_k=int(router.top_k)))
+        if model_type == "cohere2_moe":  # the top-k logits' softmax or sigmoid; a shared MLP summed or averaged
+            shared = getattr(block, "shared_experts", None)
+            return MoEWeights(
+                router=MatrixView(router.weight),
+                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+                down=[MatrixView(w) for w in experts.down_proj],
+                act=experts.act_fn, top_k=int(router.top_k), normalize=False, round_weights=False,
+                shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
+                route_fn=functools.partial(cohere2_moe_route, top_k=int(router.top_k),
+                                           selection=router.expert_selection_fn,
+                                           normalize=bool(router.norm_topk_prob)),
+                shared_average=block.shared_expert_combination_strategy == "average")
         if model_type == "minimax_m2":  # DeepSeek-V3's routing without groups, scaling or shared MLP
             return MoEWeights(
                 router=MatrixView(router.weight),

@@ -644,7 +644,7 @@ class Engine:
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
         logits = lin(x.float() if moe.router_input_float32 else x, moe.router)[:real_rows]  # [n, E]
-        if moe.route_fn is not None:  # PhiMoE: HF's own
+        if moe.route_fn is not None:  # PhiMoE (HF's own), Cohere 2 MoE
             top, chosen = moe.route_fn(logits)
         elif moe.norm_min is not None:  # ERNIE 4.5
             top, chosen = self._biased_softmax_route(logits, moe, x.dtype)
@@ -667,6 +667,8 @@ class Engine:
             gate, up, down = moe.shared
             shared = lin(self.view.act_mul(lin(x, gate), lin(x, up)), down)
             out = out + (shared if moe.shared_gate is None else torch.sigmoid(lin(x, moe.shared_gate)) * shared)
+            if moe.shared_average:  # Cohere 2 MoE's "average"
+                out = out / 2
         return out
 
     @staticmethod
