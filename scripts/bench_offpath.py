@@ -16,7 +16,7 @@ process: a fresh Python process loads the default model and times its first and 
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
 phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
 opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b, bloom_560m, codegen_350m,
-nemotron_mini, mpt_7b: (not in the default parts) a random-weight model of a real checkpoint's
+nemotron_mini, mpt_7b, gpt_oss_20b, glm4_5_air, granite_swa: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -209,6 +209,26 @@ RANDOM_SHAPES = {
     "mpt_7b": ("MptConfig", "MptForCausalLM", dict(
         vocab_size=50432, d_model=4096, n_layers=32, n_heads=32, max_seq_len=2048, bos_token_id=0, eos_token_id=0),
         "mpt-7b (27 GB in fp32: --layers 4; ALiBi, norms without biases)"),
+    "gpt_oss_20b": ("GptOssConfig", "GptOssForCausalLM", dict(
+        vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+        "gpt-oss-20b (84 GB in fp32: --layers 2; attention sinks, windows in alternate layers, 32 experts, 4 "
+        "per token)"),
+    "glm4_5_air": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=128,
+        num_experts_per_tok=8, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+        norm_topk_prob=True, routed_scaling_factor=1.0, attention_bias=True, use_qk_norm=False,
+        max_position_embeddings=131072, tie_word_embeddings=False),
+        "GLM-4.5-Air (440 GB in fp32: --layers 2; DeepSeek-V3's sigmoid routing, 128 experts, 8 per token, "
+        "a shared MLP; RoPE on half of each head)"),
+    "granite_swa": ("GraniteSWAConfig", "GraniteSWAForCausalLM", dict(
+        vocab_size=100352, hidden_size=2560, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=20,
+        num_key_value_heads=4, sliding_window=128, max_position_embeddings=8192, tie_word_embeddings=True),
+        "Granite-SWA 2B (attention sinks, a window in 3 of 4 layers)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

@@ -11,11 +11,13 @@ embeddings, soft caps; Gemma 3's image-text class for its text), GLM, GLM-4, ERN
 Cohere (RoPE turning adjacent pairs), the LayerNorm families (StableLM, OLMo 1, Phi,
 StarCoder 2, Cohere, GPT-NeoX, GPT-J, CodeGen, Falcon, Nemotron: norm modules called as HF
 does, parallel blocks, plain MLPs), the models with learned positions (GPT-2: Conv1D weights
-read transposed in place; OPT, GPT-Neo, GPT-BigCode), Bloom and MPT (ALiBi), and sparse MoE
-models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE); GQA, MQA and
-MHA; tied or untied LM head; linear biases; any head_dim; every RoPE type of these models'
-HF rotary module (default, linear, dynamic, yarn, llama3, longrope), whose own tables the
-engine takes. Each type is listed only after its modeling code was read against Llama's:
+read transposed in place; OPT, GPT-Neo, GPT-BigCode), Bloom and MPT (ALiBi), the models with
+attention sinks (GPT-OSS, Granite-SWA: a RoPE base per layer), and sparse MoE models
+(Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo, Mixtral, the Granite MoEs, HunYuan-MoE, PhiMoE's
+sparsemixer, Cohere 2 MoE, GPT-OSS; DeepSeek-V3's sigmoid routing: GLM-4.5, dots.llm1, Solar
+Open, K-EXAONE, MiniMax-M2; ERNIE 4.5 MoE); GQA, MQA and MHA; tied or untied LM head;
+linear biases; any head_dim; every RoPE type of these models' HF rotary module (default,
+linear, dynamic, yarn, llama3, longrope), whose own tables the engine takes. Each type is listed only after its modeling code was read against Llama's:
 a model of another type is refused, never run on a guess.
 """
 
