@@ -1460,8 +1460,12 @@ inline void store_row(TC* __restrict dst, const float* __restrict src, int64_t d
 // (see rows_attention; P = 0 for chains), base int64 [R] or [0] the slot of each row's
 // logical key 0 (see rows_attention). norm_offset 1: every norm scales by (1 + w) (Gemma;
 // 0: by w); gelu: the MLP's activation is GELU's tanh approximation (Gemma; else SiLU);
-// softcap, window: as rows_attention's; rope_pairs: RoPE turns adjacent pairs (rope_rows). All CPU and contiguous, no biases (the caller uses
-// the PyTorch path for biased layers). Everything is checked before the cache is written.
+// softcap, window: as rows_attention's; rope_pairs: RoPE turns adjacent pairs (rope_rows).
+// With linear biases (Qwen2's q/k/v, `attention_bias`, `mlp_bias`): 20 weights, the 13 (norms
+// the layer lacks empty) then the biases of q [Hq*d], k, v [Hkv*d], o [H], gate, up [I] and
+// down [H], each empty where that projection has none, any float dtype (widened to float32),
+// added to its product's float32 rows. All CPU and contiguous. Everything is checked before
+// the cache is written.
 torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                          torch::Tensor limit, double eps, double scale, double residual_scale, torch::Tensor path,
@@ -1473,8 +1477,9 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
                          torch::Tensor base, double norm_offset, bool gelu, double softcap, int64_t window,
                          bool rope_pairs) {
   const char* fn = "rows_layer";
-  TORCH_CHECK(weights.size() == 9 || weights.size() == 11 || weights.size() == 13,
-              "rows_layer: 9 weights, 11 with q/k norms or 13 with output norms, got ", weights.size());
+  TORCH_CHECK(weights.size() == 9 || weights.size() == 11 || weights.size() == 13 || weights.size() == 20,
+              "rows_layer: 9 weights, 11 with q/k norms, 13 with output norms or 20 with biases, got ",
+              weights.size());
   TORCH_CHECK(h.defined() && h.device().is_cpu() && h.scalar_type() == at::kFloat && h.dim() == 2 &&
               h.is_contiguous(), "rows_layer: h must be [R, H] float32 contiguous on the CPU");
   const int64_t R = h.size(0), H = h.size(1);
@@ -1483,7 +1488,8 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), d = k_cache.size(2);
   TORCH_CHECK(d % 2 == 0, "rows_layer: even head_dim <= 256 (RoPE halves), got ", d);
   static const char* names[] = {"input norm", "q", "k", "v", "o", "post norm", "gate", "up", "down", "q norm",
-                                "k norm", "attention output norm", "MLP output norm"};
+                                "k norm", "attention output norm", "MLP output norm", "q bias", "k bias",
+                                "v bias", "o bias", "gate bias", "up bias", "down bias"};
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& t = weights[i];
     TORCH_CHECK(t.defined() && t.device().is_cpu(), "rows_layer: the ", names[i], " weight must be a CPU tensor");
@@ -1507,8 +1513,9 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   const bool whole_qk = weights.size() > 9 && weights[9].dim() == 1 && weights[9].size(0) == Hq * d && Hq > 1;
   const std::vector<std::vector<int64_t>> shapes = {
       {H}, {Hq * d, H}, {Hkv * d, H}, {Hkv * d, H}, {H, Hq * d}, {H}, {I, H}, {I, H}, {H, I},
-      {whole_qk ? Hq * d : d}, {whole_qk ? Hkv * d : d}, {H}, {H}};
-  // the norms that may be left out (an empty tensor): q and k norm only together
+      {whole_qk ? Hq * d : d}, {whole_qk ? Hkv * d : d}, {H}, {H},
+      {Hq * d}, {Hkv * d}, {Hkv * d}, {H}, {I}, {I}, {H}};
+  // the norms and biases that may be left out (an empty tensor): q and k norm only together
   auto absent = [&](size_t i) { return (i == 0 || i == 5 || i >= 9) && weights[i].numel() == 0; };
   for (size_t i = 0; i < weights.size(); ++i)
     TORCH_CHECK(absent(i) || weights[i].sizes() == c10::IntArrayRef(shapes[i]), "rows_layer: the ", names[i],
@@ -1534,10 +1541,18 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
     TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "rows_layer: a slot is outside the cache: slots[", r, "] = ", sp[r],
                 ", the cache has ", S, " slots");
   check_attention_meta(limit, path, base, R, S, fn);  // before the cache is written
-  // norm weights as float32 (a no-op for float32 models)
-  std::vector<torch::Tensor> norm(13);  // by weight index; undefined: not applied (or not given)
-  for (int i : {0, 5, 9, 10, 11, 12})
+  // norm weights and biases as float32 (a no-op for float32 models)
+  std::vector<torch::Tensor> norm(20);  // by weight index; undefined: not applied (or not given)
+  for (int i : {0, 5, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19})
     if (i < static_cast<int>(weights.size()) && !absent(i)) norm[i] = weights[i].to(at::kFloat).contiguous();
+  // the product of rows x [R, in] with projection i (1-4, 6-8), plus its bias (weight i + 12 or
+  // 13, where given) on every row
+  auto product = [&](const torch::Tensor& x, int i) {
+    auto y = rows_linear(x, weights[i]);
+    const auto& b = norm[i < 5 ? i + 12 : i + 11];
+    if (b.defined()) y.add_(b);
+    return y;
+  };
 
   const float e = static_cast<float>(eps), off = static_cast<float>(norm_offset);
   // norm i of the rows of t [R, H] into out (out may be t), where the layer has that norm;
@@ -1549,9 +1564,9 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   };
   auto buffer = torch::empty_like(h);  // the blocks' normed inputs
   const auto x = normed(h, 0, buffer);
-  auto q = rows_linear(x, weights[1]);  // [R, Hq*d]
-  auto k = rows_linear(x, weights[2]);  // [R, Hkv*d]
-  auto v = rows_linear(x, weights[3]);
+  auto q = product(x, 1);  // [R, Hq*d]
+  auto k = product(x, 2);  // [R, Hkv*d]
+  auto v = product(x, 3);
   if (norm[9].defined()) {  // q/k norms before RoPE, on each head or on the whole projection
     rms_norm_rows(q.data_ptr<float>(), norm[9].data_ptr<float>(), q.data_ptr<float>(), whole_qk ? R : R * Hq,
                   whole_qk ? Hq * d : d, e, off);
@@ -1576,14 +1591,14 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   // a block's output joins the residual stream times residual_scale (Granite's
   // residual_multiplier: HF multiplies, then adds); 1: added as it is
   auto scaled = [&](torch::Tensor t) { return residual_scale == 1.0 ? t : t.mul_(residual_scale); };
-  auto attn_out = rows_linear(o, weights[4]);
+  auto attn_out = product(o, 4);
   auto h1 = h + scaled(normed(attn_out, 11, attn_out));
   const auto x1 = normed(h1, 5, buffer);
-  auto gate = rows_linear(x1, weights[6]);
-  auto up = rows_linear(x1, weights[7]);
+  auto gate = product(x1, 6);
+  auto up = product(x1, 7);
   if (gelu) gelu_tanh_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
   else silu_mul(gate.data_ptr<float>(), up.data_ptr<float>(), gate.data_ptr<float>(), gate.numel());
-  auto mlp_out = rows_linear(gate, weights[8]);
+  auto mlp_out = product(gate, 8);
   return h1 + scaled(normed(mlp_out, 12, mlp_out));
 }
 
@@ -2002,8 +2017,8 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
                           torch::Tensor slots, torch::Tensor limit, double eps, double scale, double residual_scale,
                           torch::Tensor path, torch::Tensor base, int64_t start, int64_t end, double norm_offset,
                           bool gelu, double softcap, int64_t window, bool rope_pairs) {
-  TORCH_CHECK(per_layer == 9 || per_layer == 11 || per_layer == 13, "rows_layers: 9, 11 or 13 weights per layer, got ",
-              per_layer);
+  TORCH_CHECK(per_layer == 9 || per_layer == 11 || per_layer == 13 || per_layer == 20,
+              "rows_layers: 9, 11, 13 or 20 weights per layer, got ", per_layer);
   const int64_t layers = static_cast<int64_t>(weights.size()) / per_layer;
   TORCH_CHECK(layers * per_layer == static_cast<int64_t>(weights.size()),
               "rows_layers: the weights must be whole layers of ", per_layer, ", got ", weights.size());

@@ -281,14 +281,13 @@ def test_rows_do_not_depend_on_where_segs_split_the_layers(layout, dtype):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma",
                                   "gemma2", "gemma3", "olmo3"])
 def test_kernel_layout_fused_layers_match_the_pytorch_layer(kind):
-    """The kernel layout runs a step's decoder layers in one C++ call (rows_layers) unless a
-    layer has biases: its hidden states, KV and logits agree with the same engine running the
-    PyTorch layer ops to fp32 rounding, on every row of a step."""
+    """The kernel layout runs a step's decoder layers in one C++ call (rows_layers), Qwen2's
+    q/k/v biases included: its hidden states, KV and logits agree with the same engine
+    running the PyTorch layer ops to fp32 rounding, on every row of a step."""
     model = tiny_model(kind, seed=8)
     engine = Engine(model, EngineConfig(width=8, capacity=600, row_layout="kernel"))
-    assert (engine._fused_weights is None) == (kind == "qwen2")
-    if engine._fused_weights is None:
-        return
+    assert engine._fused_weights is not None
+    assert (engine._fused_per_layer == 20) == (kind == "qwen2")  # the form with biases
     fused = engine._fused_weights
     prompt = torch.randint(3, 256, (290,), generator=torch.Generator().manual_seed(3)).tolist()
     engine.prefill(prompt)

@@ -520,13 +520,14 @@ def layer():
 
 
 def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, out_norms=False, gemma=False,
-                pairs=False, dtype=torch.float32, cache_dtype=torch.float32):
+                pairs=False, biases=None, dtype=torch.float32, cache_dtype=torch.float32):
     """Random weights (dtype), cache (cache_dtype) and R chain rows at slots 20.. of a
     cache whose slots before them hold earlier keys. out_norms: OLMo 2's form (no input or
     post norm, q/k norms over the whole projection, the blocks' outputs normed); gemma: Gemma
     2/3's (all four norms and per-head q/k norms, scaling by 1 + w around 0; GELU; scores
     soft-capped at 2; a sliding window of 9 keys); pairs: RoPE turning adjacent pairs (GLM,
-    ERNIE 4.5), its tables each angle twice in a row."""
+    ERNIE 4.5), its tables each angle twice in a row; biases: the projections (of q, k, v, o,
+    gate, up, down) given a bias, the others an empty tensor (the 20-weight form)."""
     def mat(o, i):
         return (torch.randn(o, i, generator=gen) / i ** 0.5).to(dtype)
 
@@ -545,6 +546,12 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, o
         w += [norm(d), norm(d), norm(H), norm(H)]
         for i in (0, 5, 9, 10, 11, 12):  # weights around 0: the norms scale by 1 + w
             w[i] = w[i] - 1
+    if biases is not None:  # the 20-weight form: absent norms empty, then the 7 biases
+        none = torch.empty(0, dtype=dtype)
+        w += [none] * (13 - len(w))
+        sizes = dict(q=Hq * d, k=Hkv * d, v=Hkv * d, o=H, gate=I, up=I, down=H)
+        w += [(0.5 * torch.randn(n, generator=gen)).to(dtype) if name in biases else none
+              for name, n in sizes.items()]
     k_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
     v_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
     h = torch.randn(R, H, generator=gen)
@@ -582,6 +589,12 @@ def _layer_reference(case):
     def rms(x, g):  # an empty weight: no norm; Gemma's scale by 1 + w
         return x if g.numel() == 0 else (g + c["norm_offset"]) * (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps))
 
+    bias = dict(zip((1, 2, 3, 4, 6, 7, 8), W[13:20])) if len(W) == 20 else {}
+
+    def lin(x, i):  # projection i, plus its bias where the 20-weight form gives one
+        y = x @ W[i].T
+        return y + bias[i] if i in bias and bias[i].numel() else y
+
     def rope(t):  # on the first cos.shape[-1] dimensions of each head (partial rotary)
         r = c["cos"].shape[-1]
         turned, half = t[..., :r], r // 2
@@ -593,12 +606,12 @@ def _layer_reference(case):
 
     h = c["h"].double()
     x = rms(h, W[0])
-    q, k, v = (x @ W[1].T), (x @ W[2].T), (x @ W[3].T).view(R, Hkv, d)
+    q, k, v = lin(x, 1), lin(x, 2), lin(x, 3).view(R, Hkv, d)
     whole = len(W) > 9 and W[9].numel() == Hq * d  # OLMo 2: over the whole projection
     if whole:
         q, k = rms(q, W[9]), rms(k, W[10])
     q, k = q.view(R, Hq, d), k.view(R, Hkv, d)
-    if len(W) > 9 and not whole:
+    if len(W) > 9 and not whole and W[9].numel():
         q, k = rms(q, W[9]), rms(k, W[10])
     q, k = rope(q), rope(k)
     kc, vc = c["k_cache"].double().clone(), c["v_cache"].double().clone()
@@ -607,11 +620,11 @@ def _layer_reference(case):
         vc[:, c["slots"][r]] = v[r].float().to(c["v_cache"].dtype).double()
     o = rows_attention_reference(q, kc, vc, c["limit"], c["scale"], c["path"], c["base"], c["softcap"], c["window"])
     no_norm = W[0].new_empty(0)
-    attn_norm, mlp_norm = (W[11], W[12]) if len(W) == 13 else (no_norm, no_norm)
-    h1 = h + rms(o @ W[4].T, attn_norm) * c["residual_scale"]
+    attn_norm, mlp_norm = (W[11], W[12]) if len(W) >= 13 else (no_norm, no_norm)
+    h1 = h + rms(lin(o, 4), attn_norm) * c["residual_scale"]
     x = rms(h1, W[5])
-    act = F.gelu(x @ W[6].T, approximate="tanh") if c["gelu"] else F.silu(x @ W[6].T)
-    return h1 + rms((act * (x @ W[7].T)) @ W[8].T, mlp_norm) * c["residual_scale"]
+    act = F.gelu(lin(x, 6), approximate="tanh") if c["gelu"] else F.silu(lin(x, 6))
+    return h1 + rms(lin(act * lin(x, 7), 8), mlp_norm) * c["residual_scale"]
 
 
 LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d 12 and 64
@@ -620,8 +633,11 @@ LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d
     dict(H=76, Hq=4, Hkv=2, d=12, I=150, out_norms=True),
     dict(H=76, Hq=4, Hkv=2, d=12, I=150, gemma=True),
     dict(H=76, Hq=4, Hkv=2, d=12, I=150, pairs=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, I=150, biases=("q", "k", "v")),  # Qwen2's
+    dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True, biases=("q", "k", "v", "o", "gate", "up", "down")),
 ]
-LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms", "d12-gemma", "d12-rope-pairs"]
+LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms", "d12-gemma", "d12-rope-pairs", "d12-qkv-biases",
+             "d64-qknorm-all-biases"]
 
 
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=LAYER_IDS)
@@ -733,9 +749,10 @@ def test_layer_bad_arguments_are_refused_before_any_write(layer):
         return [t if j == i else x for j, x in enumerate(w)]
 
     cases = [
-        (dict(weights=w[:8]), "9 weights, 11 with q/k norms or 13"),
+        (dict(weights=w[:8]), "9 weights, 11 with q/k norms, 13 with output norms or 20 with biases"),
         (dict(norm_offset=0.5), "norm_offset must be 0 or 1"),
-        (dict(weights=w + [w[0]]), "9 weights, 11 with q/k norms or 13"),
+        (dict(weights=w + [w[0]]), "9 weights, 11 with q/k norms, 13 with output norms or 20"),
+        (dict(weights=w + [w[0][:0]] * 2 + [w[1][0]] + [w[0][:0]] * 6), "q bias weight must be \\[48\\] or empty"),
         (dict(weights=w + [w[0], w[0][:-1]]), "MLP output norm weight must be \\[76\\] or empty"),
         (dict(weights=swap(9, w[9][:0])), "q norm and k norm must both be given or both be empty"),
         (dict(weights=swap(9, torch.cat([w[9]] * 2))), "q norm weight must be \\[12\\]"),

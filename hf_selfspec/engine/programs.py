@@ -205,21 +205,24 @@ class Engine:
 
     def _fused_layer_weights(self) -> list[list[torch.Tensor]] | None:
         """Per layer, the weights `rows_layer(s)` takes (see cpu_rows.cpp), or None when the
-        layers run as PyTorch ops (another layout, or linear biases). Detached views of the
-        model's own parameters: the same storage, no copy."""
+        layers run as PyTorch ops (another layout). Detached views of the model's own
+        parameters: the same storage, no copy. With linear biases anywhere (Qwen2's q/k/v),
+        every layer gives all 20: its 13 weights and norms, then its 7 projections' biases
+        (an empty tensor where it has none)."""
         if self.layout.kernel_layers is None or not self.view.rms_sequential_gated:
             return None
+        biased = any(lin.bias is not None for lw in self.view.layers for lin in lw.linears)
         fused = []
         for lw in self.view.layers:
-            if any(lin.bias is not None for lin in lw.linears):
-                return None
-            # a norm the layer does not have goes as an empty tensor (rows_layer skips it)
+            # a norm (or bias) the layer does not have goes as an empty tensor (rows_layer skips it)
             w = [lw.input_norm, lw.q.weight, lw.k.weight, lw.v.weight, lw.o.weight, lw.post_norm,
                  lw.gate.weight, lw.up.weight, lw.down.weight]
-            if lw.q_norm is not None or not lw.norms_inputs_only:
+            if lw.q_norm is not None or not lw.norms_inputs_only or biased:
                 w += [lw.q_norm, lw.k_norm]
-            if not lw.norms_inputs_only:
+            if not lw.norms_inputs_only or biased:
                 w += [lw.attn_out_norm, lw.mlp_out_norm]
+            if biased:
+                w += [lin.bias for lin in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)]
             fused.append([self._no_norm if t is None else t.detach() for t in w])
         return fused
 
