@@ -16,7 +16,7 @@ process: a fresh Python process loads the default model and times its first and 
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
 phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
 opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b, bloom_560m, codegen_350m,
-nemotron_mini, mpt_7b, gpt_oss_20b, glm4_5_air, granite_swa: (not in the default parts) a random-weight model of a real checkpoint's
+nemotron_mini, mpt_7b, qwen2_5_0_5b, gpt_oss_20b, glm4_5_air, granite_swa: (not in the default parts) a random-weight model of a real checkpoint's
          shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
 """
 
@@ -209,6 +209,10 @@ RANDOM_SHAPES = {
     "mpt_7b": ("MptConfig", "MptForCausalLM", dict(
         vocab_size=50432, d_model=4096, n_layers=32, n_heads=32, max_seq_len=2048, bos_token_id=0, eos_token_id=0),
         "mpt-7b (27 GB in fp32: --layers 4; ALiBi, norms without biases)"),
+    "qwen2_5_0_5b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True),
+        "Qwen2.5-0.5B (q/k/v biases)"),
     "gpt_oss_20b": ("GptOssConfig", "GptOssForCausalLM", dict(
         vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
