@@ -319,6 +319,10 @@ SUPPORTED = {
     "dots1": dict(arch="Dots1", head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                   n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False,
                   routed_scaling_factor=1.5),
+    # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
+    "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
+                       n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                       n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
     "solar_open": dict(arch="SolarOpen", head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
                        moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True),
     # K-EXAONE: EXAONE 4's attention (per-head q/k norms; with a window, its full-attention
