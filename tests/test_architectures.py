@@ -319,6 +319,13 @@ SUPPORTED = {
     "dots1": dict(arch="Dots1", head_dim=16, n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                   n_shared_experts=2, n_group=2, topk_group=1, first_k_dense_replace=0, norm_topk_prob=False,
                   routed_scaling_factor=1.5),
+    # Mellum: Qwen3-MoE's layers (a dense one among them), a window and a RoPE per layer type
+    "mellum": dict(arch="Mellum", head_dim=16, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                   moe_intermediate_size=32, sliding_window=16, max_position_embeddings=1024,
+                   layer_types=["sliding_attention", "full_attention"] * 2,
+                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -661,6 +668,18 @@ def test_ministral3_served_below_its_query_scaling():
     assert self_greedy(model, [below])[0] == hf_greedy(model, below)
     with pytest.raises(ValueError, match="original_max_position_embeddings.*llama_4_scaling_beta"):
         self_greedy(model, [below + [5]])
+
+
+def test_mellum_partial_rotary_refused():
+    """HF's Mellum rotates whole heads (its tables of a partial_rotary_factor < 1 would not
+    fit them): such a config is refused by name, not run on a guess."""
+    overrides = dict(SUPPORTED["mellum"])
+    overrides["rope_parameters"] = {**overrides["rope_parameters"],
+                                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5}}
+    model = build(overrides.pop("arch"), **overrides)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor below 1 \\(mellum\\)"):
+        attach_heads(model, heads=False)
 
 
 def test_opt_350m_form_refused():

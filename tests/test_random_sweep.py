@@ -113,6 +113,10 @@ ARCHS = {
     "Dots1": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, n_group=2, topk_group=1, n_shared_experts=1,
                   first_k_dense_replace=0, norm_topk_prob=False),
     "SolarOpen": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
+    # Qwen3-MoE's layers, a RoPE and a window per layer type, a dense layer
+    "Mellum": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, sliding_window=24,
+                   layer_types=["sliding_attention", "full_attention"] * 2,
+                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], rope_parameters=TWO_ROPES),
     "SarvamMoE": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_group=2, topk_group=1),
     # EXAONE 4's attention (windows, the full layers unrotated) with DeepSeek-V3's routing
     "ExaoneMoe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1, n_group=2,
@@ -155,7 +159,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE"):
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

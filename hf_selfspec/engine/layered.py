@@ -39,7 +39,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "bloom", "mpt", "vaultgemma", "iquestcoder", "cwm", "jais2", "hyperclovax",
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
-                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe")
+                         "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
+                         "mellum")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -58,7 +59,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
-             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe")
+             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -1062,6 +1063,12 @@ class LayeredModel:
             raise UnsupportedModelError(
                 "scale_attn_by_inverse_layer_idx=True (gpt2): the engine scales every layer's "
                 "attention alike; use plain model.generate() for this model")
+        if config.model_type == "mellum" and any(
+                (params or {}).get("partial_rotary_factor", 1.0) != 1.0
+                for params in (getattr(config, "rope_parameters", None) or {}).values()):
+            raise UnsupportedModelError(
+                "partial_rotary_factor below 1 (mellum): HF's Mellum attention rotates whole heads and "
+                "cannot run these tables; the engine does not guess: use a full rotary configuration")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(
                 "use_bidirectional_attention=True: the engine decodes causally only; use plain "
