@@ -326,6 +326,11 @@ SUPPORTED = {
                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}),
+    # Apertus 1.5's text model: Apertus's layers, its LM head pruned to the first output_vocab_size
+    # ids (the embedding keeps the whole vocabulary); and unpruned
+    "apertus1p5-pruned-head": dict(arch="Apertus1p5Text", head_dim=16, random_norms=True,
+                                   max_position_embeddings=8192, output_vocab_size=200, tie_word_embeddings=False),
+    "apertus1p5": dict(arch="Apertus1p5Text", head_dim=16, random_norms=True, max_position_embeddings=8192),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,

@@ -23,7 +23,7 @@ ALWAYS = 0.0
 def random_heads(model, layers, seed=0):
     """Exit heads whose shallow heads have random adapters (confident, mostly wrong) and
     whose deepest head is the untrained logit lens one layer below the top (often right)."""
-    heads = ExitHeads.create(model, layers, torch.arange(model.config.vocab_size), adapter_dims=32)
+    heads = ExitHeads.create(model, layers, torch.arange(model.lm_head.out_features), adapter_dims=32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for head in heads.heads:
@@ -40,12 +40,11 @@ def random_top_heads(model, depth=2, seed=0, adapter=16):
     from hf_selfspec.heads.repo import fingerprint
     from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
 
-    cfg = model.config
+    cfg, vocab = model.config, model.lm_head.out_features  # the logits' width
     config = TopHeadsConfig(base_model="tiny", base_fingerprint=fingerprint(model),
                             num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                            vocab_size=cfg.vocab_size, depth=depth, adapter_dim=adapter,
-                            reduced_vocab=cfg.vocab_size)
-    heads = TopDraftHeads(config, torch.arange(cfg.vocab_size)).init_from_model(model)
+                            vocab_size=vocab, depth=depth, adapter_dim=adapter, reduced_vocab=vocab)
+    heads = TopDraftHeads(config, torch.arange(vocab)).init_from_model(model)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for step in heads.steps[1:]:  # step 0 stays the logit lens of the final state: often right

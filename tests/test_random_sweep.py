@@ -117,6 +117,8 @@ ARCHS = {
     "Mellum": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, sliding_window=24,
                    layer_types=["sliding_attention", "full_attention"] * 2,
                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], rope_parameters=TWO_ROPES),
+    # Apertus's layers, its LM head pruned to the first 90 ids
+    "Apertus1p5Text": dict(output_vocab_size=90, tie_word_embeddings=False),
     "SarvamMoE": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_group=2, topk_group=1),
     # EXAONE 4's attention (windows, the full layers unrotated) with DeepSeek-V3's routing
     "ExaoneMoe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1, n_group=2,
@@ -159,7 +161,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum"):
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -219,8 +221,8 @@ def test_random_off_path_case(seed):
         rows.append([motif[i % len(motif)] if rng.random() < 0.7 else rng.randrange(3, vocab) for i in range(n)])
     kw = dict(max_new_tokens=rng.choice([3, 16, 32]), do_sample=False)
     eos = [2]
-    if rng.random() < 0.3:
-        eos = [2, rng.randrange(3, vocab)]
+    if rng.random() < 0.3:  # a token the LM head can give (Apertus 1.5's is pruned to fewer ids)
+        eos = [2, rng.randrange(3, model.lm_head.out_features)]
         kw["eos_token_id"] = eos
     if dtype == torch.float32:
         kw.update(rng.choice([{}, {}, dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=3),

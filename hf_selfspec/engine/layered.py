@@ -40,7 +40,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
-                         "mellum")
+                         "mellum", "apertus1p5_text")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -77,7 +77,7 @@ PER_LAYER_THETA_TYPES = ("granite_swa", "granitemoe_swa")
 # rotation of the two halves), doubled here into the rotate_half form
 HALF_WIDTH_ROPE_TYPES = ("gpt_oss",)
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
-PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
+PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "apertus1p5_text", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
                    "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
@@ -881,7 +881,9 @@ class LayeredModel:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
-        self.vocab_size = config.vocab_size
+        # the logits' width: the LM head's rows (Apertus 1.5 may prune its head below the
+        # embedding's vocabulary)
+        self.vocab_size = model.lm_head.weight.shape[0]
         embedding = _embedding(inner)
         self.embed = embedding.weight  # [V, H]
         final = decoder_final_norm(inner)
