@@ -331,6 +331,9 @@ SUPPORTED = {
     "apertus1p5-pruned-head": dict(arch="Apertus1p5Text", head_dim=16, random_norms=True,
                                    max_position_embeddings=8192, output_vocab_size=200, tie_word_embeddings=False),
     "apertus1p5": dict(arch="Apertus1p5Text", head_dim=16, random_norms=True, max_position_embeddings=8192),
+    # NanoChat: parameter-free RMS norms (the embedding rows normed too), RoPE turning by -angle,
+    # q/k norms after it, a ReLU² plain MLP, soft-capped logits
+    "nanochat": dict(arch="NanoChat", head_dim=16, final_logit_softcapping=3.0, tie_word_embeddings=False),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -397,7 +400,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
-                                  "granitemoeshared"])
+                                  "granitemoeshared", "nanochat"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

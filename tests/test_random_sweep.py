@@ -119,6 +119,8 @@ ARCHS = {
                    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], rope_parameters=TWO_ROPES),
     # Apertus's layers, its LM head pruned to the first 90 ids
     "Apertus1p5Text": dict(output_vocab_size=90, tie_word_embeddings=False),
+    # parameter-free norms (the embedding too), RoPE by -angle, q/k norms after it, capped logits
+    "NanoChat": dict(final_logit_softcapping=3.0, tie_word_embeddings=False),
     "SarvamMoE": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_group=2, topk_group=1),
     # EXAONE 4's attention (windows, the full layers unrotated) with DeepSeek-V3's routing
     "ExaoneMoe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, num_shared_experts=1, n_group=2,
@@ -161,7 +163,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text"):
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
+                "NanoChat"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

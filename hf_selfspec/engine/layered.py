@@ -40,7 +40,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
-                         "mellum", "apertus1p5_text")
+                         "mellum", "apertus1p5_text", "nanochat")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -55,7 +55,7 @@ DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "mod
 # around the engine's products
 LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox", "gpt2", "opt", "gpt_neo",
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2",
-                    "phimoe", "cohere2_moe")
+                    "phimoe", "cohere2_moe", "nanochat")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
@@ -78,7 +78,8 @@ PER_LAYER_THETA_TYPES = ("granite_swa", "granitemoe_swa")
 HALF_WIDTH_ROPE_TYPES = ("gpt_oss",)
 # models with a plain MLP (up -> act -> down, no gate): HF's own activation module runs it
 PLAIN_MLP_TYPES = ("phi", "starcoder2", "gpt_neox", "arcee", "apertus", "apertus1p5_text", "gpt2", "opt", "gpt_neo", "gpt_bigcode",
-                   "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2")
+                   "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2",
+                   "nanochat")
 # models with learned absolute position embeddings (GPT-2's wpe, OPT's embed_positions) and
 # no RoPE: the position's row is added to the token's before the first layer
 LEARNED_POSITION_TYPES = ("gpt2", "opt", "gpt_neo", "gpt_bigcode")
@@ -100,7 +101,7 @@ CPU_ONLY_REFUSAL = (
     "this model soft-caps its attention scores (Gemma 2), rotates its layer types by their own "
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
-    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE), MoE blocks, "
+    "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA) or q/k norms after RoPE (HunYuan), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
@@ -113,7 +114,7 @@ ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "code
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
 HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen", "ernie4_5_moe")
 # models whose per-head q/k norms come after RoPE
-QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe")
+QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe", "nanochat")
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4", "exaone_moe")
 # models that rotate q and k in their sliding layers only (Cohere 2: its full-attention
@@ -906,7 +907,8 @@ class LayeredModel:
         self.gelu = _activation(config) in GELU_TANH_NAMES
         gemma2 = config.model_type in GEMMA_LATER_TYPES
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
-        self.logits_softcap = getattr(config, "final_logit_softcapping", None) if gemma2 else None
+        self.logits_softcap = (getattr(config, "final_logit_softcapping", None)
+                               if gemma2 or config.model_type == "nanochat" else None)
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
         self.logits_scaling = float(config.logits_scaling) if granite and config.model_type != "hyperclovax" else 1.0
         # Cohere multiplies its logits by logit_scale, HyperCLOVAX by logits_scaling
@@ -942,6 +944,8 @@ class LayeredModel:
         if config.model_type == "mpt":  # its attention config's scale
             self.scaling = config.attn_config.softmax_scale or self.scaling
         self.embedding_norm = getattr(inner, "word_embeddings_layernorm", None)
+        if config.model_type == "nanochat":  # its (parameter-free) final norm also norms the embedding rows
+            self.embedding_norm = inner.norm
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
         # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
@@ -1307,6 +1311,8 @@ class LayeredModel:
             if rope_type(self.config) == "dynamic":
                 rotary(probe, positions[:, :1], **kind)
             cos, sin = rotary(probe, positions, **kind)
+            if self.config.model_type == "nanochat":  # its rotate_half is (x2, -x1): the turn by -angle
+                sin = -sin
             if self.config.model_type in HALF_WIDTH_ROPE_TYPES:  # the angles once: both halves turn by them
                 cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             if self.config.model_type in ("gptj", "codegen"):
