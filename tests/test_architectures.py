@@ -743,6 +743,24 @@ def test_attention_sinks_in_both_attentions(case, layout):
     """GPT-OSS's and Granite-SWA's attention sinks in the C++ row attention (kernel) and the
     PyTorch block attention (fixed), within and past their windows and a 256-key block: HF's
     greedy tokens alone and (the C++ rows) batched, and its logits to float32 rounding."""
+    _greedy_and_logits_in_one_attention(case, layout)
+
+
+@pytest.mark.parametrize("layout", ["kernel", "fixed"])
+def test_bloom_alibi_in_both_attentions(layout):
+    """ALiBi in the C++ row attention (kernel) and the PyTorch block attention (fixed), past
+    a 256-key block: HF's greedy tokens and its logits to float32 rounding, alone and (the
+    C++ rows) batched; Bloom's own options refused."""
+    _greedy_and_logits_in_one_attention("bloom", layout)
+    for bad in (dict(apply_residual_connection_post_layernorm=True), dict(pretraining_tp=2, slow_but_exact=True)):
+        with pytest.raises(UnsupportedModelError, match="Bloom.*plain model.generate"):
+            attach_heads(build("Bloom", n_head=4, **bad), heads=False)
+
+
+def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
+    """SUPPORTED[case] with the attention of `layout` (kernel: the C++ rows; fixed: the
+    PyTorch blocks), prompts of 300 and 11 tokens: HF's greedy tokens alone and (the C++ rows)
+    batched, and the 300-token prompt's logits to float32 rounding."""
     overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
     rows = prompts(300, 11)
@@ -759,29 +777,3 @@ def test_attention_sinks_in_both_attentions(case, layout):
     assert torch.equal(got.sequences, reference.sequences)
     for a, b in zip(reference.logits, got.logits):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("layout", ["kernel", "fixed"])
-def test_bloom_alibi_in_both_attentions(layout):
-    """ALiBi in the C++ row attention (kernel) and the PyTorch block attention (fixed), past
-    a 256-key block: HF's greedy tokens and its logits to float32 rounding, alone and (the
-    C++ rows) batched; Bloom's own options refused."""
-    overrides = dict(SUPPORTED["bloom"])
-    model = build(overrides.pop("arch"), **overrides)
-    rows = prompts(300, 11)
-    expected = [hf_greedy(model, p) for p in rows]
-    ids = torch.tensor(rows[:1])
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8, pad_token_id=0,
-              return_dict_in_generate=True, output_logits=True)
-    reference = model.generate(ids, **kw)
-    attach_heads(model, heads=False, engine=EngineConfig(row_layout=layout))
-    assert [self_greedy(model, [p])[0] for p in rows] == expected
-    if layout == "kernel":
-        assert self_greedy(model, rows) == expected
-    got = model.generate(ids, assistant="self", **kw)
-    assert torch.equal(got.sequences, reference.sequences)
-    for a, b in zip(reference.logits, got.logits):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    for bad in (dict(apply_residual_connection_post_layernorm=True), dict(pretraining_tp=2, slow_but_exact=True)):
-        with pytest.raises(UnsupportedModelError, match="Bloom.*plain model.generate"):
-            attach_heads(build("Bloom", n_head=4, **bad), heads=False)

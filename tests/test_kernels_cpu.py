@@ -247,17 +247,7 @@ def test_attention_alibi_matches_float64_reference(dtype):
             assert torch.equal(alone[0], o[r])
     zero = alibi(q, k, v, lim, 0.25, NO_PATH, NO_BASE, 0.0, 0, torch.zeros(4))
     assert torch.equal(zero, plain(q, k, v, lim, 0.25, NO_PATH, NO_BASE, 0.0, 0))
-    q3 = torch.randn(3, 4, 16, generator=gen)
-    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, 105]])
-    lim = torch.tensor([100, 101, 102])
-    tree = alibi(q3, k, v, lim, 0.25, path, NO_BASE, 0.0, 0, slopes)
-    torch.testing.assert_close(tree, rows_attention_reference(q3, k, v, lim, 0.25, path, slopes=slopes),
-                               rtol=1e-4, atol=1e-4)
-    base = torch.tensor([0, 300, 600])
-    lim = torch.tensor([20, 250, 590])
-    batched = alibi(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, slopes)
-    torch.testing.assert_close(batched, rows_attention_reference(q3, k, v, lim, 0.25, None, base, slopes=slopes),
-                               rtol=1e-4, atol=1e-4)
+    q3, lim, base = _tree_and_batch_rows_match_reference(alibi, gen, k, v, slopes=slopes)
     with pytest.raises(RuntimeError, match=r"slopes must be a contiguous float32 CPU tensor \[Hq\] = \[4\]"):
         alibi(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.zeros(3))
 
@@ -282,21 +272,30 @@ def test_attention_sinks_match_float64_reference(dtype):
                 alone = sinks_fn(q[r:r + 1].contiguous(), k, v, lim[r:r + 1], 0.25, NO_PATH, NO_BASE, softcap, window,
                                  sinks)
                 assert torch.equal(alone[0], o[r])
-    q3 = torch.randn(3, 4, 16, generator=gen)
-    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, 105]])
-    lim = torch.tensor([100, 101, 102])
-    tree = sinks_fn(q3, k, v, lim, 0.25, path, NO_BASE, 0.0, 0, sinks)
-    torch.testing.assert_close(tree, rows_attention_reference(q3, k, v, lim, 0.25, path, sinks=sinks),
-                               rtol=1e-4, atol=1e-4)
-    base = torch.tensor([0, 300, 600])
-    lim = torch.tensor([20, 250, 590])
-    batched = sinks_fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, sinks)
-    torch.testing.assert_close(batched, rows_attention_reference(q3, k, v, lim, 0.25, None, base, sinks=sinks),
-                               rtol=1e-4, atol=1e-4)
+    q3, lim, base = _tree_and_batch_rows_match_reference(sinks_fn, gen, k, v, sinks=sinks)
     with pytest.raises(RuntimeError, match=r"sinks must be a contiguous float32 CPU tensor \[Hq\] = \[4\]"):
         sinks_fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.zeros(4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="sinks must be finite"):
         sinks_fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, torch.tensor([0.0, float("nan"), 0.0, 0.0]))
+
+
+def _tree_and_batch_rows_match_reference(fn, gen, k, v, **extra):
+    """fn (rows_attention_alibi / _sinks, its last argument extra's one value) on 3 tree rows
+    (their path keys at their own positions) and 3 rows of several sequences (base) equals
+    the float64 reference; -> (q, limit, base) of the batch, for further calls."""
+    (value,) = extra.values()
+    q3 = torch.randn(3, 4, 16, generator=gen)
+    path = torch.tensor([[100, -1, -1], [100, 102, -1], [100, 103, 105]])
+    lim = torch.tensor([100, 101, 102])
+    tree = fn(q3, k, v, lim, 0.25, path, NO_BASE, 0.0, 0, value)
+    torch.testing.assert_close(tree, rows_attention_reference(q3, k, v, lim, 0.25, path, **extra),
+                               rtol=1e-4, atol=1e-4)
+    base = torch.tensor([0, 300, 600])
+    lim = torch.tensor([20, 250, 590])
+    batched = fn(q3, k, v, lim, 0.25, NO_PATH, base, 0.0, 0, value)
+    torch.testing.assert_close(batched, rows_attention_reference(q3, k, v, lim, 0.25, None, base, **extra),
+                               rtol=1e-4, atol=1e-4)
+    return q3, lim, base
 
 
 def test_attention_sliding_window_matches_float64_reference(attention):

@@ -428,10 +428,9 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
             return
-        raise UnsupportedModelError(
-            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
-            f"{type(block.experts).__name__}: for GPT-OSS it runs a float top-k router with a bias and "
-            "experts of gate_up_proj / down_proj with their biases only); use plain model.generate()")
+        raise _moe_refusal(
+            name, block, "for GPT-OSS it runs a float top-k router with a bias and experts of gate_up_proj / down_proj "
+            "with their biases only")
     router, experts = _router(block), block.experts
     weight = _router_linear(block, model_type).weight if router is not None else None
     fits = (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_DTYPES and weight.dim() == 2
@@ -453,10 +452,8 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
                                for n in ("gate_proj", "up_proj", "down_proj"))):
             _check_plain_linear(part, module)
     if not fits:
-        raise UnsupportedModelError(
-            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
-            f"{type(experts).__name__}: it runs a float top-k router and experts of gate_up_proj / "
-            "down_proj only); use plain model.generate() for this model")
+        raise _moe_refusal(
+            name, block, "it runs a float top-k router and experts of gate_up_proj / down_proj only")
 
 
 def _check_ernie_moe(name: str, block) -> None:
@@ -472,12 +469,10 @@ def _check_ernie_moe(name: str, block) -> None:
             and _standard_experts(experts, weight.shape[0])
             and (shared is None or all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))))
     if not fits:
-        raise UnsupportedModelError(
-            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
-            f"{type(experts).__name__}: for ERNIE 4.5 it runs a float32 router with a correction bias, "
-            "experts of gate_up_proj / down_proj and a gated shared MLP only); use plain model.generate()")
-    for n in ("gate_proj", "up_proj", "down_proj") if shared is not None else ():
-        _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
+        raise _moe_refusal(
+            name, block, "for ERNIE 4.5 it runs a float32 router with a correction bias, experts of gate_up_proj / "
+            "down_proj and a gated shared MLP only")
+    _check_gated_mlp(f"{name}.shared_experts", shared)
 
 
 def _check_minimax_moe(name: str, block) -> None:
@@ -489,10 +484,9 @@ def _check_minimax_moe(name: str, block) -> None:
             and isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
             and hasattr(router, "top_k") and weight.shape[0] >= 2 and _standard_experts(experts, weight.shape[0])
             and not hasattr(block, "shared_experts")):
-        raise UnsupportedModelError(
-            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
-            f"{type(experts).__name__}: for MiniMax-M2 it runs a sigmoid router with a correction bias and "
-            "experts of gate_up_proj / down_proj only); use plain model.generate()")
+        raise _moe_refusal(
+            name, block, "for MiniMax-M2 it runs a sigmoid router with a correction bias and experts of gate_up_proj / "
+            "down_proj only")
 
 
 def _check_cohere2_moe(name: str, block) -> None:
@@ -507,12 +501,10 @@ def _check_cohere2_moe(name: str, block) -> None:
             and _standard_experts(experts, weight.shape[0])
             and (shared is None or all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))))
     if not fits:
-        raise UnsupportedModelError(
-            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
-            f"{type(experts).__name__}: for Cohere 2 MoE it runs a softmax or sigmoid top-k router, "
-            "experts of gate_up_proj / down_proj and a gated shared MLP only); use plain model.generate()")
-    for n in ("gate_proj", "up_proj", "down_proj") if shared is not None else ():
-        _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
+        raise _moe_refusal(
+            name, block, "for Cohere 2 MoE it runs a softmax or sigmoid top-k router, experts of gate_up_proj / down_proj "
+            "and a gated shared MLP only")
+    _check_gated_mlp(f"{name}.shared_experts", shared)
 
 
 def cohere2_moe_route(logits: torch.Tensor, top_k: int, selection: str, normalize: bool):
@@ -547,6 +539,19 @@ def _router_linear(block, model_type: str | None):
     router = _router(block)
     return router.wg if model_type == "hunyuan_v1_moe" and isinstance(getattr(router, "wg", None),
                                                                       torch.nn.Linear) else router
+
+
+def _moe_refusal(name: str, block, form: str) -> UnsupportedModelError:
+    """The error for an MoE block of a form the engine does not run (`form`: what it runs)."""
+    return UnsupportedModelError(
+        f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
+        f"{type(block.experts).__name__}: {form}); use plain model.generate() for this model")
+
+
+def _check_gated_mlp(name: str, mlp) -> None:
+    """A shared MLP's gate_proj / up_proj / down_proj are plain float linears (None: no MLP)."""
+    for part in ("gate_proj", "up_proj", "down_proj") if mlp is not None else ():
+        _check_plain_linear(f"{name}.{part}", getattr(mlp, part))
 
 
 def _check_gpt_oss_moe(name: str, block) -> bool:
@@ -588,13 +593,10 @@ def _check_sigmoid_router_moe(name: str, block) -> None:
             and _standard_experts(experts, weight.shape[0])
             and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
     if not fits:
-        raise UnsupportedModelError(
-            f"{name} is an MoE block the engine does not implement ({type(block).__name__} with "
-            f"{type(experts).__name__}: for this model type it runs DeepSeek-V3's sigmoid router with a "
-            "correction bias, experts of gate_up_proj / down_proj and a gated shared MLP only); use plain "
-            "model.generate() for this model")
-    for n in ("gate_proj", "up_proj", "down_proj"):
-        _check_plain_linear(f"{name}.shared_experts.{n}", getattr(shared, n))
+        raise _moe_refusal(
+            name, block, "for this model type it runs DeepSeek-V3's sigmoid router with a correction bias, experts of "
+            "gate_up_proj / down_proj and a gated shared MLP only")
+    _check_gated_mlp(f"{name}.shared_experts", shared)
 
 
 def attention_window(config) -> int | None:
