@@ -413,17 +413,11 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     """An MoE block the engine computes as MoEWeights says: a router with a float weight
     [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     float weights (a quantized or biased expert, or another router, is refused by name)."""
-    if model_type in SIGMOID_ROUTER_TYPES:
-        _check_sigmoid_router_moe(name, block)
-        return
-    if model_type == "ernie4_5_moe":
-        _check_ernie_moe(name, block)
-        return
-    if model_type == "minimax_m2":
-        _check_minimax_moe(name, block)
-        return
-    if model_type == "cohere2_moe":
-        _check_cohere2_moe(name, block)
+    form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
+                  "cohere2_moe": _check_cohere2_moe,
+                  **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
+    if form_check is not None:  # a router of its own form: checked by its own function
+        form_check(name, block)
         return
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
@@ -460,14 +454,11 @@ def _check_ernie_moe(name: str, block) -> None:
     """ERNIE 4.5's MoE form (MoEWeights.norm_min): a router with a float weight [E, H],
     moe_statics.e_score_correction_bias [1, E], top_k and norm_min; experts of gate_up_proj /
     down_proj; a gated shared MLP (`shared_experts`) or none."""
-    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
-    weight = getattr(router, "weight", None)
+    router, shared = _router(block), getattr(block, "shared_experts", None)
     bias = getattr(getattr(router, "moe_statics", None), "e_score_correction_bias", None)
-    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and isinstance(bias, torch.Tensor) and bias.numel() == weight.shape[0] and bias.dtype in FLOAT_DTYPES
-            and hasattr(router, "top_k") and hasattr(router, "norm_min")
-            and _standard_experts(experts, weight.shape[0])
-            and (shared is None or all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))))
+    fits = (_float_router_and_experts(block) and isinstance(bias, torch.Tensor)
+            and bias.numel() == router.weight.shape[0] and bias.dtype in FLOAT_DTYPES
+            and hasattr(router, "norm_min") and _gated_or_none(shared))
     if not fits:
         raise _moe_refusal(
             name, block, "for ERNIE 4.5 it runs a float32 router with a correction bias, experts of gate_up_proj / "
@@ -478,12 +469,10 @@ def _check_ernie_moe(name: str, block) -> None:
 def _check_minimax_moe(name: str, block) -> None:
     """MiniMax-M2's MoE form: a router with a float weight [E, H] and top_k, the block's
     e_score_correction_bias [E], experts of gate_up_proj / down_proj, no shared expert."""
-    router, experts = _router(block), block.experts
-    weight, bias = getattr(router, "weight", None), getattr(block, "e_score_correction_bias", None)
-    if not (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
-            and hasattr(router, "top_k") and weight.shape[0] >= 2 and _standard_experts(experts, weight.shape[0])
-            and not hasattr(block, "shared_experts")):
+    bias = getattr(block, "e_score_correction_bias", None)
+    if not (_float_router_and_experts(block) and isinstance(bias, torch.Tensor)
+            and bias.shape == (_router(block).weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and bias.shape[0] >= 2 and not hasattr(block, "shared_experts")):
         raise _moe_refusal(
             name, block, "for MiniMax-M2 it runs a sigmoid router with a correction bias and experts of gate_up_proj / "
             "down_proj only")
@@ -493,13 +482,11 @@ def _check_cohere2_moe(name: str, block) -> None:
     """Cohere 2 MoE's form: a router with a float weight [E, H], top_k, a softmax or sigmoid
     selection; experts of gate_up_proj / down_proj; a gated shared MLP (or none) summed or
     averaged."""
-    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
-    weight = getattr(router, "weight", None)
-    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and hasattr(router, "top_k") and getattr(router, "expert_selection_fn", None) in ("softmax", "sigmoid")
+    router, shared = _router(block), getattr(block, "shared_experts", None)
+    fits = (_float_router_and_experts(block)
+            and getattr(router, "expert_selection_fn", None) in ("softmax", "sigmoid")
             and getattr(block, "shared_expert_combination_strategy", None) in ("sum", "average")
-            and _standard_experts(experts, weight.shape[0])
-            and (shared is None or all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj"))))
+            and _gated_or_none(shared))
     if not fits:
         raise _moe_refusal(
             name, block, "for Cohere 2 MoE it runs a softmax or sigmoid top-k router, experts of gate_up_proj / down_proj "
@@ -519,6 +506,19 @@ def cohere2_moe_route(logits: torch.Tensor, top_k: int, selection: str, normaliz
         if normalize:
             scores = scores / torch.sum(scores, dim=-1, keepdim=True)
     return scores.to(logits.dtype), chosen
+
+
+def _float_router_and_experts(block) -> bool:
+    """Whether an MoE block's router holds a float weight [E, H] and top_k, and its experts are
+    `_standard_experts` of E."""
+    weight = getattr(_router(block), "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and hasattr(_router(block), "top_k") and _standard_experts(block.experts, weight.shape[0]))
+
+
+def _gated_or_none(mlp) -> bool:
+    """Whether a shared MLP is absent or holds gate_proj, up_proj and down_proj."""
+    return mlp is None or all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _standard_experts(experts, num_experts: int) -> bool:
