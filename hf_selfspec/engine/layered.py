@@ -1195,64 +1195,45 @@ class LayeredModel:
     def _moe(self, block, shared_mlp=None) -> MoEWeights:
         """The MoE block's MoEWeights (shared_mlp: GraniteMoeShared's, held by the layer)."""
         experts, router, model_type = block.experts, _router(block), self.config.model_type
-        if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-V3's routing
-            shared = block.shared_experts
-            return MoEWeights(
-                router=MatrixView(router.weight),
-                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-                down=[MatrixView(w) for w in experts.down_proj],
-                act=experts.act_fn, top_k=int(router.top_k), normalize=bool(router.norm_topk_prob),
-                round_weights=False, shared=(shared.gate_proj, shared.up_proj, shared.down_proj),
-                router_input_float32=True, correction_bias=router.e_score_correction_bias,
-                n_group=int(router.num_group), topk_group=int(router.topk_group),
-                routed_scaling=float(router.routed_scaling_factor))
-        if model_type == "phimoe":  # HF's own sparsemixer on the router's logits
-            from transformers.models.phimoe.modeling_phimoe import sparsemixer
-
-            return MoEWeights(
-                router=MatrixView(router.weight),
-                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-                down=[MatrixView(w) for w in experts.down_proj],
-                act=experts.act_fn, top_k=int(router.top_k), normalize=False, round_weights=False,
-                route_fn=functools.partial(sparsemixer, jitter_eps=router.router_jitter_noise, training=False,
-                                           top_k=int(router.top_k)))
-        if model_type == "cohere2_moe":  # the top-k logits' softmax or sigmoid; a shared MLP summed or averaged
-            shared = getattr(block, "shared_experts", None)
-            return MoEWeights(
-                router=MatrixView(router.weight),
-                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-                down=[MatrixView(w) for w in experts.down_proj],
-                act=experts.act_fn, top_k=int(router.top_k), normalize=False, round_weights=False,
-                shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
-                route_fn=functools.partial(cohere2_moe_route, top_k=int(router.top_k),
-                                           selection=router.expert_selection_fn,
-                                           normalize=bool(router.norm_topk_prob)),
-                shared_average=block.shared_expert_combination_strategy == "average")
-        if model_type == "minimax_m2":  # DeepSeek-V3's routing without groups, scaling or shared MLP
-            return MoEWeights(
-                router=MatrixView(router.weight),
-                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-                down=[MatrixView(w) for w in experts.down_proj],
-                act=experts.act_fn, top_k=int(router.top_k), normalize=True, round_weights=False,
-                router_input_float32=router.weight.dtype == torch.float32,
-                correction_bias=block.e_score_correction_bias, norm_eps=0.0)
-        if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
-            shared = block.shared_experts
-            return MoEWeights(
-                router=MatrixView(router.weight),
-                gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-                down=[MatrixView(w) for w in experts.down_proj],
-                act=experts.act_fn, top_k=int(router.top_k), normalize=True, round_weights=True,
-                shared=None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj),
-                router_input_float32=True, correction_bias=router.moe_statics.e_score_correction_bias.view(-1),
-                norm_min=float(router.norm_min))
-        if model_type == "gpt_oss":  # experts stored [in, out]: transposed views
+        if model_type == "gpt_oss":  # experts stored [in, out]: transposed views, with biases
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),
                 gate_up=[MatrixView(w.t(), b) for w, b in zip(experts.gate_up_proj, experts.gate_up_proj_bias)],
                 down=[MatrixView(w.t(), b) for w, b in zip(experts.down_proj, experts.down_proj_bias)],
                 act=None, top_k=int(router.top_k), normalize=False, round_weights=True, softmax_of_top=True,
                 route_in_float32=False, gate_fn=experts._apply_gate)
+        router_weight = _router_linear(block, model_type).weight
+        # views of the router's weight and of each expert's gate_up / down matrices
+        parts = dict(router=MatrixView(router_weight), gate_up=[MatrixView(w) for w in experts.gate_up_proj],
+                     down=[MatrixView(w) for w in experts.down_proj], act=experts.act_fn, top_k=int(router.top_k))
+        shared = getattr(block, "shared_experts", None)  # DeepSeek-V3's, ERNIE's, Cohere 2 MoE's
+        shared = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+        if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-V3's routing
+            return MoEWeights(
+                **parts, normalize=bool(router.norm_topk_prob), round_weights=False, shared=shared,
+                router_input_float32=True, correction_bias=router.e_score_correction_bias,
+                n_group=int(router.num_group), topk_group=int(router.topk_group),
+                routed_scaling=float(router.routed_scaling_factor))
+        if model_type == "phimoe":  # HF's own sparsemixer on the router's logits
+            from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+            return MoEWeights(**parts, normalize=False, round_weights=False, route_fn=functools.partial(
+                sparsemixer, jitter_eps=router.router_jitter_noise, training=False, top_k=int(router.top_k)))
+        if model_type == "cohere2_moe":  # the top-k logits' softmax or sigmoid; a shared MLP summed or averaged
+            return MoEWeights(
+                **parts, normalize=False, round_weights=False, shared=shared,
+                route_fn=functools.partial(cohere2_moe_route, top_k=int(router.top_k),
+                                           selection=router.expert_selection_fn,
+                                           normalize=bool(router.norm_topk_prob)),
+                shared_average=block.shared_expert_combination_strategy == "average")
+        if model_type == "minimax_m2":  # DeepSeek-V3's routing without groups, scaling or shared MLP
+            return MoEWeights(**parts, normalize=True, round_weights=False,
+                              router_input_float32=router_weight.dtype == torch.float32,
+                              correction_bias=block.e_score_correction_bias, norm_eps=0.0)
+        if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
+            return MoEWeights(**parts, normalize=True, round_weights=True, shared=shared, router_input_float32=True,
+                              correction_bias=router.moe_statics.e_score_correction_bias.view(-1),
+                              norm_min=float(router.norm_min))
         # Qwen2-MoE's gated shared expert; HunYuan-MoE's ungated shared MLP in the block
         shared = block.shared_mlp if model_type == "hunyuan_v1_moe" else getattr(block, "shared_expert", None)
         shared_rows = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
@@ -1260,13 +1241,8 @@ class LayeredModel:
             inter = shared_mlp.input_linear.out_features // 2
             shared_rows = (RowSlice(shared_mlp.input_linear, 0, inter),
                            RowSlice(shared_mlp.input_linear, inter, 2 * inter), shared_mlp.output_linear)
-        router_weight = _router_linear(block, model_type).weight
         return MoEWeights(
-            router=MatrixView(router_weight),
-            gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-            down=[MatrixView(w) for w in experts.down_proj],
-            act=experts.act_fn,
-            top_k=int(router.top_k),
+            **parts,
             # Mixtral always renormalises and multiplies by the float32 weights
             normalize=bool(getattr(router, "norm_topk_prob", True)) and model_type not in GRANITE_MOE_TYPES,
             round_weights=model_type != "mixtral",
