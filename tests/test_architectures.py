@@ -678,6 +678,24 @@ def test_ministral3_served_below_its_query_scaling():
         self_greedy(model, [below + [5]])
 
 
+@pytest.mark.parametrize("case", ["glm4_moe", "minimax_m2"])
+def test_new_routing_biases_rebuild_the_engine(case):
+    """A router's e_score_correction_bias is a buffer: new tensors assigned to it (not edited in
+    place) make the engine stale, and the next request is HF's greedy output again."""
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch"), **overrides)
+    attach_heads(model, heads=False)
+    prompt = prompts(30)[0]
+    assert self_greedy(model, [prompt])[0] == hf_greedy(model, prompt)
+    first = model._selfspec.engine
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor) and not isinstance(bias, torch.nn.Parameter):
+            module.e_score_correction_bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(4))
+    assert self_greedy(model, [prompt])[0] == hf_greedy(model, prompt)
+    assert model._selfspec.engine is not first
+
+
 def test_mellum_partial_rotary_refused():
     """HF's Mellum rotates whole heads (its tables of a partial_rotary_factor < 1 would not
     fit them): such a config is refused by name, not run on a guess."""
