@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from . import routing
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
@@ -182,56 +185,31 @@ class TransposedLinear:
 
 @dataclass
 class MoEWeights:
-    """A sparse MoE block (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Granite MoE), HF's maths:
-    router logits, softmax in float32, the top_k experts (their probabilities renormalised
-    where `normalize`, rounded to the model's dtype where `round_weights`; Granite MoE: the
-    softmax of the top_k logits), each expert act(gate) * up -> down on its rows, times the
-    row's weight, added to a zero row in ascending expert order. GPT-OSS: the softmax of the
-    top_k logits in the model's dtype, biases on the router and the experts, gate and up
-    interleaved in gate_up's outputs and combined by HF's own experts._apply_gate (its
-    clamped SwiGLU) on the whole product (`gate_fn`)."""
+    """A sparse MoE block, HF's maths: the router's logits (on the rows widened to float32
+    where `router_input_float32`), `route` (routing.py: the form of this model's router, its
+    constants bound) -> each row's experts and weights; each chosen expert act(gate) * up ->
+    down on its rows (GPT-OSS: HF's own `gate_fn` on the whole gate_up product), times the
+    row's weight, added to a zero row in ascending expert order; then the shared MLP's
+    output, if any."""
 
     router: MatrixView  # [E, H]
     gate_up: list  # per expert, a MatrixView [2I, H]: the gate's rows, then up's
     down: list  # per expert, a MatrixView [H, I]
-    act: torch.nn.Module  # HF's own activation module
-    top_k: int
-    normalize: bool
-    round_weights: bool
-    # Granite MoE: the top_k of the float32 logits first, then a softmax over them alone
-    softmax_of_top: bool = False
-    # Qwen2-MoE's shared expert (a gated MLP: gate, up, down) and its sigmoid gate [1, H]:
-    # sigmoid(shared_gate(x)) * shared(x) added after the experts' (GraniteMoeShared's shared
-    # MLP: no gate, shared(x) added)
-    shared: tuple | None = None
-    shared_gate: torch.nn.Linear | None = None
-    # GPT-OSS: the top_k logits' softmax in their own dtype (Granite MoE's in float32)
-    route_in_float32: bool = True
-    # the router's product on the rows widened to float32 (DeepSeek-V3's routing; HunYuan-MoE's
-    # where its router weight is float32), else on the rows as they are
+    act: torch.nn.Module | None  # HF's own activation module (None where gate_fn)
+    # (logits [n, E], the rows' dtype) -> (weights [n, k], experts [n, k])
+    route: Callable
+    # the router's product on the rows widened to float32 (DeepSeek-V3's and ERNIE's routing;
+    # HunYuan-MoE's where its router weight is float32), else on the rows as they are
     router_input_float32: bool = False
     # GPT-OSS: gate_up's product -> the experts' hidden rows, HF's own function
-    gate_fn: object | None = None
-    # DeepSeek-V3's routing (SIGMOID_ROUTER_TYPES), on float32 logits of the rows widened:
-    # sigmoid scores; the choice by score + correction_bias [E] among the experts of the
-    # topk_group best of n_group groups (a group's worth: its two best choice values); the
-    # weights the chosen scores (renormalised where `normalize`) times routed_scaling, float32
-    correction_bias: torch.Tensor | None = None
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling: float = 1.0
-    # added to the chosen scores' sum before the renormalisation (DeepSeek-V3's 1e-20;
-    # MiniMax-M2, whose choice has no groups: 0)
-    norm_eps: float = 1e-20
-    # PhiMoE, Cohere 2 MoE: a routing function of the logits -> (weights [n, k], experts
-    # [n, k]) (PhiMoE's: HF's own sparsemixer, evaluation mode)
-    route_fn: object | None = None
+    gate_fn: Callable | None = None
+    # a shared MLP (gate, up, down: Qwen2-MoE's shared expert, DeepSeek-V3's shared_experts,
+    # GraniteMoeShared's shared_mlp) and, Qwen2-MoE's, its sigmoid gate [1, H]:
+    # sigmoid(shared_gate(x)) * shared(x) added after the experts' (no gate: shared(x) added)
+    shared: tuple | None = None
+    shared_gate: torch.nn.Linear | None = None
     # Cohere 2 MoE's "average": (experts + shared) / 2 (else their sum)
     shared_average: bool = False
-    # ERNIE 4.5 MoE (`norm_min` set): the softmax of float32 logits; the choice by probability
-    # + correction_bias; the weights the chosen probabilities over their sum (at least
-    # norm_min), rounded to the rows' dtype
-    norm_min: float | None = None
 
     @property
     def linears(self) -> tuple:
@@ -492,20 +470,6 @@ def _check_cohere2_moe(name: str, block) -> None:
             name, block, "for Cohere 2 MoE it runs a softmax or sigmoid top-k router, experts of gate_up_proj / down_proj "
             "and a gated shared MLP only")
     _check_gated_mlp(f"{name}.shared_experts", shared)
-
-
-def cohere2_moe_route(logits: torch.Tensor, top_k: int, selection: str, normalize: bool):
-    """Cohere 2 MoE's routing, as its router computes it from the logits [n, E]: the top_k
-    logits, their softmax in float32 or their sigmoid (renormalised where `normalize`),
-    rounded to the logits' dtype -> (weights [n, k], experts [n, k])."""
-    scores, chosen = torch.topk(logits, top_k, dim=-1)
-    if selection == "softmax":
-        scores = F.softmax(scores, dim=1, dtype=torch.float)
-    else:
-        scores = F.sigmoid(scores)
-        if normalize:
-            scores = scores / torch.sum(scores, dim=-1, keepdim=True)
-    return scores.to(logits.dtype), chosen
 
 
 def _float_router_and_experts(block) -> bool:
@@ -1195,45 +1159,51 @@ class LayeredModel:
     def _moe(self, block, shared_mlp=None) -> MoEWeights:
         """The MoE block's MoEWeights (shared_mlp: GraniteMoeShared's, held by the layer)."""
         experts, router, model_type = block.experts, _router(block), self.config.model_type
+        top_k = int(router.top_k)
         if model_type == "gpt_oss":  # experts stored [in, out]: transposed views, with biases
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),
                 gate_up=[MatrixView(w.t(), b) for w, b in zip(experts.gate_up_proj, experts.gate_up_proj_bias)],
                 down=[MatrixView(w.t(), b) for w, b in zip(experts.down_proj, experts.down_proj_bias)],
-                act=None, top_k=int(router.top_k), normalize=False, round_weights=True, softmax_of_top=True,
-                route_in_float32=False, gate_fn=experts._apply_gate)
+                act=None, route=functools.partial(routing.topk_softmax, top_k=top_k, in_float32=False),
+                gate_fn=experts._apply_gate)
         router_weight = _router_linear(block, model_type).weight
         # views of the router's weight and of each expert's gate_up / down matrices
         parts = dict(router=MatrixView(router_weight), gate_up=[MatrixView(w) for w in experts.gate_up_proj],
-                     down=[MatrixView(w) for w in experts.down_proj], act=experts.act_fn, top_k=int(router.top_k))
+                     down=[MatrixView(w) for w in experts.down_proj], act=experts.act_fn)
         shared = getattr(block, "shared_experts", None)  # DeepSeek-V3's, ERNIE's, Cohere 2 MoE's
         shared = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
-        if model_type in SIGMOID_ROUTER_TYPES:  # DeepSeek-V3's routing
-            return MoEWeights(
-                **parts, normalize=bool(router.norm_topk_prob), round_weights=False, shared=shared,
-                router_input_float32=True, correction_bias=router.e_score_correction_bias,
-                n_group=int(router.num_group), topk_group=int(router.topk_group),
-                routed_scaling=float(router.routed_scaling_factor))
+        if model_type in SIGMOID_ROUTER_TYPES or model_type == "minimax_m2":  # DeepSeek-V3's routing
+            minimax = model_type == "minimax_m2"  # no groups or scaling, its bias on the block
+            route = functools.partial(
+                routing.sigmoid_grouped, top_k=top_k,
+                correction_bias=block.e_score_correction_bias if minimax else router.e_score_correction_bias,
+                n_group=1 if minimax else int(router.num_group), topk_group=1 if minimax else int(router.topk_group),
+                normalize=True if minimax else bool(router.norm_topk_prob), norm_eps=0.0 if minimax else 1e-20,
+                scaling=1.0 if minimax else float(router.routed_scaling_factor))
+            # MiniMax-M2 computes its logits in its router weight's dtype
+            widen = router_weight.dtype == torch.float32 if minimax else True
+            return MoEWeights(**parts, route=route, router_input_float32=widen, shared=shared)
+        if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
+            return MoEWeights(**parts, route=functools.partial(
+                routing.biased_softmax, top_k=top_k, correction_bias=router.moe_statics.e_score_correction_bias.view(-1),
+                norm_min=float(router.norm_min)), router_input_float32=True, shared=shared)
         if model_type == "phimoe":  # HF's own sparsemixer on the router's logits
             from transformers.models.phimoe.modeling_phimoe import sparsemixer
 
-            return MoEWeights(**parts, normalize=False, round_weights=False, route_fn=functools.partial(
-                sparsemixer, jitter_eps=router.router_jitter_noise, training=False, top_k=int(router.top_k)))
+            return MoEWeights(**parts, route=functools.partial(
+                routing.sparsemixer, hf_sparsemixer=sparsemixer, top_k=top_k, jitter_eps=router.router_jitter_noise))
         if model_type == "cohere2_moe":  # the top-k logits' softmax or sigmoid; a shared MLP summed or averaged
-            return MoEWeights(
-                **parts, normalize=False, round_weights=False, shared=shared,
-                route_fn=functools.partial(cohere2_moe_route, top_k=int(router.top_k),
-                                           selection=router.expert_selection_fn,
-                                           normalize=bool(router.norm_topk_prob)),
+            return MoEWeights(**parts, route=functools.partial(
+                routing.topk_softmax_or_sigmoid, top_k=top_k, selection=router.expert_selection_fn,
+                normalize=bool(router.norm_topk_prob)), shared=shared,
                 shared_average=block.shared_expert_combination_strategy == "average")
-        if model_type == "minimax_m2":  # DeepSeek-V3's routing without groups, scaling or shared MLP
-            return MoEWeights(**parts, normalize=True, round_weights=False,
-                              router_input_float32=router_weight.dtype == torch.float32,
-                              correction_bias=block.e_score_correction_bias, norm_eps=0.0)
-        if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
-            return MoEWeights(**parts, normalize=True, round_weights=True, shared=shared, router_input_float32=True,
-                              correction_bias=router.moe_statics.e_score_correction_bias.view(-1),
-                              norm_min=float(router.norm_min))
+        if model_type in GRANITE_MOE_TYPES:  # the softmax of the float32 top-k logits
+            route = functools.partial(routing.topk_softmax, top_k=top_k, in_float32=True)
+        else:  # Mixtral always renormalises and multiplies by the float32 weights
+            route = functools.partial(routing.softmax_topk, top_k=top_k,
+                                      normalize=bool(getattr(router, "norm_topk_prob", True)),
+                                      round_weights=model_type != "mixtral")
         # Qwen2-MoE's gated shared expert; HunYuan-MoE's ungated shared MLP in the block
         shared = block.shared_mlp if model_type == "hunyuan_v1_moe" else getattr(block, "shared_expert", None)
         shared_rows = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
@@ -1242,16 +1212,9 @@ class LayeredModel:
             shared_rows = (RowSlice(shared_mlp.input_linear, 0, inter),
                            RowSlice(shared_mlp.input_linear, inter, 2 * inter), shared_mlp.output_linear)
         return MoEWeights(
-            **parts,
-            # Mixtral always renormalises and multiplies by the float32 weights
-            normalize=bool(getattr(router, "norm_topk_prob", True)) and model_type not in GRANITE_MOE_TYPES,
-            round_weights=model_type != "mixtral",
-            softmax_of_top=model_type in GRANITE_MOE_TYPES,
-            shared=shared_rows,
-            shared_gate=getattr(block, "shared_expert_gate", None),
+            **parts, route=route, shared=shared_rows, shared_gate=getattr(block, "shared_expert_gate", None),
             # HunYuan-MoE: HF widens the rows where its router's weight is float32
-            router_input_float32=model_type == "hunyuan_v1_moe" and router_weight.dtype == torch.float32,
-        )
+            router_input_float32=model_type == "hunyuan_v1_moe" and router_weight.dtype == torch.float32)
 
     def _all_rope_tables(self, inner, max_positions: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One (cos, sin) per RoPE the layers use (rope_types' order; one for most models)."""

@@ -651,14 +651,7 @@ class Engine:
         the layout), and its output is added to the rows that picked it only."""
         lin = self.layout.linear
         logits = lin(x.float() if moe.router_input_float32 else x, moe.router)[:real_rows]  # [n, E]
-        if moe.route_fn is not None:  # PhiMoE (HF's own), Cohere 2 MoE
-            top, chosen = moe.route_fn(logits)
-        elif moe.norm_min is not None:  # ERNIE 4.5
-            top, chosen = self._biased_softmax_route(logits, moe, x.dtype)
-        elif moe.correction_bias is not None:  # DeepSeek-V3's routing (GLM-4.5, dots.llm1)
-            top, chosen = self._sigmoid_route(logits, moe)
-        else:
-            top, chosen = self._softmax_route(logits, moe)
+        top, chosen = moe.route(logits, x.dtype)  # routing.py: this model's router
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # ascending, as HF's loop
             rows, slot = torch.where(chosen == expert)
@@ -677,53 +670,6 @@ class Engine:
             if moe.shared_average:  # Cohere 2 MoE's "average"
                 out = out / 2
         return out
-
-    @staticmethod
-    def _softmax_route(logits: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits [n, E] -> (weights [n, k], experts [n, k]): the softmax's top_k in
-        float32 (renormalised where `normalize`), or the softmax of the top_k logits (Granite
-        MoE in float32, GPT-OSS in the logits' dtype); rounded to the logits' dtype where
-        `round_weights`."""
-        if moe.softmax_of_top:
-            top, chosen = torch.topk(logits.float() if moe.route_in_float32 else logits, moe.top_k, dim=-1)
-            top = torch.softmax(top, dim=-1)
-        else:
-            top, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), moe.top_k, dim=-1)
-        if moe.normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        if moe.round_weights:
-            top = top.to(logits.dtype)
-        return top, chosen
-
-    @staticmethod
-    def _biased_softmax_route(logits: torch.Tensor, moe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """ERNIE 4.5's routing of float32 logits [n, E] -> (weights [n, k] in `dtype`, experts
-        [n, k]): the softmax; the choice by probability + correction_bias; the chosen
-        probabilities over their sum, at least norm_min."""
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        chosen = torch.topk(probs + moe.correction_bias, moe.top_k, dim=-1)[1]
-        top = torch.gather(probs, dim=-1, index=chosen)
-        top = top / torch.clamp(top.sum(dim=-1, keepdim=True), min=moe.norm_min)
-        return top.to(dtype), chosen
-
-    @staticmethod
-    def _sigmoid_route(logits: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's routing of logits [n, E] (float32; MiniMax-M2's in its router's dtype)
-        -> (weights [n, k] float32, experts [n, k]), HF's ops in HF's order
-        (MoEWeights.correction_bias)."""
-        scores = torch.sigmoid(logits.float())
-        choice = scores + moe.correction_bias
-        n, experts = choice.shape
-        group_scores = choice.view(n, moe.n_group, experts // moe.n_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=moe.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(n, moe.n_group, experts // moe.n_group).reshape(n, experts)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        chosen = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
-        top = scores.gather(1, chosen)
-        if moe.normalize:
-            top = top / (top.sum(dim=-1, keepdim=True) + moe.norm_eps)
-        return top * moe.routed_scaling, chosen
 
     def _run_layers_fused(self, h: torch.Tensor, start: int, end: int, meta: StepMeta, attend) -> torch.Tensor:
         """`run_layers`' PyTorch-ops branch with the fused Triton kernels (fused_small_ops):
