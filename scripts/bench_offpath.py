@@ -97,6 +97,8 @@ def part_big(args):
 # random-weight models of real checkpoints' shapes (parts not in the default run): the
 # config class, the model class, the config (num_hidden_layers: the checkpoint's, --layers
 # fewer for a quicker run), what the shape is and what of the architecture it exercises
+# LFM2's checkpoints (350M to 2.6B alike): convolution layers, attention at 2, 5, 8, 10, 12, 14
+LFM2_LAYERS = ["conv", "conv", "full_attention"] * 3 + ["conv", "full_attention"] * 3 + ["conv"]
 RANDOM_SHAPES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
@@ -233,6 +235,14 @@ RANDOM_SHAPES = {
         vocab_size=100352, hidden_size=2560, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=20,
         num_key_value_heads=4, sliding_window=128, max_position_embeddings=8192, tie_word_embeddings=True),
         "Granite-SWA 2B (attention sinks, a window in 3 of 4 layers)"),
+    "lfm2_350m": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=65536, hidden_size=1024, intermediate_size=6656, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=8, max_position_embeddings=128000, tie_word_embeddings=True, layer_types=LFM2_LAYERS),
+        "LFM2-350M (gated short convolutions in 10 of 16 layers)"),
+    "lfm2_1_2b": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=128000, tie_word_embeddings=True, layer_types=LFM2_LAYERS),
+        "LFM2-1.2B (gated short convolutions in 10 of 16 layers)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
@@ -257,8 +267,8 @@ def part_random_shape(name: str, args) -> None:
         text = config["text_config"] = dict(config["text_config"])
     key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in text)  # GPT-Neo, GPT-BigCode, MPT
     layers = args.layers or text[key]
-    if "layer_types" in text:
-        text["layer_types"] = text["layer_types"][:1] * layers
+    if "layer_types" in text:  # the checkpoint's pattern, cut or repeated to `layers`
+        text["layer_types"] = (text["layer_types"] * layers)[:layers]
     if args.layers and "attention_types" in text:  # GPT-Neo: its layers' kinds, alternating
         text["attention_types"] = [[["global", "local"], (layers + 1) // 2]]
         layers = 2 * ((layers + 1) // 2)

@@ -28,7 +28,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     attention scores and the logits); Gemma's LM head untied (a tied one repeats the last
     token on a random model) and its norm weights random around 0; "gemma3" (Gemma 3 text:
     per-head q/k norms, a RoPE per layer type) or "olmo3" (OLMo 2's layers, a RoPE per layer
-    type); both alternate sliding and full attention layers, with RoPE bases 10 and 10000.
+    type); both alternate sliding and full attention layers, with RoPE bases 10 and 10000;
+    "lfm2" (LFM2: gated short convolutions in alternate layers, from the first).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -109,6 +110,15 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                     p.uniform_(-0.5, 0.5)
     elif kind == "llama_bias":
         model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **common))
+    elif kind == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        types = ["conv", "full_attention"] * (layers // 2) + ["conv"] * (layers % 2)
+        model = Lfm2ForCausalLM(Lfm2Config(layer_types=types, block_auto_adjust_ff_dim=False, **common))
+        with torch.no_grad():  # HF's std 0.02 would hide the convolution taps
+            for name, p in model.named_parameters():
+                if name.endswith("conv.conv.weight"):
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
     else:
         raise ValueError(kind)
     with torch.no_grad():

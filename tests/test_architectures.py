@@ -58,6 +58,10 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks: as large as the scores
                 param.normal_(0.0, 2.0)
+            if name.endswith("conv.conv.weight"):  # LFM2's convolution taps [H, 1, K]: HF's 0.02 hides them
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            if name.endswith("conv.conv.bias"):
+                param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing: a bias that decides
                 buffer.normal_(0.0, 0.2)
@@ -334,6 +338,13 @@ SUPPORTED = {
     # NanoChat: parameter-free RMS norms (the embedding rows normed too), RoPE turning by -angle,
     # q/k norms after it, a ReLU² plain MLP, soft-capped logits
     "nanochat": dict(arch="NanoChat", head_dim=16, final_logit_softcapping=3.0, tie_word_embeddings=False),
+    # LFM2: gated short convolutions (3 positions) in place of attention in most layers, two
+    # in a row, the last layer one; per-head q/k norms in the attention layers; the final norm
+    # named embedding_norm; with conv_bias, biases in every convolution layer's products too
+    "lfm2": dict(arch="Lfm2", layer_types=["conv", "full_attention", "conv", "conv"], num_hidden_layers=4,
+                 block_auto_adjust_ff_dim=False, random_norms=True),
+    "lfm2-conv-bias": dict(arch="Lfm2", layer_types=["full_attention", "conv", "conv"], conv_bias=True,
+                           num_hidden_layers=3, block_auto_adjust_ff_dim=False),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -400,7 +411,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
-                                  "granitemoeshared", "nanochat"])
+                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -510,7 +521,9 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
     # a window shorter than the context: the architecture is named, not the window
-    ("Lfm2", {}, "lfm2"),  # short convolutions beside attention
+    # latent attention: k and v of other widths than the cache's heads
+    ("DeepseekV3", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        n_routed_experts=4, moe_intermediate_size=32), "deepseek_v3"),
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)
@@ -617,7 +630,7 @@ def test_gemma3_image_inputs_refused(media):
 @pytest.mark.parametrize("case,cuda", [("llama-tied", False), ("olmo2-output-norms", False), ("gemma2", True),
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
-                                       ("hunyuan-qk-norm-after-rope", True), ("gpt2", True)])
+                                       ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""
@@ -795,3 +808,22 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
     assert torch.equal(got.sequences, reference.sequences)
     for a, b in zip(reference.logits, got.logits):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
+def test_lfm2_convolutions_follow_a_draft_trees_paths(shape):
+    """A tree row's convolution reads its own path's rows (a sibling branch accepted, rows
+    after gaps, a full tree), and the accepted rows' convolution inputs move with their KV:
+    the engine's AR output, with the accepted path off the first branch."""
+    from test_trees import OracleTrees
+
+    from hf_selfspec.engine.programs import Engine
+
+    overrides = dict(SUPPORTED["lfm2"])
+    model = build(overrides.pop("arch"), **overrides)
+    engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
+    for p in prompts(5, 40):
+        expected = engine.generate_ar(p, 30)
+        result = OracleTrees(engine, expected, shape).generate(p, 30)
+        assert result.tokens == expected
+        assert result.stats.off_chain_cycles > 0

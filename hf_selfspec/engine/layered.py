@@ -43,7 +43,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
-                         "mellum", "apertus1p5_text", "nanochat")
+                         "mellum", "apertus1p5_text", "nanochat", "lfm2")
+# hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
+SHORT_CONV_TYPES = ("lfm2",)
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -105,7 +107,8 @@ CPU_ONLY_REFUSAL = (
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
-    "attention sinks (GPT-OSS, Granite-SWA) or q/k norms after RoPE (HunYuan), which the engine's "
+    "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan) or short convolutions "
+    "(LFM2), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -219,6 +222,23 @@ class MoEWeights:
 
 
 @dataclass
+class ShortConvWeights:
+    """LFM2's gated short convolution, HF's maths: B, C, x = in_proj(h)'s three column
+    blocks; Bx = B * x goes into the layer's conv cache at the row's slot; y = the depthwise
+    causal convolution of Bx over the row's last `kernel.shape[1]` positions (its own and its
+    predecessors', zeros before the first); out_proj(C * y) joins the residual stream."""
+
+    in_proj: torch.nn.Linear  # [3H, H]
+    kernel: torch.Tensor  # [H, K], a view of the Conv1d's weight [H, 1, K]
+    bias: torch.Tensor | None  # [H] (conv_bias)
+    out_proj: torch.nn.Linear  # [H, H]
+
+    @property
+    def linears(self) -> tuple:
+        return (self.in_proj, self.out_proj)
+
+
+@dataclass
 class LayerWeights:
     """Parameters of one decoder layer, shared with the HF module (no copies).
 
@@ -233,10 +253,10 @@ class LayerWeights:
     activation module `act`."""
 
     input_norm: torch.Tensor | torch.nn.Module | None  # [H]
-    q: torch.nn.Linear | RowSlice | None  # None: q, k and v come from `qkv`
+    q: torch.nn.Linear | RowSlice | None  # None: q, k and v come from `qkv` (or `conv`)
     k: torch.nn.Linear | RowSlice | None
     v: torch.nn.Linear | RowSlice | None
-    o: torch.nn.Linear
+    o: torch.nn.Linear | None  # None: a short-convolution layer
     # q/k norms: [d] on each head (Qwen3), [Hq*d] / [Hkv*d] on the whole projection (OLMo 2);
     # Cohere's LayerNorm modules, on [R, heads, d]
     q_norm: torch.Tensor | torch.nn.Module | None
@@ -256,13 +276,16 @@ class LayerWeights:
     # shard its query, value and key rows (CodeGen), each shard a quarter of the heads
     qkv_layout: str = "per_head"
     moe: MoEWeights | None = None
+    # LFM2's convolution layers: this block in place of the attention (q, k, v, o None)
+    conv: ShortConvWeights | None = None
 
     @property
     def linears(self) -> tuple:
         """The layer's projections (a plain MLP has no gate; an MoE block's router and every
-        expert's matrices)."""
+        expert's matrices; a convolution layer's in and out projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
-                     if lin is not None) + (() if self.moe is None else self.moe.linears)
+                     if lin is not None) + (() if self.moe is None else self.moe.linears) \
+            + (() if self.conv is None else self.conv.linears)
 
     @property
     def intermediate_size(self) -> int:
@@ -290,7 +313,7 @@ ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", 
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
                    ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("up_proj", "down_proj"),
-                   ("fc_in", "fc_out"))
+                   ("fc_in", "fc_out"), ("w1", "w3", "w2"))
 
 
 def _projection_names(module, options) -> tuple[str, ...]:
@@ -306,7 +329,7 @@ def _mlp_path(layer) -> str:
     """Where a decoder layer holds its MLP or MoE block: "mlp." (Granite MoE:
     "block_sparse_moe."), or "" where the layer holds the MLP's projections itself (OPT's
     fc1 / fc2)."""
-    for name in ("mlp", "block_sparse_moe", "ffn"):  # MPT: ffn
+    for name in ("mlp", "block_sparse_moe", "ffn", "feed_forward"):  # MPT: ffn, LFM2: feed_forward
         if hasattr(layer, name):
             return name + "."
     return ""
@@ -320,7 +343,7 @@ def _mlp_block(layer):
 
 def _attention(layer):
     """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`; GPT-Neo's
-    `attn` holds it as `attention`)."""
+    `attn` holds it as `attention`); None for LFM2's convolution layers."""
     for name in ("self_attn", "attention", "attn", "self_attention"):
         if hasattr(layer, name):
             block = getattr(layer, name)
@@ -369,6 +392,20 @@ def _check_plain_linear(name: str, module, model_type: str | None = None) -> Non
             f"{expected.__module__}.{expected.__qualname__} projections with float weights "
             f"({', '.join(str(d) for d in FLOAT_DTYPES)}) only. "
             "Quantized or wrapped layers are not supported: use plain model.generate().")
+
+
+def _check_short_conv(name: str, conv, channels: int) -> None:
+    """LFM2's convolution: a plain depthwise, causal nn.Conv1d with a float weight [H, 1, K]
+    (the engine convolves each channel over a row's last K positions)."""
+    weight = getattr(conv, "weight", None)
+    if type(conv) is not torch.nn.Conv1d or not isinstance(weight, torch.Tensor) \
+            or weight.dtype not in FLOAT_DTYPES or conv.groups != channels or weight.dim() != 3 \
+            or weight.shape[:2] != (channels, 1) or conv.stride != (1,) or conv.dilation != (1,):
+        kind = type(conv).__module__ + "." + type(conv).__qualname__
+        raise UnsupportedModelError(
+            f"{name} is a {kind} (weight {getattr(weight, 'dtype', None)}, shape "
+            f"{tuple(getattr(weight, 'shape', ()))}); the engine runs LFM2's plain depthwise "
+            f"torch.nn.Conv1d over {channels} channels with float weights only: use plain model.generate()")
 
 
 def _first_held(module, names: tuple[str, ...]) -> str:
@@ -699,10 +736,12 @@ def cpu_only(config, inner) -> bool:
     soft cap (the Triton attention has none), a RoPE per layer type (the CUDA-graph runner
     gathers one table), RoPE pairs (the Triton RoPE turns halves), attention sinks (the
     Triton attention has none); LayerNorm and MoE models and HunYuan's q/k norms after RoPE
-    have not run on a GPU yet, so they stay on the CPU until they have."""
+    have not run on a GPU yet, nor have LFM2's short convolutions: they stay on the CPU until
+    they have."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
-        or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES
+        or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES \
+        + SHORT_CONV_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -776,8 +815,9 @@ def _embedding(inner):
 
 
 def decoder_final_norm(inner):
-    """The decoder's final norm module (Phi: final_layernorm, GPT-NeoX: final_layer_norm)."""
-    for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f"):
+    """The decoder's final norm module (Phi: final_layernorm, GPT-NeoX: final_layer_norm;
+    LFM2's embedding_norm norms the last layer's output, not the embedding rows)."""
+    for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "embedding_norm"):
         if getattr(inner, name, None) is not None:
             return getattr(inner, name)
     raise UnsupportedModelError(f"{type(inner).__name__} has no final norm the engine knows")
@@ -848,6 +888,8 @@ class LayeredModel:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
+        if config.model_type in SHORT_CONV_TYPES:
+            self.eps = float(config.norm_eps)
         # the logits' width: the LM head's rows (Apertus 1.5 may prune its head below the
         # embedding's vocabulary)
         self.vocab_size = model.lm_head.weight.shape[0]
@@ -914,6 +956,12 @@ class LayeredModel:
             self.embedding_norm = inner.norm
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
+        # LFM2: per layer, its index among the convolution layers (-1: an attention layer),
+        # and the convolutions' width in positions (conv_L_cache; 0 without any)
+        conv_layers = [i for i, lw in enumerate(self.layers) if lw.conv is not None]
+        self.conv_index = tuple(conv_layers.index(i) if i in conv_layers else -1 for i in range(self.num_layers))
+        self.num_conv_layers = len(conv_layers)
+        self.conv_taps = self.layers[conv_layers[0]].conv.kernel.shape[1] if conv_layers else 0
         # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
         # None for a model without sinks
         self.layer_sinks = tuple(_attention(layer).sinks for layer in layers) \
@@ -965,7 +1013,9 @@ class LayeredModel:
                        for i, layer in enumerate(layers)
                        for part, block, names in (
                            (_attention_name(layer) + ".", _attention(layer),
-                            _projection_names(_attention(layer), ATTENTION_PROJECTIONS)),
+                            _projection_names(_attention(layer), ATTENTION_PROJECTIONS))
+                           if _attention(layer) is not None or model_type not in SHORT_CONV_TYPES
+                           else ("conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")),
                            (_mlp_path(layer), _mlp_block(layer), () if hasattr(_mlp_block(layer), "experts")
                             else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
@@ -976,6 +1026,10 @@ class LayeredModel:
             if shared_mlp is not None:  # GraniteMoeShared's: a gated MLP, gate and up rows fused
                 projections += [(f"model.layers.{i}.shared_mlp.{name}", getattr(shared_mlp, name, None))
                                 for name in ("input_linear", "output_linear")]
+        for i, layer in enumerate(layers):
+            if model_type in SHORT_CONV_TYPES and _attention(layer) is None:
+                _check_short_conv(f"model.layers.{i}.conv.conv", getattr(getattr(layer, "conv", None), "conv", None),
+                                  config.hidden_size)
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -1059,11 +1113,19 @@ class LayeredModel:
 
     def _layer(self, layer) -> LayerWeights:
         attn, mlp = _attention(layer), _mlp_block(layer)
-        # HunYuan names its per-head q/k norms query_ / key_layernorm
-        q_norm = getattr(attn, "q_norm", None) if hasattr(attn, "q_norm") else getattr(attn, "query_layernorm", None)
-        k_norm = getattr(attn, "k_norm", None) if hasattr(attn, "k_norm") else getattr(attn, "key_layernorm", None)
-        qkv, qkv_layout = None, "per_head"
-        if self.config.model_type == "codegen":  # q, v, k rows per shard of 4 (`qkv_layout`)
+        # HunYuan names its per-head q/k norms query_ / key_layernorm, LFM2 q_ / k_layernorm
+        q_norm = k_norm = None
+        for q_name, k_name in (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"),
+                               ("q_layernorm", "k_layernorm")):
+            if hasattr(attn, q_name):
+                q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
+                break
+        qkv, qkv_layout, conv, o = None, "per_head", None, None
+        if attn is None:  # LFM2's convolution layer
+            q = k = v = None
+            block = layer.conv
+            conv = ShortConvWeights(block.in_proj, block.conv.weight[:, 0], block.conv.bias, block.out_proj)
+        elif self.config.model_type == "codegen":  # q, v, k rows per shard of 4 (`qkv_layout`)
             q = k = v = None
             qkv, qkv_layout = attn.qkv_proj, "shards"
         elif hasattr(attn, "Wqkv"):  # MPT: q, k, v rows of one weight, in that order
@@ -1097,6 +1159,9 @@ class LayeredModel:
             qkv = attn.c_attn
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        if attn is not None:
+            o = attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense") \
+                else attn.out_proj if hasattr(attn, "out_proj") else _as_linear(attn.c_proj)
         gate = act = moe = None
         if hasattr(mlp, "experts"):  # a sparse MoE block (its dense layers: an MLP below)
             up = down = None
@@ -1107,6 +1172,8 @@ class LayeredModel:
             down = mlp.down_proj
         elif hasattr(mlp, "gate_proj"):
             gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        elif hasattr(mlp, "w1"):  # LFM2: silu(w1(x)) * w3(x) -> w2
+            gate, up, down = mlp.w1, mlp.w3, mlp.w2
         else:  # a plain MLP: Phi's fc1/fc2, StarCoder 2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/...,
             # Arcee's and Apertus's up_proj/down_proj
             up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
@@ -1130,18 +1197,18 @@ class LayeredModel:
         return LayerWeights(
             # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2,
             # OPT self_attn_layer_norm / final_layer_norm (the layer's own)
+            # LFM2 operator_norm / ffn_norm
             input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
-                                                "self_attn_layer_norm", "ln_attn", "norm_1"))),
+                                                "self_attn_layer_norm", "ln_attn", "norm_1", "operator_norm"))),
             q=q,
             k=k,
             v=v,
-            o=attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense")
-            else attn.out_proj if hasattr(attn, "out_proj") else _as_linear(attn.c_proj),
+            o=o,
             q_norm=held(q_norm),
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
                 _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2",
-                                    "final_layer_norm", "ln_mlp", "norm_2"))),
+                                    "final_layer_norm", "ln_mlp", "norm_2", "ffn_norm"))),
             gate=gate,
             up=up,
             down=down,
@@ -1154,6 +1221,7 @@ class LayeredModel:
             qkv=qkv,
             qkv_layout=qkv_layout,
             moe=moe,
+            conv=conv,
         )
 
     def _moe(self, block, shared_mlp=None) -> MoEWeights:
@@ -1285,7 +1353,7 @@ class LayeredModel:
         norms (if any) before RoPE."""
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
                 and not self.qk_norm_after_rope and self.layer_sinks is None
-                and all(lw.gate is not None and lw.qkv is None for lw in self.layers))
+                and all(lw.gate is not None and lw.qkv is None and lw.conv is None for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first layer's input from the token rows h [n, H] (positions: the step's, its

@@ -41,6 +41,10 @@ class StepMeta:
     # the block attention's masks per sliding window of the model's layers (window -> masks
     # per chunk, as `biases`); empty where no layer slides or the backend reads limits itself
     window_biases: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # LFM2's convolution layers: [rows, K - 1] int64, the conv-cache slots of each row's
+    # 1st .. (K-1)th predecessor (its path's, or its sequence's committed ones; the zero
+    # slot before position 0 and for pad rows); None for a model without them
+    conv_sources: torch.Tensor | None = None
 
 
 @dataclass

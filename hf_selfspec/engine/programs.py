@@ -194,6 +194,9 @@ class Engine:
         self.contention = costs.ContentionWatch()
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
+        # LFM2: per convolution layer, B * x of every slot [num_slots + 1, H]; its last slot
+        # stays zero (what a row's convolution reads before position 0)
+        self.conv_cache = None
         self._allocate(self.config.capacity)
         # the Triton fused small kernels (kernels/fused.py: residual add + RMSNorm, RoPE + KV
         # write) in the PyTorch-ops layers; opt-in (off by default) until a GPU run has checked
@@ -302,6 +305,14 @@ class Engine:
             v_cache[:, :, :keep] = old_v[:, :, :keep]
         del old_k, old_v
         self.k_cache, self.v_cache = k_cache, v_cache
+        if v.num_conv_layers:
+            old_conv, self.conv_cache = self.conv_cache, None
+            conv_cache = zeroed((v.num_conv_layers, num_slots + 1, v.hidden_size), v.dtype, v.device)
+            if keep and old_conv is not None:
+                conv_cache[:, :keep] = old_conv[:, :keep]
+            del old_conv
+            self.conv_cache = conv_cache
+            self.conv_zero_slot = num_slots
         self.capacity = capacity
         self.num_slots = num_slots
         self.trash_slot = capacity
@@ -469,10 +480,30 @@ class Engine:
             raise ValueError(f"{len(base)} bases given for {n} rows")
         at = positions_t[:rows]
         extra = v.rope_tables[1:]
+        conv_sources = None if not v.num_conv_layers else self._conv_sources(positions, paths, bases, rows)
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
-            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases,
+            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases, conv_sources,
         )
+
+    def _conv_sources(self, positions: Sequence[int], paths: Sequence[Sequence[int]] | None,
+                      bases: Sequence[int] | None, rows: int) -> torch.Tensor:
+        """StepMeta.conv_sources: row r's k-th predecessor (k = 1 .. K-1) is its path's
+        (a draft tree's row: path[-1 - k], the path ending at the row itself) while the path
+        reaches back that far, else its sequence's committed token at position p - k (slot
+        base + p - k: committed tokens and chain rows sit at their positions); the zero slot
+        before position 0 and for the pad rows past the real ones."""
+        taps = self.view.conv_taps - 1
+        sources = torch.full((rows, taps), self.conv_zero_slot, dtype=torch.long)
+        for r, position in enumerate(positions):
+            path = paths[r] if paths is not None else ()
+            base = bases[r] if bases is not None else 0
+            for k in range(1, taps + 1):
+                if k < len(path):
+                    sources[r, k - 1] = path[-1 - k]
+                elif position - k >= 0:
+                    sources[r, k - 1] = base + position - k
+        return sources.to(self.view.device)
 
     def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copy every layer's K and V from slot sources[i] to targets[i], in order (a draft
@@ -482,6 +513,8 @@ class Engine:
             if src != dst:
                 self.k_cache[:, :, dst] = self.k_cache[:, :, src]
                 self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+                if self.conv_cache is not None:
+                    self.conv_cache[:, dst] = self.conv_cache[:, src]
 
     # ---- the maths of a step --------------------------------------------------------------
 
@@ -530,9 +563,13 @@ class Engine:
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
+            x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
+            if lw.conv is not None:  # LFM2's convolution layer, then its MLP (the Llama form)
+                h = h + self._short_conv(x, lw.conv, v.conv_index[li], meta, slots)
+                h = h + self._mlp(v.norm(h, lw.post_norm), lw, n)
+                continue
             cos, sin = self._rope_tables(meta, li, R)
             cos, sin = cos[None], sin[None]  # [1, R, d]
-            x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
             q, k, val = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
@@ -633,6 +670,28 @@ class Engine:
             q = v.norm(q, lw.q_norm)
             k = v.norm(k, lw.k_norm)
         return q, k, val
+
+    def _short_conv(self, x: torch.Tensor, conv, index: int, meta: StepMeta, slots: torch.Tensor) -> torch.Tensor:
+        """LFM2's gated short convolution (ShortConvWeights) of the normed rows x [R, H]:
+        writes the rows' B * x at their slots of convolution layer `index`'s cache, then
+        convolves each row over its predecessors' (meta.conv_sources) and its own in float32,
+        oldest first, each tap's product added in turn (a row's sum never depends on the
+        others), rounded to the model's dtype as HF's conv1d output."""
+        H = self.view.hidden_size
+        bcx = self.layout.linear(x, conv.in_proj)  # [R, 3H]: B, C, x
+        bx = bcx[:, :H] * bcx[:, 2 * H:]
+        cache = self.conv_cache[index]
+        cache.index_copy_(0, slots, bx)
+        kernel = conv.kernel.float()  # [H, K]; its last column weighs the row itself
+        taps = kernel.shape[1]
+        sources = meta.conv_sources
+        y = bx.float() * kernel[:, taps - 1] if taps == 1 else \
+            cache[sources[:, taps - 2]].float() * kernel[:, 0]
+        for j in range(1, taps):  # the next predecessor, ..., the row itself
+            y = y + (cache[sources[:, taps - 2 - j]] if j < taps - 1 else bx).float() * kernel[:, j]
+        if conv.bias is not None:
+            y = y + conv.bias.float()
+        return self.layout.linear(bcx[:, H:2 * H] * y.to(x.dtype), conv.out_proj)
 
     def _mlp(self, x: torch.Tensor, lw, real_rows: int | None = None) -> torch.Tensor:
         """The MLP (or MoE block) of x's rows; an MoE block routes the first `real_rows` only
@@ -853,6 +912,12 @@ class Engine:
         cache = DynamicCache(config=self.view.config)
         out = self.view.decoder(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
+            if self.view.num_conv_layers and self.view.conv_index[li] >= 0:
+                # LFM2: HF's state holds B * x of the last K positions (zeros before the first)
+                state = layer.conv_states[0][0]  # [H, K]
+                kept = min(n, state.shape[-1])
+                self.conv_cache[self.view.conv_index[li], base + n - kept:base + n] = state[:, -kept:].t()
+                continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
             # Falcon's new architecture caches each KV head repeated for its group of query heads
