@@ -52,7 +52,8 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
-            if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight")):  # routers: decisive
+            if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
+                                                  "feed_forward.gate.weight")):  # routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else router_scale) * param.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 param.normal_(0.0, 0.5)
@@ -63,7 +64,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
             if name.endswith("conv.conv.bias"):
                 param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing: a bias that decides
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's: a bias that decides
                 buffer.normal_(0.0, 0.2)
         for name, param in model.named_parameters():
             if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's, a parameter
@@ -345,6 +346,14 @@ SUPPORTED = {
                  block_auto_adjust_ff_dim=False, random_norms=True),
     "lfm2-conv-bias": dict(arch="Lfm2", layer_types=["full_attention", "conv", "conv"], conv_bias=True,
                            num_hidden_layers=3, block_auto_adjust_ff_dim=False),
+    # LFM2-MoE (LFM2-8B-A1B's form): LFM2's layers, a dense first layer, then sigmoid routers
+    # choosing with the block's expert bias (float32), weights renormalised and scaled
+    "lfm2_moe": dict(arch="Lfm2Moe", layer_types=["conv", "full_attention", "conv"], num_hidden_layers=3,
+                     num_dense_layers=1, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     routed_scaling_factor=2.0, random_norms=True, router_scale=1.0),
+    "lfm2_moe-unbiased": dict(arch="Lfm2Moe", layer_types=["full_attention", "conv"], num_dense_layers=0,
+                              num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, use_expert_bias=False,
+                              norm_topk_prob=False),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -411,7 +420,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
-                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias"])
+                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -691,10 +700,11 @@ def test_ministral3_served_below_its_query_scaling():
         self_greedy(model, [below + [5]])
 
 
-@pytest.mark.parametrize("case", ["glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("case", ["glm4_moe", "minimax_m2", "lfm2_moe"])
 def test_new_routing_biases_rebuild_the_engine(case):
-    """A router's e_score_correction_bias is a buffer: new tensors assigned to it (not edited in
-    place) make the engine stale, and the next request is HF's greedy output again."""
+    """A router's e_score_correction_bias (LFM2-MoE's expert_bias) is a buffer: new tensors
+    assigned to it (not edited in place) make the engine stale, and the next request is HF's
+    greedy output again."""
     overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
     attach_heads(model, heads=False)
@@ -702,9 +712,10 @@ def test_new_routing_biases_rebuild_the_engine(case):
     assert self_greedy(model, [prompt])[0] == hf_greedy(model, prompt)
     first = model._selfspec.engine
     for module in model.modules():
-        bias = getattr(module, "e_score_correction_bias", None)
-        if isinstance(bias, torch.Tensor) and not isinstance(bias, torch.nn.Parameter):
-            module.e_score_correction_bias = torch.randn(bias.shape, generator=torch.Generator().manual_seed(4))
+        for name in ("e_score_correction_bias", "expert_bias"):
+            bias = getattr(module, name, None)
+            if isinstance(bias, torch.Tensor) and not isinstance(bias, torch.nn.Parameter):
+                setattr(module, name, torch.randn(bias.shape, generator=torch.Generator().manual_seed(4)))
     assert self_greedy(model, [prompt])[0] == hf_greedy(model, prompt)
     assert model._selfspec.engine is not first
 

@@ -144,6 +144,9 @@ ARCHS = {
     # convolution layers (gated short convolutions over each row's last 3 positions) between
     # attention layers with per-head q/k norms
     "Lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], block_auto_adjust_ff_dim=False),
+    # LFM2's layers, a dense first one, sigmoid routers choosing with the block's expert bias
+    "Lfm2Moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], num_dense_layers=1, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=48),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -186,7 +189,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 1.0)
             if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
-            if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight")):  # routers: decisive
+            if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
+                                              "feed_forward.gate.weight")):  # routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 p.normal_(0.0, 0.5)
@@ -197,7 +201,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
             if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's routing
                 p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's routing
                 b.normal_(0.0, 0.2)
     return model.to(dtype).eval(), config
 

@@ -43,9 +43,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
-                         "mellum", "apertus1p5_text", "nanochat", "lfm2")
+                         "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
-SHORT_CONV_TYPES = ("lfm2",)
+SHORT_CONV_TYPES = ("lfm2", "lfm2_moe")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -64,7 +64,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
-             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum")
+             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -429,7 +429,7 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     float weights (a quantized or biased expert, or another router, is refused by name)."""
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
-                  "cohere2_moe": _check_cohere2_moe,
+                  "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
@@ -490,6 +490,23 @@ def _check_minimax_moe(name: str, block) -> None:
             and bias.shape[0] >= 2 and not hasattr(block, "shared_experts")):
         raise _moe_refusal(
             name, block, "for MiniMax-M2 it runs a sigmoid router with a correction bias and experts of gate_up_proj / "
+            "down_proj only")
+
+
+def _check_lfm2_moe(name: str, block) -> None:
+    """LFM2-MoE's form: a router with a float weight [E, H], top_k, norm_topk_prob and
+    routed_scaling_factor; with use_expert_bias, the block's float expert_bias [E]; experts
+    of gate_up_proj / down_proj; no shared MLP."""
+    router, bias = _router(block), getattr(block, "expert_bias", None)
+    fits = (_float_router_and_experts(block)
+            and all(hasattr(router, a) for a in ("norm_topk_prob", "routed_scaling_factor"))
+            and getattr(block, "use_expert_bias", None) in (True, False)
+            and (not block.use_expert_bias or (isinstance(bias, torch.Tensor) and bias.dtype in FLOAT_DTYPES
+                                               and bias.shape == (router.weight.shape[0],)))
+            and not hasattr(block, "shared_experts"))
+    if not fits:
+        raise _moe_refusal(
+            name, block, "for LFM2-MoE it runs a sigmoid top-k router with an expert bias and experts of gate_up_proj / "
             "down_proj only")
 
 
@@ -1252,6 +1269,10 @@ class LayeredModel:
             # MiniMax-M2 computes its logits in its router weight's dtype
             widen = router_weight.dtype == torch.float32 if minimax else True
             return MoEWeights(**parts, route=route, router_input_float32=widen, shared=shared)
+        if model_type == "lfm2_moe":  # sigmoid scores in the model's dtype, chosen with the block's bias
+            return MoEWeights(**parts, route=functools.partial(
+                routing.sigmoid_topk, top_k=top_k, expert_bias=block.expert_bias if block.use_expert_bias else None,
+                normalize=bool(router.norm_topk_prob), scaling=float(router.routed_scaling_factor)))
         if model_type == "ernie4_5_moe":  # a float32 router with a correction bias on its choice
             return MoEWeights(**parts, route=functools.partial(
                 routing.biased_softmax, top_k=top_k, correction_bias=router.moe_statics.e_score_correction_bias.view(-1),
@@ -1313,7 +1334,9 @@ class LayeredModel:
             return self._identity_tables(max_positions)
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
-        rotary, kind = inner.rotary_emb, {} if layer_type is None else {"layer_type": layer_type}
+        # LFM2-MoE names its rotary module pos_emb
+        rotary = inner.rotary_emb if hasattr(inner, "rotary_emb") else inner.pos_emb
+        kind = {} if layer_type is None else {"layer_type": layer_type}
         if self.config.model_type in PER_LAYER_THETA_TYPES:  # layer_type: a RoPE base, its own module
             rotary, kind = inner.rotary_embs[self.rope_types.index(layer_type)], {}
         with torch.no_grad():

@@ -119,11 +119,11 @@ def weight_signature(model: torch.nn.Module) -> tuple:
     """Storage, dtype, device and shape of every parameter the engine reads: a change means
     the engine's view (and its cache dtype, RoPE tables, layout) is stale. In-place edits
     of the same tensors keep the signature (and need no rebuild: the engine reads them).
-    Buffers the engine reads count too: DeepSeek-V3-style routers' e_score_correction_bias
-    (the rotary modules' are read into tables at build and do not)."""
+    Buffers the engine reads count too: DeepSeek-V3-style routers' e_score_correction_bias,
+    LFM2-MoE's expert_bias (the rotary modules' are read into tables at build and do not)."""
     decoder = text_decoder(model)
     params = list(decoder.parameters()) + list(model.lm_head.parameters()) + [
-        b for name, b in decoder.named_buffers() if name.endswith("e_score_correction_bias")]
+        b for name, b in decoder.named_buffers() if name.endswith(("e_score_correction_bias", "expert_bias"))]
     return tuple((p.data_ptr(), p.dtype, p.device, tuple(p.shape)) for p in params)
 
 

@@ -55,6 +55,22 @@ def sigmoid_grouped(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, cor
     return top * scaling, chosen
 
 
+def sigmoid_topk(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, expert_bias: torch.Tensor | None,
+                 normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LFM2-MoE: sigmoid scores in the logits' dtype; the choice by score + expert_bias [E]
+    (float32) where there is one, else by score; the chosen scores, renormalised where
+    `normalize` (over their sum + 1e-6), times `scaling`, in the logits' dtype."""
+    scores = logits.sigmoid()
+    if expert_bias is not None:
+        chosen = torch.topk(scores + expert_bias, k=top_k, dim=-1)[1]
+        top = torch.gather(scores, dim=1, index=chosen).type_as(logits)
+    else:
+        top, chosen = torch.topk(scores, k=top_k, dim=-1)
+    if normalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-6)
+    return top * scaling, chosen
+
+
 def biased_softmax(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, correction_bias: torch.Tensor,
                    norm_min: float) -> tuple[torch.Tensor, torch.Tensor]:
     """ERNIE 4.5 MoE, from float32 logits: the softmax; the choice by probability +
