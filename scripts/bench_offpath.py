@@ -243,6 +243,13 @@ RANDOM_SHAPES = {
         vocab_size=65536, hidden_size=2048, intermediate_size=12288, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=128000, tie_word_embeddings=True, layer_types=LFM2_LAYERS),
         "LFM2-1.2B (gated short convolutions in 10 of 16 layers)"),
+    "lfm2_8b_a1b": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        vocab_size=65536, hidden_size=2048, intermediate_size=7168, moe_intermediate_size=1792, num_hidden_layers=24,
+        num_attention_heads=32, num_key_value_heads=8, num_dense_layers=2, num_experts=32, num_experts_per_tok=4,
+        max_position_embeddings=128000, tie_word_embeddings=True,
+        layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]),
+        "LFM2-8B-A1B (33 GB in fp32: --layers 4; attention in 6 of 24 layers, 32 experts, 4 per token, "
+        "sigmoid routing with an expert bias)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

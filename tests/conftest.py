@@ -29,7 +29,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     token on a random model) and its norm weights random around 0; "gemma3" (Gemma 3 text:
     per-head q/k norms, a RoPE per layer type) or "olmo3" (OLMo 2's layers, a RoPE per layer
     type); both alternate sliding and full attention layers, with RoPE bases 10 and 10000;
-    "lfm2" (LFM2: gated short convolutions in alternate layers, from the first).
+    "lfm2" (LFM2: gated short convolutions in alternate layers, from the first), "qwen3_5"
+    (Qwen 3.5: gated DeltaNets in alternate layers, from the first).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -119,6 +120,19 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
             for name, p in model.named_parameters():
                 if name.endswith("conv.conv.weight"):
                     p.normal_(0.0, p.shape[-1] ** -0.5)
+    elif kind == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        types = ["linear_attention", "full_attention"] * (layers // 2) + ["linear_attention"] * (layers % 2)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            layer_types=types, head_dim=hidden // 4, linear_key_head_dim=hidden // 8, linear_value_head_dim=hidden // 4,
+            linear_num_key_heads=2, linear_num_value_heads=4, **common))
+        with torch.no_grad():  # the convolution taps and the norms (zero-centred) HF leaves small
+            for name, p in model.named_parameters():
+                if name.endswith("conv1d.weight"):
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+                elif "norm" in name:
+                    p.uniform_(-0.5, 0.5)
     else:
         raise ValueError(kind)
     with torch.no_grad():

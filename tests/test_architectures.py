@@ -59,7 +59,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks: as large as the scores
                 param.normal_(0.0, 2.0)
-            if name.endswith("conv.conv.weight"):  # LFM2's convolution taps [H, 1, K]: HF's 0.02 hides them
+            if name.endswith(("conv.conv.weight", "conv1d.weight")):  # LFM2's, Qwen 3.5's taps [C, 1, K]: HF's 0.02 hides them
                 param.normal_(0.0, param.shape[-1] ** -0.5)
             if name.endswith("conv.conv.bias"):
                 param.normal_(0.0, 0.5)
@@ -354,6 +354,17 @@ SUPPORTED = {
     "lfm2_moe-unbiased": dict(arch="Lfm2Moe", layer_types=["full_attention", "conv"], num_dense_layers=0,
                               num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, use_expert_bias=False,
                               norm_topk_prob=False),
+    # Qwen 3.5 (text): gated DeltaNets (a SiLU convolution over 4 positions, a recurrent state
+    # per head) in most layers, attention gated by more rows of q_proj, RoPE on a quarter of
+    # each head, norms by 1 + w; value heads twice the key heads, or as many
+    "qwen3_5": dict(arch="Qwen3_5Text", model_class="Qwen3_5ForCausalLM", head_dim=16, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_hidden_layers=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                    random_norms=True),
+    "qwen3_5-one-value-head-per-key": dict(arch="Qwen3_5Text", model_class="Qwen3_5ForCausalLM", head_dim=16,
+                                           linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=3,
+                                           linear_num_value_heads=3, num_hidden_layers=2,
+                                           layer_types=["full_attention", "linear_attention"]),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -420,7 +431,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
-                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe"])
+                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -639,7 +650,8 @@ def test_gemma3_image_inputs_refused(media):
 @pytest.mark.parametrize("case,cuda", [("llama-tied", False), ("olmo2-output-norms", False), ("gemma2", True),
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
-                                       ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True)])
+                                       ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True),
+                                       ("qwen3_5", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""
@@ -822,15 +834,17 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
-def test_lfm2_convolutions_follow_a_draft_trees_paths(shape):
-    """A tree row's convolution reads its own path's rows (a sibling branch accepted, rows
-    after gaps, a full tree), and the accepted rows' convolution inputs move with their KV:
-    the engine's AR output, with the accepted path off the first branch."""
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5"])
+def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
+    """A tree row's convolution (LFM2, Qwen 3.5) and recurrent state (Qwen 3.5's DeltaNet)
+    come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
+    and the accepted rows' convolution inputs and states move with their KV: the engine's
+    AR output, with the accepted path off the first branch."""
     from test_trees import OracleTrees
 
     from hf_selfspec.engine.programs import Engine
 
-    overrides = dict(SUPPORTED["lfm2"])
+    overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
     engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
     for p in prompts(5, 40):
@@ -838,3 +852,29 @@ def test_lfm2_convolutions_follow_a_draft_trees_paths(shape):
         result = OracleTrees(engine, expected, shape).generate(p, 30)
         assert result.tokens == expected
         assert result.stats.off_chain_cycles > 0
+
+
+def test_qwen3_5_image_text_class_decodes_its_text():
+    """Qwen3_5ForConditionalGeneration (what a Qwen 3.5 checkpoint's own class is): its
+    language model decodes HF's greedy tokens, and its media inputs are refused by name."""
+    torch.manual_seed(0)
+    overrides = dict(SUPPORTED["qwen3_5"])
+    for key in ("arch", "model_class", "random_norms"):
+        overrides.pop(key)
+    text = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("conv1d.weight"):
+                param.normal_(0.0, 0.5)
+    rows = prompts(11, 30)
+    expected = [hf_greedy(model, p) for p in rows]
+    attach_heads(model, heads=False)
+    assert [self_greedy(model, [p])[0] for p in rows] == expected
+    assert self_greedy(model, rows) == expected
+    ids = torch.tensor(rows[:1])
+    with pytest.raises(ValueError, match="pixel_values"):
+        model.generate(ids, pixel_values=torch.zeros(4, 3), assistant="self", max_new_tokens=4)

@@ -38,13 +38,14 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
 
 @pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
 @pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2", "gemma3", "olmo3",
-                                  "lfm2"])
+                                  "lfm2", "qwen3_5"])
 def test_engine_ar_matches_hf_greedy_on_llama_variants(kind, layout, prefill):
     """SmolLM3 leaves layers 1 and 3 here unrotated (no_rope_layers; the C++ layers run in
     one call per run of layers with or without RoPE); Phi-3 fuses q/k/v and gate/up into
     one weight each (read as row ranges of it), phi3_partial rotates half of each head's
     dimensions; Granite scales the embedding rows, the
-    attention scores, each block's output and the logits; LFM2 convolves in alternate layers."""
+    attention scores, each block's output and the logits; LFM2 convolves in alternate layers,
+    Qwen 3.5 runs gated DeltaNets there."""
     model = tiny_model(kind, seed=4)
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=512, row_layout=layout, prefill=prefill))
     assert engine.view.rope_layers == ((True, False, True, False) if kind == "smollm3" else (True,) * 4)

@@ -80,8 +80,8 @@ def _model_storages(model):
 # and on the kernel layout the int8 copy of a float32 LM head its argmax screen reads, with
 # a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head),
 # and the empty tensor the fused layers get for a norm a layer does not have (OLMo 2);
-# LFM2's convolution inputs per slot (conv_cache)
-OWNED = ("k_cache", "v_cache", "conv_cache", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
+# LFM2's and Qwen 3.5's convolution inputs per slot (conv_cache), Qwen 3.5's recurrent states
+OWNED = ("k_cache", "v_cache", "conv_cache", "recurrent._zero", "recurrent._rings.0", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
          "screen.rows.2", "screen.rows.3", "_no_norm",
          # the RoPE tables (view.cos / view.sin are the first; Gemma 3 has one per layer type)
          "view.rope_tables.0.0", "view.rope_tables.0.1", "view.rope_tables.1.0", "view.rope_tables.1.1")
@@ -95,7 +95,8 @@ def _weights_the_engine_reads(engine):
 
 @pytest.mark.parametrize("layout", KEPT)
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("phi3", False), ("smollm3", True),
-                                      ("olmo2", False), ("gemma2", False), ("gemma3", False), ("lfm2", True)])
+                                      ("olmo2", False), ("gemma2", False), ("gemma3", False), ("lfm2", True),
+                                      ("qwen3_5", False)])
 def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, tie):
     """Per layout kept: every tensor the engine (its view, layout, attention, fused-layer
     lists) holds, other than its KV cache and small buffers, lives in the storage of one of
@@ -116,6 +117,8 @@ def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, t
     kv = nbytes(engine.k_cache) + nbytes(engine.v_cache)
     if engine.conv_cache is not None:  # LFM2's convolution inputs: a cache beside the KV
         kv += nbytes(engine.conv_cache)
+    if engine.recurrent is not None:  # Qwen 3.5's recurrent states of the last slots
+        kv += sum(nbytes(ring) for ring in engine.recurrent._rings.values()) + nbytes(engine.recurrent._zero)
     screen = 0 if engine.screen is None else engine.screen.copy_bytes
     # no screen where the logits are transformed (Gemma 2's soft cap: see Engine._make_screen)
     assert (engine.screen is not None) == (layout == "kernel" and not engine.view.logits_transformed)
@@ -161,7 +164,7 @@ def test_a_fresh_cache_is_zeros_that_take_no_memory_until_written(dtype):
     assert int((cache != 0).sum()) == 16 * 8 * 16 * 64 and not cache[:, :, 16:].any()
 
 
-@pytest.mark.parametrize("layout,kind", [("micro", "llama"), ("kernel", "llama"), ("kernel", "lfm2")])
+@pytest.mark.parametrize("layout,kind", [("micro", "llama"), ("kernel", "llama"), ("kernel", "lfm2"), ("kernel", "qwen3_5")])
 def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch, layout, kind):
     """A cache too short for the rest of a generation grows mid-way (the used prefix
     copied, LFM2's convolution inputs with the KV): the continued AR tokens equal a fresh,

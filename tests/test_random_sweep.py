@@ -147,8 +147,13 @@ ARCHS = {
     # LFM2's layers, a dense first one, sigmoid routers choosing with the block's expert bias
     "Lfm2Moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"], num_dense_layers=1, num_experts=8,
                     num_experts_per_tok=2, moe_intermediate_size=48),
+    # gated DeltaNets (a convolution over 4 positions, a recurrent state per value head) between
+    # attention layers gated by q_proj's extra rows, RoPE on a quarter of each head
+    "Qwen3_5Text": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                        linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2,
+                        linear_num_value_heads=4),
 }
-MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
+MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
 
 
@@ -170,7 +175,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat"):
+                "NanoChat", "Qwen3_5Text"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
@@ -196,7 +201,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks
                 p.normal_(0.0, 2.0)
-            if name.endswith("conv.conv.weight"):  # LFM2's convolution taps [H, 1, K]
+            if name.endswith(("conv.conv.weight", "conv1d.weight")):  # LFM2's, Qwen 3.5's taps [C, 1, K]
                 p.normal_(0.0, p.shape[-1] ** -0.5)
             if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's routing
                 p.normal_(0.0, 0.2)

@@ -43,13 +43,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "ministral3", "cohere2", "gpt_oss", "granite_swa", "granitemoeshared",
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
-                         "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe")
+                         "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe")
+# hybrids whose other layers are gated DeltaNets (Qwen 3.5: GatedDeltaNetWeights), whose
+# attention layers gate their output by a sigmoid of more rows of q_proj
+DELTA_NET_TYPES = ("qwen3_5_text", "qwen3_5")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
-IMAGE_TEXT_DECODERS = {"gemma3": "language_model"}
+IMAGE_TEXT_DECODERS = {"gemma3": "language_model", "qwen3_5": "language_model"}
 # where a causal LM holds its decoder stack (a dotted path), if not at model.model
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
                       "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
@@ -107,12 +110,12 @@ CPU_ONLY_REFUSAL = (
     "RoPE (Gemma 3, OLMo 3), turns adjacent pairs in its RoPE (GLM, ERNIE 4.5, Cohere), or has "
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
-    "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan) or short convolutions "
-    "(LFM2), which the engine's "
+    "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan), short convolutions "
+    "(LFM2) or gated DeltaNets (Qwen 3.5), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
-NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma")
+NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma") + DELTA_NET_TYPES
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
 ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe",
                     "cohere2_moe")
@@ -239,6 +242,37 @@ class ShortConvWeights:
 
 
 @dataclass
+class GatedDeltaNetWeights:
+    """Qwen 3.5's gated DeltaNet, HF's decode maths: qkv = in_proj_qkv(h) goes into the
+    layer's conv cache at the row's slot and is convolved over the row's last K positions
+    (as ShortConvWeights), SiLU; q, k (l2-normed, q scaled by dk^-0.5) and v per head; a
+    float32 state [Hv, dk, dv] per row, from its predecessor's: decayed by exp(g), g =
+    -exp(A_log) * softplus(in_proj_a(h) + dt_bias), then the delta rule with beta =
+    sigmoid(in_proj_b(h)); the row's output state^T q, RMS-normed per head (norm_weight,
+    plain) and gated by silu(in_proj_z(h)); out_proj joins the residual stream."""
+
+    in_qkv: torch.nn.Linear  # [2 Hk dk + Hv dv, H]
+    in_z: torch.nn.Linear  # [Hv dv, H]
+    in_b: torch.nn.Linear  # [Hv, H]
+    in_a: torch.nn.Linear  # [Hv, H]
+    kernel: torch.Tensor  # [2 Hk dk + Hv dv, K], a view of the Conv1d's weight
+    dt_bias: torch.Tensor  # [Hv]
+    a_log: torch.Tensor  # [Hv]
+    norm_weight: torch.Tensor  # [dv]
+    norm_eps: float
+    out_proj: torch.nn.Linear  # [H, Hv dv]
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    bias: None = None  # the convolution's (none: HF builds it without)
+
+    @property
+    def linears(self) -> tuple:
+        return (self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj)
+
+
+@dataclass
 class LayerWeights:
     """Parameters of one decoder layer, shared with the HF module (no copies).
 
@@ -278,6 +312,8 @@ class LayerWeights:
     moe: MoEWeights | None = None
     # LFM2's convolution layers: this block in place of the attention (q, k, v, o None)
     conv: ShortConvWeights | None = None
+    # Qwen 3.5's DeltaNet layers: this block in place of the attention (q, k, v, o None)
+    delta: GatedDeltaNetWeights | None = None
 
     @property
     def linears(self) -> tuple:
@@ -285,7 +321,7 @@ class LayerWeights:
         expert's matrices; a convolution layer's in and out projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
-            + (() if self.conv is None else self.conv.linears)
+            + (() if self.conv is None else self.conv.linears) + (() if self.delta is None else self.delta.linears)
 
     @property
     def intermediate_size(self) -> int:
@@ -343,7 +379,7 @@ def _mlp_block(layer):
 
 def _attention(layer):
     """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`; GPT-Neo's
-    `attn` holds it as `attention`); None for LFM2's convolution layers."""
+    `attn` holds it as `attention`); None for LFM2's convolution and Qwen 3.5's DeltaNet layers."""
     for name in ("self_attn", "attention", "attn", "self_attention"):
         if hasattr(layer, name):
             block = getattr(layer, name)
@@ -406,6 +442,26 @@ def _check_short_conv(name: str, conv, channels: int) -> None:
             f"{name} is a {kind} (weight {getattr(weight, 'dtype', None)}, shape "
             f"{tuple(getattr(weight, 'shape', ()))}); the engine runs LFM2's plain depthwise "
             f"torch.nn.Conv1d over {channels} channels with float weights only: use plain model.generate()")
+
+
+def _check_delta_net(name: str, block) -> None:
+    """Qwen 3.5's gated DeltaNet as GatedDeltaNetWeights reads it: a plain depthwise Conv1d
+    without bias over the q/k/v channels, SiLU, float dt_bias / A_log [Hv], a gated RMSNorm
+    [dv], value heads a multiple of the key heads."""
+    if block is None or not all(hasattr(block, a) for a in ("conv1d", "dt_bias", "A_log", "norm", "num_k_heads",
+                                                             "num_v_heads", "head_k_dim", "head_v_dim")):
+        raise UnsupportedModelError(f"{name} is not a gated DeltaNet the engine knows; use plain model.generate()")
+    conv = block.conv1d
+    _check_short_conv(f"{name}.conv1d", conv, 2 * block.num_k_heads * block.head_k_dim
+                      + block.num_v_heads * block.head_v_dim)
+    params = (block.dt_bias, block.A_log, getattr(block.norm, "weight", None))
+    if conv.bias is not None or getattr(block, "activation", None) not in SILU_NAMES \
+            or block.num_v_heads % block.num_k_heads \
+            or any(not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES for p in params) \
+            or block.norm.weight.shape != (block.head_v_dim,):
+        raise UnsupportedModelError(
+            f"{name}: the engine runs Qwen 3.5's gated DeltaNet with a SiLU convolution without bias, float "
+            "dt_bias / A_log and a gated RMSNorm per value head only; use plain model.generate()")
 
 
 def _first_held(module, names: tuple[str, ...]) -> str:
@@ -758,7 +814,7 @@ def cpu_only(config, inner) -> bool:
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
         or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES \
-        + SHORT_CONV_TYPES
+        + SHORT_CONV_TYPES + DELTA_NET_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -973,12 +1029,21 @@ class LayeredModel:
             self.embedding_norm = inner.norm
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
-        # LFM2: per layer, its index among the convolution layers (-1: an attention layer),
-        # and the convolutions' width in positions (conv_L_cache; 0 without any)
-        conv_layers = [i for i, lw in enumerate(self.layers) if lw.conv is not None]
+        # LFM2's convolution and Qwen 3.5's DeltaNet layers: per layer, its index among them
+        # (-1: an attention layer; the engine's conv cache), the convolutions' width in
+        # positions (0 without any) and channels; per layer its index among the DeltaNets
+        # (their recurrent states)
+        conv_layers = [i for i, lw in enumerate(self.layers) if lw.conv is not None or lw.delta is not None]
         self.conv_index = tuple(conv_layers.index(i) if i in conv_layers else -1 for i in range(self.num_layers))
         self.num_conv_layers = len(conv_layers)
-        self.conv_taps = self.layers[conv_layers[0]].conv.kernel.shape[1] if conv_layers else 0
+        kernels = [(lw.conv or lw.delta).kernel for lw in self.layers if lw.conv is not None or lw.delta is not None]
+        self.conv_taps = kernels[0].shape[1] if kernels else 0
+        self.conv_channels = kernels[0].shape[0] if kernels else 0
+        delta_layers = [i for i, lw in enumerate(self.layers) if lw.delta is not None]
+        self.delta_index = tuple(delta_layers.index(i) if i in delta_layers else -1 for i in range(self.num_layers))
+        self.num_delta_layers = len(delta_layers)
+        # Qwen 3.5's attention: q_proj gives each head its q rows, then as many gate rows
+        self.gated_attention = config.model_type in DELTA_NET_TYPES
         # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
         # None for a model without sinks
         self.layer_sinks = tuple(_attention(layer).sinks for layer in layers) \
@@ -1031,8 +1096,11 @@ class LayeredModel:
                        for part, block, names in (
                            (_attention_name(layer) + ".", _attention(layer),
                             _projection_names(_attention(layer), ATTENTION_PROJECTIONS))
-                           if _attention(layer) is not None or model_type not in SHORT_CONV_TYPES
-                           else ("conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")),
+                           if _attention(layer) is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES
+                           else ("conv.", getattr(layer, "conv", None), ("in_proj", "out_proj"))
+                           if model_type in SHORT_CONV_TYPES
+                           else ("linear_attn.", getattr(layer, "linear_attn", None),
+                                 ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
                            (_mlp_path(layer), _mlp_block(layer), () if hasattr(_mlp_block(layer), "experts")
                             else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
@@ -1047,6 +1115,8 @@ class LayeredModel:
             if model_type in SHORT_CONV_TYPES and _attention(layer) is None:
                 _check_short_conv(f"model.layers.{i}.conv.conv", getattr(getattr(layer, "conv", None), "conv", None),
                                   config.hidden_size)
+            if model_type in DELTA_NET_TYPES and _attention(layer) is None:
+                _check_delta_net(f"model.layers.{i}.linear_attn", getattr(layer, "linear_attn", None))
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -1137,8 +1207,15 @@ class LayeredModel:
             if hasattr(attn, q_name):
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
-        qkv, qkv_layout, conv, o = None, "per_head", None, None
-        if attn is None:  # LFM2's convolution layer
+        qkv, qkv_layout, conv, delta, o = None, "per_head", None, None, None
+        if attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's gated DeltaNet
+            q = k = v = None
+            block = layer.linear_attn
+            delta = GatedDeltaNetWeights(
+                block.in_proj_qkv, block.in_proj_z, block.in_proj_b, block.in_proj_a, block.conv1d.weight[:, 0],
+                block.dt_bias, block.A_log, block.norm.weight, float(block.norm.variance_epsilon), block.out_proj,
+                int(block.num_k_heads), int(block.num_v_heads), int(block.head_k_dim), int(block.head_v_dim))
+        elif attn is None:  # LFM2's convolution layer
             q = k = v = None
             block = layer.conv
             conv = ShortConvWeights(block.in_proj, block.conv.weight[:, 0], block.conv.bias, block.out_proj)
@@ -1239,6 +1316,7 @@ class LayeredModel:
             qkv_layout=qkv_layout,
             moe=moe,
             conv=conv,
+            delta=delta,
         )
 
     def _moe(self, block, shared_mlp=None) -> MoEWeights:
@@ -1376,7 +1454,8 @@ class LayeredModel:
         norms (if any) before RoPE."""
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
                 and not self.qk_norm_after_rope and self.layer_sinks is None
-                and all(lw.gate is not None and lw.qkv is None and lw.conv is None for lw in self.layers))
+                and all(lw.gate is not None and lw.qkv is None and lw.conv is None and lw.delta is None
+                        for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first layer's input from the token rows h [n, H] (positions: the step's, its

@@ -45,6 +45,9 @@ class StepMeta:
     # 1st .. (K-1)th predecessor (its path's, or its sequence's committed ones; the zero
     # slot before position 0 and for pad rows); None for a model without them
     conv_sources: torch.Tensor | None = None
+    # Qwen 3.5's DeltaNet layers: per real row (its slot, its parent's slot or -1 before
+    # position 0, its KV region's first slot), host ints (mixers.RecurrentStates)
+    recurrent_rows: tuple[tuple[int, int, int], ...] | None = None
 
 
 @dataclass

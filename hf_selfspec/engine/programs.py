@@ -41,7 +41,7 @@ import torch
 from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
 from ..logs import logger
-from . import costs
+from . import costs, mixers
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
@@ -194,10 +194,14 @@ class Engine:
         self.contention = costs.ContentionWatch()
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
-        # LFM2: per convolution layer, B * x of every slot [num_slots + 1, H]; its last slot
-        # stays zero (what a row's convolution reads before position 0)
+        # LFM2 / Qwen 3.5: per convolution layer, its input of every slot [num_slots + 1, C];
+        # its last slot stays zero (what a row's convolution reads before position 0)
         self.conv_cache = None
         self._allocate(self.config.capacity)
+        # Qwen 3.5: the DeltaNet layers' recurrent states of each sequence's last slots
+        delta = next((lw.delta for lw in v.layers if lw.delta is not None), None)
+        self.recurrent = None if delta is None else mixers.RecurrentStates(
+            v.num_delta_layers, delta.num_v_heads, delta.k_dim, delta.v_dim, self.width + 4, v.device)
         # the Triton fused small kernels (kernels/fused.py: residual add + RMSNorm, RoPE + KV
         # write) in the PyTorch-ops layers; opt-in (off by default) until a GPU run has checked
         # them (scripts/gpu_check.py compares them with the unfused ops). RMSNorm's sum runs
@@ -307,7 +311,7 @@ class Engine:
         self.k_cache, self.v_cache = k_cache, v_cache
         if v.num_conv_layers:
             old_conv, self.conv_cache = self.conv_cache, None
-            conv_cache = zeroed((v.num_conv_layers, num_slots + 1, v.hidden_size), v.dtype, v.device)
+            conv_cache = zeroed((v.num_conv_layers, num_slots + 1, v.conv_channels), v.dtype, v.device)
             if keep and old_conv is not None:
                 conv_cache[:, :keep] = old_conv[:, :keep]
             del old_conv
@@ -480,30 +484,18 @@ class Engine:
             raise ValueError(f"{len(base)} bases given for {n} rows")
         at = positions_t[:rows]
         extra = v.rope_tables[1:]
-        conv_sources = None if not v.num_conv_layers else self._conv_sources(positions, paths, bases, rows)
+        conv_sources = recurrent_rows = None
+        if v.num_conv_layers:
+            sources = mixers.conv_sources(v.conv_taps, self.conv_zero_slot, positions, paths, bases, rows)
+            conv_sources = sources.to(v.device)
+            if v.num_delta_layers:  # (slot, parent's slot or -1, region) of each real row
+                parents = [int(p) if p != self.conv_zero_slot else -1 for p in sources[:n, 0].tolist()]
+                recurrent_rows = tuple(zip(host[1, :n].tolist(), parents, bases if bases is not None else [0] * n))
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
             tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases, conv_sources,
+            recurrent_rows,
         )
-
-    def _conv_sources(self, positions: Sequence[int], paths: Sequence[Sequence[int]] | None,
-                      bases: Sequence[int] | None, rows: int) -> torch.Tensor:
-        """StepMeta.conv_sources: row r's k-th predecessor (k = 1 .. K-1) is its path's
-        (a draft tree's row: path[-1 - k], the path ending at the row itself) while the path
-        reaches back that far, else its sequence's committed token at position p - k (slot
-        base + p - k: committed tokens and chain rows sit at their positions); the zero slot
-        before position 0 and for the pad rows past the real ones."""
-        taps = self.view.conv_taps - 1
-        sources = torch.full((rows, taps), self.conv_zero_slot, dtype=torch.long)
-        for r, position in enumerate(positions):
-            path = paths[r] if paths is not None else ()
-            base = bases[r] if bases is not None else 0
-            for k in range(1, taps + 1):
-                if k < len(path):
-                    sources[r, k - 1] = path[-1 - k]
-                elif position - k >= 0:
-                    sources[r, k - 1] = base + position - k
-        return sources.to(self.view.device)
 
     def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Copy every layer's K and V from slot sources[i] to targets[i], in order (a draft
@@ -515,6 +507,8 @@ class Engine:
                 self.v_cache[:, :, dst] = self.v_cache[:, :, src]
                 if self.conv_cache is not None:
                     self.conv_cache[:, dst] = self.conv_cache[:, src]
+        if self.recurrent is not None:
+            self.recurrent.move(sources, targets)
 
     # ---- the maths of a step --------------------------------------------------------------
 
@@ -564,13 +558,15 @@ class Engine:
         for li in range(start, end):
             lw = v.layers[li]
             x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
-            if lw.conv is not None:  # LFM2's convolution layer, then its MLP (the Llama form)
-                h = h + self._short_conv(x, lw.conv, v.conv_index[li], meta, slots)
+            if lw.conv is not None or lw.delta is not None:  # LFM2's / Qwen 3.5's mixer, then the MLP
+                mixed = mixers.short_conv(self, x, lw.conv, li, meta, slots) if lw.conv is not None \
+                    else mixers.delta_net(self, x, lw.delta, li, meta, slots)
+                h = h + mixed
                 h = h + self._mlp(v.norm(h, lw.post_norm), lw, n)
                 continue
             cos, sin = self._rope_tables(meta, li, R)
             cos, sin = cos[None], sin[None]  # [1, R, d]
-            q, k, val = self._qkv(x, lw, R)
+            q, k, val, gate = self._qkv(x, lw, R)
             q = q.transpose(0, 1)  # [Hq, R, d]
             k = k.transpose(0, 1)  # [Hkv, R, d]
             q = apply_rope(q, cos, sin, v.rope_pairs)
@@ -579,7 +575,8 @@ class Engine:
                 q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
-            o = lin(attend(q, li), lw.o)  # attention [R, Hq*d] in h's dtype, then o_proj
+            o = attend(q, li)  # attention [R, Hq*d] in h's dtype
+            o = lin(o if gate is None else o * torch.sigmoid(gate), lw.o)
             if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
                 m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
                 h = (o + m) + h if v.parallel_sum_first else (h + o) + m
@@ -641,22 +638,31 @@ class Engine:
             return meta.extra_cos[table - 1][:rows], meta.extra_sin[table - 1][:rows]
         return self._no_rotation(rows, meta.cos.dtype)
 
-    def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                             torch.Tensor | None]:
         """A layer's q [R, Hq, d], k and v [R, Hkv, d] from its normed input x [R, H]
-        (q/k norms applied: Qwen3's on each head, OLMo 2's on the whole projection)."""
+        (q/k norms applied: Qwen3's on each head, OLMo 2's on the whole projection), and the
+        gate [R, Hq*d] of its attention's output (Qwen 3.5: q_proj's rows after each head's
+        q rows; None for every other model)."""
         v, lin = self.view, self.layout.linear
+        if v.gated_attention:
+            both = lin(x, lw.q).view(rows, v.num_heads, 2 * v.head_dim)
+            q = v.norm(both[..., :v.head_dim], lw.q_norm)
+            k = v.norm(lin(x, lw.k).view(rows, v.num_kv_heads, v.head_dim), lw.k_norm)
+            val = lin(x, lw.v).view(rows, v.num_kv_heads, v.head_dim)
+            return q, k, val, both[..., v.head_dim:].reshape(rows, -1)
         if lw.qkv_layout == "grouped":  # Falcon's new architecture: per KV head, its query heads, k, v
             group = v.num_heads // v.num_kv_heads
             fused = lin(x, lw.qkv).view(rows, v.num_kv_heads, group + 2, v.head_dim)
             q = fused[:, :, :group].reshape(rows, v.num_heads, v.head_dim)
-            return q, fused[:, :, group], fused[:, :, group + 1]
+            return q, fused[:, :, group], fused[:, :, group + 1], None
         if lw.qkv_layout == "shards":  # CodeGen: per shard of 4, its query, value and key rows
             fused = lin(x, lw.qkv).view(rows, 4, 3, -1)
             q, val, k = (fused[:, :, i].reshape(rows, v.num_heads, v.head_dim) for i in range(3))
-            return q, k, val
+            return q, k, val, None
         if lw.qkv is not None:  # GPT-NeoX: one product, each head's q, k, v rows in turn
             fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
-            return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
+            return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2], None
         q, k, val = lin(x, lw.q), lin(x, lw.k), lin(x, lw.v)
         whole = isinstance(lw.q_norm, torch.Tensor) and lw.q_norm.shape[-1] != v.head_dim
         if whole:
@@ -669,29 +675,7 @@ class Engine:
         if lw.q_norm is not None and not whole and not v.qk_norm_after_rope:  # each head (Cohere's: a module)
             q = v.norm(q, lw.q_norm)
             k = v.norm(k, lw.k_norm)
-        return q, k, val
-
-    def _short_conv(self, x: torch.Tensor, conv, index: int, meta: StepMeta, slots: torch.Tensor) -> torch.Tensor:
-        """LFM2's gated short convolution (ShortConvWeights) of the normed rows x [R, H]:
-        writes the rows' B * x at their slots of convolution layer `index`'s cache, then
-        convolves each row over its predecessors' (meta.conv_sources) and its own in float32,
-        oldest first, each tap's product added in turn (a row's sum never depends on the
-        others), rounded to the model's dtype as HF's conv1d output."""
-        H = self.view.hidden_size
-        bcx = self.layout.linear(x, conv.in_proj)  # [R, 3H]: B, C, x
-        bx = bcx[:, :H] * bcx[:, 2 * H:]
-        cache = self.conv_cache[index]
-        cache.index_copy_(0, slots, bx)
-        kernel = conv.kernel.float()  # [H, K]; its last column weighs the row itself
-        taps = kernel.shape[1]
-        sources = meta.conv_sources
-        y = bx.float() * kernel[:, taps - 1] if taps == 1 else \
-            cache[sources[:, taps - 2]].float() * kernel[:, 0]
-        for j in range(1, taps):  # the next predecessor, ..., the row itself
-            y = y + (cache[sources[:, taps - 2 - j]] if j < taps - 1 else bx).float() * kernel[:, j]
-        if conv.bias is not None:
-            y = y + conv.bias.float()
-        return self.layout.linear(bcx[:, H:2 * H] * y.to(x.dtype), conv.out_proj)
+        return q, k, val, None
 
     def _mlp(self, x: torch.Tensor, lw, real_rows: int | None = None) -> torch.Tensor:
         """The MLP (or MoE block) of x's rows; an MoE block routes the first `real_rows` only
@@ -745,7 +729,7 @@ class Engine:
             lw = v.layers[li]
             cos, sin = self._rope_tables(meta, li, R)
             h, x = add_rms_norm(h, lw.input_norm, v.eps, pending)
-            q, k, val = self._qkv(x, lw, R)
+            q, k, val, _ = self._qkv(x, lw, R)
             q = rope_kv_write(q, k, val, cos, sin, slots, self.k_cache[li], self.v_cache[li])  # [R, Hq, d]
             o = attend(q.transpose(0, 1), li)  # [R, Hq*d]
             h, x = add_rms_norm(h, lw.post_norm, v.eps, v.residual(lin(o, lw.o)))
@@ -913,10 +897,14 @@ class Engine:
         out = self.view.decoder(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
             if self.view.num_conv_layers and self.view.conv_index[li] >= 0:
-                # LFM2: HF's state holds B * x of the last K positions (zeros before the first)
-                state = layer.conv_states[0][0]  # [H, K]
+                # LFM2 / Qwen 3.5: HF's state holds the convolution's input of the last K
+                # positions (zeros before the first); a DeltaNet's, its recurrent state too
+                state = layer.conv_states[0][0]  # [C, K]
                 kept = min(n, state.shape[-1])
                 self.conv_cache[self.view.conv_index[li], base + n - kept:base + n] = state[:, -kept:].t()
+                if self.view.delta_index[li] >= 0:
+                    self.recurrent.write(self.view.delta_index[li], base, base + n - 1,
+                                         layer.recurrent_states[0][0].float())
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
