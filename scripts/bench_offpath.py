@@ -250,6 +250,13 @@ RANDOM_SHAPES = {
         layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]),
         "LFM2-8B-A1B (33 GB in fp32: --layers 4; attention in 6 of 24 layers, 32 experts, 4 per token, "
         "sigmoid routing with an expert bias)"),
+    "qwen3_5_0_8b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, max_position_embeddings=262144, tie_word_embeddings=True,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
+        "Qwen3.5-0.8B's text model (gated DeltaNets in 18 of 24 layers, gated attention; an LM head of 248k rows)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

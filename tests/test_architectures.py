@@ -875,6 +875,10 @@ def test_qwen3_5_image_text_class_decodes_its_text():
     attach_heads(model, heads=False)
     assert [self_greedy(model, [p])[0] for p in rows] == expected
     assert self_greedy(model, rows) == expected
+    cache = model._selfspec.engine.mixer_cache
+    assert len(cache._regions) == 2  # a ring of convolution inputs and states per sequence of the batch
+    assert self_greedy(model, rows[:1]) == expected[:1]
+    assert len(cache._regions) == 1  # a new request reuses the rings
     ids = torch.tensor(rows[:1])
     with pytest.raises(ValueError, match="pixel_values"):
         model.generate(ids, pixel_values=torch.zeros(4, 3), assistant="self", max_new_tokens=4)

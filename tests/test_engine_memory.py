@@ -80,8 +80,8 @@ def _model_storages(model):
 # and on the kernel layout the int8 copy of a float32 LM head its argmax screen reads, with
 # a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head),
 # and the empty tensor the fused layers get for a norm a layer does not have (OLMo 2);
-# LFM2's and Qwen 3.5's convolution inputs per slot (conv_cache), Qwen 3.5's recurrent states
-OWNED = ("k_cache", "v_cache", "conv_cache", "recurrent._zero", "recurrent._rings.0", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
+# LFM2's and Qwen 3.5's convolution inputs and recurrent states of the last few slots (mixer_cache)
+OWNED = ("k_cache", "v_cache", "mixer_cache.conv", "mixer_cache.states", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
          "screen.rows.2", "screen.rows.3", "_no_norm",
          # the RoPE tables (view.cos / view.sin are the first; Gemma 3 has one per layer type)
          "view.rope_tables.0.0", "view.rope_tables.0.1", "view.rope_tables.1.0", "view.rope_tables.1.1")
@@ -115,10 +115,9 @@ def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, t
     # what the engine owns besides: the KV cache and the screen's copy dominate; the rest is small
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     kv = nbytes(engine.k_cache) + nbytes(engine.v_cache)
-    if engine.conv_cache is not None:  # LFM2's convolution inputs: a cache beside the KV
-        kv += nbytes(engine.conv_cache)
-    if engine.recurrent is not None:  # Qwen 3.5's recurrent states of the last slots
-        kv += sum(nbytes(ring) for ring in engine.recurrent._rings.values()) + nbytes(engine.recurrent._zero)
+    if engine.mixer_cache is not None:  # LFM2's and Qwen 3.5's convolution inputs and states of the last slots
+        cache = engine.mixer_cache
+        kv += nbytes(cache.conv) + (0 if cache.states is None else nbytes(cache.states))
     screen = 0 if engine.screen is None else engine.screen.copy_bytes
     # no screen where the logits are transformed (Gemma 2's soft cap: see Engine._make_screen)
     assert (engine.screen is not None) == (layout == "kernel" and not engine.view.logits_transformed)

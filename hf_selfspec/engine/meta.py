@@ -41,13 +41,14 @@ class StepMeta:
     # the block attention's masks per sliding window of the model's layers (window -> masks
     # per chunk, as `biases`); empty where no layer slides or the backend reads limits itself
     window_biases: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # LFM2's convolution layers: [rows, K - 1] int64, the conv-cache slots of each row's
-    # 1st .. (K-1)th predecessor (its path's, or its sequence's committed ones; the zero
-    # slot before position 0 and for pad rows); None for a model without them
+    # LFM2's and Qwen 3.5's convolution layers (mixers.MixerCache.step_rows): the ring row
+    # each row writes [rows], and its 1st .. (K-1)th predecessors' [rows, K - 1]; None for a
+    # model without them
+    conv_rows: torch.Tensor | None = None
     conv_sources: torch.Tensor | None = None
-    # Qwen 3.5's DeltaNet layers: per real row (its slot, its parent's slot or -1 before
-    # position 0, its KV region's first slot), host ints (mixers.RecurrentStates)
-    recurrent_rows: tuple[tuple[int, int, int], ...] | None = None
+    # Qwen 3.5's DeltaNet layers: per real row (its ring row, its parent's or -1 before
+    # position 0), host ints
+    recurrent_rows: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass

@@ -1,19 +1,14 @@
 """Token mixers other than attention, row-invariant as the attention backends are: LFM2's
 gated short convolution and Qwen 3.5's gated DeltaNet.
 
-Both convolve a projection of each row over its last K positions. The engine keeps that
-projection per KV slot (Engine.conv_cache, one row of channels per slot and convolution
-layer, grown and compacted with the KV), and a step names each row's predecessors'
-slots (StepMeta.conv_sources: its draft tree path's rows, else its sequence's committed
-ones), so a row's convolution reads exactly what it would read decoding alone.
-
-The DeltaNet also carries a recurrent state [Hv, dk, dv] from row to row. A state per KV
-slot would cost megabytes per slot, so `RecurrentStates` keeps, per sequence (KV region)
-and DeltaNet layer, a ring of the states of its last few slots: a step's rows read their
-parent's state (the row before them in the step, in the tree, or the last committed one)
-and write their own. Rows are processed in step order, which puts every tree row after
-its parent; each row's arithmetic is that of a lone row, so a row's state and output never
-depend on the other rows of its step.
+Both convolve a projection of each row over its last K positions, and the DeltaNet also
+carries a recurrent state [Hv, dk, dv] from row to row. `MixerCache` keeps both per
+sequence over its last few slots only (a ring: a state per position would cost megabytes
+per position), and a step names each row's ring rows: where it writes, its predecessors'
+(its draft tree path's rows, else its sequence's committed ones) and its parent's state
+(StepMeta.conv_rows / conv_sources / recurrent_rows). Rows are processed in step order,
+which puts every tree row after its parent; each row's arithmetic is that of a lone row,
+so its outputs never depend on the other rows of its step.
 """
 
 from __future__ import annotations
@@ -31,32 +26,14 @@ if TYPE_CHECKING:  # annotations only: programs.py imports this module
     from .programs import Engine
 
 
-def conv_sources(taps: int, zero_slot: int, positions: Sequence[int], paths: Sequence[Sequence[int]] | None,
-                 bases: Sequence[int] | None, rows: int) -> torch.Tensor:
-    """[rows, taps - 1] int64 (host): row r's k-th predecessor (k = 1 .. taps-1) is its path's
-    (a draft tree's row: path[-1 - k], the path ending at the row itself) while the path
-    reaches back that far, else its sequence's committed token at position p - k (slot
-    base + p - k: committed tokens and chain rows sit at their positions); `zero_slot`
-    before position 0 and for the pad rows past the real ones."""
-    sources = torch.full((rows, taps - 1), zero_slot, dtype=torch.long)
-    for r, position in enumerate(positions):
-        path = paths[r] if paths is not None else ()
-        base = bases[r] if bases is not None else 0
-        for k in range(1, taps):
-            if k < len(path):
-                sources[r, k - 1] = path[-1 - k]
-            elif position - k >= 0:
-                sources[r, k - 1] = base + position - k
-    return sources
-
-
 def causal_conv(cache: torch.Tensor, values: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None,
-                sources: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Writes the rows' `values` [R, C] at their `slots` of one layer's conv cache [S, C],
-    then convolves each row over its predecessors' (`sources` [R, K-1]) and its own in
+                meta: StepMeta) -> torch.Tensor:
+    """Writes the rows' `values` [R, C] at their ring rows of one layer's convolution inputs
+    (MixerCache.conv[layer]), then convolves each row over its predecessors' and its own in
     float32, oldest first, each tap's product added in turn (a row's sum never depends on
     the others); plus `bias`. Returns float32 [R, C]."""
-    cache.index_copy_(0, slots, values)
+    cache.index_copy_(0, meta.conv_rows, values)
+    sources = meta.conv_sources
     kernel = kernel.float()  # [C, K]; its last column weighs the row itself
     taps = kernel.shape[1]
     y = values.float() * kernel[:, 0] if taps == 1 else cache[sources[:, taps - 2]].float() * kernel[:, 0]
@@ -65,15 +42,13 @@ def causal_conv(cache: torch.Tensor, values: torch.Tensor, kernel: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
-def short_conv(engine: Engine, x: torch.Tensor, conv: ShortConvWeights, layer: int, meta: StepMeta,
-               slots: torch.Tensor) -> torch.Tensor:
+def short_conv(engine: Engine, x: torch.Tensor, conv: ShortConvWeights, layer: int, meta: StepMeta) -> torch.Tensor:
     """LFM2's gated short convolution (ShortConvWeights) of the normed rows x [R, H]: B * x
     convolved as HF's conv1d, rounded to the model's dtype, gated by C, then out_proj."""
     H = engine.view.hidden_size
     bcx = engine.layout.linear(x, conv.in_proj)  # [R, 3H]: B, C, x
     bx = bcx[:, :H] * bcx[:, 2 * H:]
-    y = causal_conv(engine.conv_cache[engine.view.conv_index[layer]], bx, conv.kernel, conv.bias,
-                    meta.conv_sources, slots)
+    y = causal_conv(engine.mixer_cache.conv[engine.view.conv_index[layer]], bx, conv.kernel, conv.bias, meta)
     return engine.layout.linear(bcx[:, H:2 * H] * y.to(x.dtype), conv.out_proj)
 
 
@@ -82,16 +57,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta,
-              slots: torch.Tensor) -> torch.Tensor:
+def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta) -> torch.Tensor:
     """Qwen 3.5's gated DeltaNet (GatedDeltaNetWeights) of the normed rows x [R, H], with HF's
     single-token decode arithmetic per row (torch_recurrent_gated_delta_rule), each row's
-    state from its parent's (meta.recurrent_rows), written to the ring at its slot."""
+    state from its parent's (meta.recurrent_rows), written at its own ring row."""
     v, lin = engine.view, engine.layout.linear
     R, dtype = x.shape[0], x.dtype
     hk, hv, dk, dv = net.num_k_heads, net.num_v_heads, net.k_dim, net.v_dim
-    mixed = causal_conv(engine.conv_cache[v.conv_index[layer]], lin(x, net.in_qkv), net.kernel, None,
-                        meta.conv_sources, slots)
+    cache = engine.mixer_cache
+    mixed = causal_conv(cache.conv[v.conv_index[layer]], lin(x, net.in_qkv), net.kernel, None, meta)
     mixed = F.silu(mixed.to(dtype))  # HF: the convolution's output in the weights' dtype, then SiLU
     q = mixed[:, :hk * dk].reshape(R, hk, dk)
     k = mixed[:, hk * dk:2 * hk * dk].reshape(R, hk, dk)
@@ -106,57 +80,111 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     k = _l2norm(k.float())
     val = val.float()
     out = torch.zeros(R, hv, dv, dtype=torch.float32, device=x.device)
-    states, index = engine.recurrent, v.delta_index[layer]
-    for r, (slot, parent, base) in enumerate(meta.recurrent_rows):
-        state = states.read(index, base, parent)
+    index = v.delta_index[layer]
+    for r, (row, parent) in enumerate(meta.recurrent_rows):
+        state = cache.read_state(index, parent)
         state = state * decay[r][:, None, None]
         kv_mem = (state * k[r][:, :, None]).sum(dim=-2)
         delta = (val[r] - kv_mem) * beta[r][:, None]
         state = state + k[r][:, :, None] * delta[:, None, :]
         out[r] = (state * q[r][:, :, None]).sum(dim=-2)
-        states.write(index, base, slot, state)
+        cache.states[index, row] = state
     core = out.to(dtype).float()  # HF rounds the output to the model's dtype before its norm
     core = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + net.norm_eps)
     gated = (net.norm_weight * core.to(dtype)) * F.silu(z.view(R, hv, dv).float())
     return lin(gated.to(dtype).reshape(R, hv * dv), net.out_proj)
 
 
-class RecurrentStates:
-    """The DeltaNet layers' recurrent states (float32 [Hv, dk, dv]) of each sequence's last
-    `ring` slots: a ring per KV region (keyed by its first slot), slot s at s - base mod
-    ring. A step's rows and their parents span at most width + 1 consecutive positions,
-    so `ring` = width + 4 never lets a row overwrite a state another row still reads."""
+class MixerCache:
+    """What the convolution and DeltaNet layers carry from step to step, for each sequence
+    (KV region, keyed by its first slot) and only over its last `ring` slots: the
+    convolutions' inputs (`conv` [conv layers, rows, C], the model's dtype) and the
+    DeltaNets' recurrent states (`states` [DeltaNet layers, rows, Hv, dk, dv], float32).
+    Slot s of the sequence at `base` lives in row 2 + region * ring + (s - base) mod ring;
+    row 0 stays zero (what a convolution reads before position 0), row 1 takes the pad rows'
+    writes. A step's rows reach back at most K - 1 positions before its first row, so a ring
+    of width + K + 1 rows never lets a row overwrite what a row still reads; HF keeps the
+    last K inputs and one state per layer, the engine a few more, never one per position."""
 
-    def __init__(self, layers: int, heads: int, k_dim: int, v_dim: int, ring: int, device: torch.device):
-        self.shape = (layers, ring, heads, k_dim, v_dim)
-        self.ring = ring
-        self.device = device
-        self._zero = torch.zeros(heads, k_dim, v_dim, dtype=torch.float32, device=device)
-        self._rings: dict[int, torch.Tensor] = {}
+    ZERO, TRASH = 0, 1
+
+    def __init__(self, engine: Engine):
+        v = engine.view
+        self.taps = v.conv_taps
+        self.ring = engine.width + self.taps + 1
+        self._conv_shape = (v.num_conv_layers, v.conv_channels)
+        delta = next((lw.delta for lw in v.layers if lw.delta is not None), None)
+        self._state_shape = None if delta is None else (v.num_delta_layers, delta.num_v_heads, delta.k_dim,
+                                                         delta.v_dim)
+        self.dtype, self.device = v.dtype, v.device
+        self._regions: dict[int, int] = {}  # first slot -> region index
         self._bases: list[int] = []  # sorted
+        self.conv = self.states = None
+        self._allocate(1)
 
-    def _region(self, base: int) -> torch.Tensor:
-        ring = self._rings.get(base)
-        if ring is None:
-            ring = self._rings[base] = torch.zeros(self.shape, dtype=torch.float32, device=self.device)
+    def _allocate(self, regions: int) -> None:
+        """Room for `regions` sequences, the rings already in use copied."""
+        rows = 2 + regions * self.ring
+        layers, channels = self._conv_shape
+        conv = torch.zeros(layers, rows, channels, dtype=self.dtype, device=self.device)
+        states = None if self._state_shape is None else torch.zeros(
+            self._state_shape[0], rows, *self._state_shape[1:], dtype=torch.float32, device=self.device)
+        if self.conv is not None:
+            kept = self.conv.shape[1]
+            conv[:, :kept] = self.conv
+            if states is not None:
+                states[:, :kept] = self.states
+        self.conv, self.states = conv, states
+
+    def new_request(self) -> None:
+        """No sequence's rows are kept (their rings are reused from the first)."""
+        self._regions.clear()
+        self._bases.clear()
+
+    def row(self, base: int, slot: int) -> int:
+        """The ring row of `slot` of the sequence whose KV region starts at `base`."""
+        region = self._regions.get(base)
+        if region is None:
+            region = self._regions[base] = len(self._regions)
             bisect.insort(self._bases, base)
-        return ring
+            if 2 + len(self._regions) * self.ring > self.conv.shape[1]:
+                self._allocate(2 * len(self._regions))
+        return 2 + region * self.ring + (slot - base) % self.ring
 
-    def read(self, layer: int, base: int, slot: int) -> torch.Tensor:
-        """The state after `slot` (a negative slot: before position 0, zeros)."""
-        return self._zero if slot < 0 else self._region(base)[layer, (slot - base) % self.ring]
-
-    def write(self, layer: int, base: int, slot: int, state: torch.Tensor) -> None:
-        self._region(base)[layer, (slot - base) % self.ring] = state
+    def step_rows(self, positions: Sequence[int], slots: Sequence[int], paths: Sequence[Sequence[int]] | None,
+                  bases: Sequence[int] | None, rows: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """For a step's `rows` rows (the real ones at `positions` / `slots`): the ring row each
+        writes [rows] (pad rows: TRASH), the ring rows of each one's 1st .. (K-1)th predecessor
+        [rows, K-1] (its draft tree path's rows while the path reaches back that far, the
+        path ending at the row itself; else its sequence's committed token at position p - k,
+        at slot base + p - k; ZERO before position 0 and for pad rows), and per real row
+        (its ring row, its parent's or -1): what the DeltaNets' states read and write."""
+        writes = torch.full((rows,), self.TRASH, dtype=torch.long)
+        sources = torch.full((rows, self.taps - 1), self.ZERO, dtype=torch.long)
+        recurrent = []
+        for r, (position, slot) in enumerate(zip(positions, slots)):
+            path = paths[r] if paths is not None else ()
+            base = bases[r] if bases is not None else 0
+            writes[r] = self.row(base, slot)
+            for k in range(1, self.taps):
+                if k < len(path):
+                    sources[r, k - 1] = self.row(base, path[-1 - k])
+                elif position - k >= 0:
+                    sources[r, k - 1] = self.row(base, base + position - k)
+            parent = int(sources[r, 0]) if self.taps > 1 else self.ZERO
+            recurrent.append((int(writes[r]), parent if parent != self.ZERO else -1))
+        return writes, sources, tuple(recurrent)
 
     def move(self, sources: Sequence[int], targets: Sequence[int]) -> None:
-        """Engine.move_kv's compaction for the states (absolute slots, each in its region)."""
+        """Engine.move_kv's compaction (absolute slots, each in its sequence's region)."""
         for src, dst in zip(sources, targets):
-            if src != dst:
-                base = self._bases[bisect.bisect_right(self._bases, src) - 1]
-                ring = self._rings[base]
-                ring[:, (dst - base) % self.ring] = ring[:, (src - base) % self.ring]
+            if src != dst and self._bases:
+                base = self._bases[max(bisect.bisect_right(self._bases, src) - 1, 0)]
+                a, b = self.row(base, src), self.row(base, dst)
+                self.conv[:, b] = self.conv[:, a]
+                if self.states is not None:
+                    self.states[:, b] = self.states[:, a]
 
-    def clear(self) -> None:
-        self._rings.clear()
-        self._bases.clear()
+    def read_state(self, layer: int, row: int) -> torch.Tensor:
+        """The recurrent state at ring row `row` (-1: before position 0, zeros)."""
+        return self.states[layer, self.ZERO] if row < 0 else self.states[layer, row]

@@ -194,14 +194,10 @@ class Engine:
         self.contention = costs.ContentionWatch()
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
-        # LFM2 / Qwen 3.5: per convolution layer, its input of every slot [num_slots + 1, C];
-        # its last slot stays zero (what a row's convolution reads before position 0)
-        self.conv_cache = None
         self._allocate(self.config.capacity)
-        # Qwen 3.5: the DeltaNet layers' recurrent states of each sequence's last slots
-        delta = next((lw.delta for lw in v.layers if lw.delta is not None), None)
-        self.recurrent = None if delta is None else mixers.RecurrentStates(
-            v.num_delta_layers, delta.num_v_heads, delta.k_dim, delta.v_dim, self.width + 4, v.device)
+        # LFM2 / Qwen 3.5: the convolutions' inputs and the DeltaNets' states of each
+        # sequence's last slots (mixers.MixerCache)
+        self.mixer_cache = mixers.MixerCache(self) if v.num_conv_layers else None
         # the Triton fused small kernels (kernels/fused.py: residual add + RMSNorm, RoPE + KV
         # write) in the PyTorch-ops layers; opt-in (off by default) until a GPU run has checked
         # them (scripts/gpu_check.py compares them with the unfused ops). RMSNorm's sum runs
@@ -309,14 +305,6 @@ class Engine:
             v_cache[:, :, :keep] = old_v[:, :, :keep]
         del old_k, old_v
         self.k_cache, self.v_cache = k_cache, v_cache
-        if v.num_conv_layers:
-            old_conv, self.conv_cache = self.conv_cache, None
-            conv_cache = zeroed((v.num_conv_layers, num_slots + 1, v.conv_channels), v.dtype, v.device)
-            if keep and old_conv is not None:
-                conv_cache[:, :keep] = old_conv[:, :keep]
-            del old_conv
-            self.conv_cache = conv_cache
-            self.conv_zero_slot = num_slots
         self.capacity = capacity
         self.num_slots = num_slots
         self.trash_slot = capacity
@@ -351,6 +339,8 @@ class Engine:
             raise ValueError(f"need must be a positive int, got {need!r}")
         if keep is not None and (not isinstance(keep, int) or keep < 0):
             raise ValueError(f"keep must be None or an int >= 0, got {keep!r}")
+        if keep == 0 and self.mixer_cache is not None:  # a new request: no sequence's state is kept
+            self.mixer_cache.new_request()
         target = self.capacity
         wanted = self.capacity_for(need)
         if need > self.capacity:
@@ -484,16 +474,15 @@ class Engine:
             raise ValueError(f"{len(base)} bases given for {n} rows")
         at = positions_t[:rows]
         extra = v.rope_tables[1:]
-        conv_sources = recurrent_rows = None
-        if v.num_conv_layers:
-            sources = mixers.conv_sources(v.conv_taps, self.conv_zero_slot, positions, paths, bases, rows)
-            conv_sources = sources.to(v.device)
-            if v.num_delta_layers:  # (slot, parent's slot or -1, region) of each real row
-                parents = [int(p) if p != self.conv_zero_slot else -1 for p in sources[:n, 0].tolist()]
-                recurrent_rows = tuple(zip(host[1, :n].tolist(), parents, bases if bases is not None else [0] * n))
+        conv_rows = conv_sources = recurrent_rows = None
+        if self.mixer_cache is not None:  # LFM2 / Qwen 3.5: the rows' ring rows (MixerCache)
+            writes, sources, recurrent = self.mixer_cache.step_rows(positions, host[1, :n].tolist(), paths, bases,
+                                                                    rows)
+            conv_rows, conv_sources = writes.to(v.device), sources.to(v.device)
+            recurrent_rows = recurrent if v.num_delta_layers else None
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
-            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases, conv_sources,
+            tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases, conv_rows, conv_sources,
             recurrent_rows,
         )
 
@@ -505,10 +494,8 @@ class Engine:
             if src != dst:
                 self.k_cache[:, :, dst] = self.k_cache[:, :, src]
                 self.v_cache[:, :, dst] = self.v_cache[:, :, src]
-                if self.conv_cache is not None:
-                    self.conv_cache[:, dst] = self.conv_cache[:, src]
-        if self.recurrent is not None:
-            self.recurrent.move(sources, targets)
+        if self.mixer_cache is not None:
+            self.mixer_cache.move(sources, targets)
 
     # ---- the maths of a step --------------------------------------------------------------
 
@@ -559,8 +546,8 @@ class Engine:
             lw = v.layers[li]
             x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
             if lw.conv is not None or lw.delta is not None:  # LFM2's / Qwen 3.5's mixer, then the MLP
-                mixed = mixers.short_conv(self, x, lw.conv, li, meta, slots) if lw.conv is not None \
-                    else mixers.delta_net(self, x, lw.delta, li, meta, slots)
+                mixed = mixers.short_conv(self, x, lw.conv, li, meta) if lw.conv is not None \
+                    else mixers.delta_net(self, x, lw.delta, li, meta)
                 h = h + mixed
                 h = h + self._mlp(v.norm(h, lw.post_norm), lw, n)
                 continue
@@ -899,12 +886,13 @@ class Engine:
             if self.view.num_conv_layers and self.view.conv_index[li] >= 0:
                 # LFM2 / Qwen 3.5: HF's state holds the convolution's input of the last K
                 # positions (zeros before the first); a DeltaNet's, its recurrent state too
-                state = layer.conv_states[0][0]  # [C, K]
-                kept = min(n, state.shape[-1])
-                self.conv_cache[self.view.conv_index[li], base + n - kept:base + n] = state[:, -kept:].t()
+                state, mixer = layer.conv_states[0][0], self.mixer_cache  # [C, K]
+                for j in range(1, min(n, state.shape[-1]) + 1):  # the j-th last position
+                    row = mixer.row(base, base + n - j)  # (first: a new sequence may grow the rings)
+                    mixer.conv[self.view.conv_index[li], row] = state[:, -j]
                 if self.view.delta_index[li] >= 0:
-                    self.recurrent.write(self.view.delta_index[li], base, base + n - 1,
-                                         layer.recurrent_states[0][0].float())
+                    row = mixer.row(base, base + n - 1)
+                    mixer.states[self.view.delta_index[li], row] = layer.recurrent_states[0][0].float()
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
