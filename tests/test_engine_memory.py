@@ -81,7 +81,7 @@ def _model_storages(model):
 # a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head),
 # and the empty tensor the fused layers get for a norm a layer does not have (OLMo 2);
 # LFM2's and Qwen 3.5's convolution inputs and recurrent states of the last few slots (mixer_cache)
-OWNED = ("k_cache", "v_cache", "mixer_cache.conv", "mixer_cache.states", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
+OWNED = ("k_cache", "v_cache", "mixer_cache.conv", "mixer_cache.states", "mixer_cache._zero_state", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
          "screen.rows.2", "screen.rows.3", "_no_norm",
          # the RoPE tables (view.cos / view.sin are the first; Gemma 3 has one per layer type)
          "view.rope_tables.0.0", "view.rope_tables.0.1", "view.rope_tables.1.0", "view.rope_tables.1.1")
@@ -117,7 +117,7 @@ def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, t
     kv = nbytes(engine.k_cache) + nbytes(engine.v_cache)
     if engine.mixer_cache is not None:  # LFM2's and Qwen 3.5's convolution inputs and states of the last slots
         cache = engine.mixer_cache
-        kv += nbytes(cache.conv) + (0 if cache.states is None else nbytes(cache.states))
+        kv += nbytes(cache.conv) + (0 if cache.states is None else nbytes(cache.states) + nbytes(cache._zero_state))
     screen = 0 if engine.screen is None else engine.screen.copy_bytes
     # no screen where the logits are transformed (Gemma 2's soft cap: see Engine._make_screen)
     assert (engine.screen is not None) == (layout == "kernel" and not engine.view.logits_transformed)

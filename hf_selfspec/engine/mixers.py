@@ -97,14 +97,19 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
 
 class MixerCache:
     """What the convolution and DeltaNet layers carry from step to step, for each sequence
-    (KV region, keyed by its first slot) and only over its last `ring` slots: the
-    convolutions' inputs (`conv` [conv layers, rows, C], the model's dtype) and the
-    DeltaNets' recurrent states (`states` [DeltaNet layers, rows, Hv, dk, dv], float32).
-    Slot s of the sequence at `base` lives in row 2 + region * ring + (s - base) mod ring;
-    row 0 stays zero (what a convolution reads before position 0), row 1 takes the pad rows'
-    writes. A step's rows reach back at most K - 1 positions before its first row, so a ring
-    of width + K + 1 rows never lets a row overwrite what a row still reads; HF keeps the
-    last K inputs and one state per layer, the engine a few more, never one per position."""
+    (KV region, keyed by its first slot) and only over its last few slots: the convolutions'
+    inputs (`conv` [conv layers, rows, C], the model's dtype) over `ring` = width + K + 1
+    slots, and the DeltaNets' recurrent states (`states` [DeltaNet layers, rows, Hv, dk, dv],
+    float32, a megabyte each at Qwen3.5-0.8B's size) over `state_ring` = width + 2 slots.
+    Slot s of the sequence at `base` is conv row 2 + region * ring + (s - base) mod ring
+    (row 0 stays zero: what a convolution reads before position 0; row 1 takes the pad
+    rows' writes) and state row region * state_ring + (s - base) mod state_ring.
+
+    A step's rows sit after its sequence's last committed position, at most `width` of
+    them, and reach back at most K - 1 positions (a state: 1) before its first row; the
+    rings are longer than that span, so no row overwrites what a row still reads (a
+    DeltaNet ring of width - 1 makes the random sweep part from HF). HF keeps the last K
+    inputs and one state per layer; the engine keeps a few more, never one per position."""
 
     ZERO, TRASH = 0, 1
 
@@ -112,6 +117,7 @@ class MixerCache:
         v = engine.view
         self.taps = v.conv_taps
         self.ring = engine.width + self.taps + 1
+        self.state_ring = engine.width + 2
         self._conv_shape = (v.num_conv_layers, v.conv_channels)
         delta = next((lw.delta for lw in v.layers if lw.delta is not None), None)
         self._state_shape = None if delta is None else (v.num_delta_layers, delta.num_v_heads, delta.k_dim,
@@ -120,20 +126,20 @@ class MixerCache:
         self._regions: dict[int, int] = {}  # first slot -> region index
         self._bases: list[int] = []  # sorted
         self.conv = self.states = None
+        self._zero_state = None if delta is None else torch.zeros(self._state_shape[1:], device=self.device)
         self._allocate(1)
 
     def _allocate(self, regions: int) -> None:
         """Room for `regions` sequences, the rings already in use copied."""
-        rows = 2 + regions * self.ring
         layers, channels = self._conv_shape
-        conv = torch.zeros(layers, rows, channels, dtype=self.dtype, device=self.device)
+        conv = torch.zeros(layers, 2 + regions * self.ring, channels, dtype=self.dtype, device=self.device)
         states = None if self._state_shape is None else torch.zeros(
-            self._state_shape[0], rows, *self._state_shape[1:], dtype=torch.float32, device=self.device)
+            self._state_shape[0], regions * self.state_ring, *self._state_shape[1:], dtype=torch.float32,
+            device=self.device)
         if self.conv is not None:
-            kept = self.conv.shape[1]
-            conv[:, :kept] = self.conv
+            conv[:, :self.conv.shape[1]] = self.conv
             if states is not None:
-                states[:, :kept] = self.states
+                states[:, :self.states.shape[1]] = self.states
         self.conv, self.states = conv, states
 
     def new_request(self) -> None:
@@ -141,24 +147,31 @@ class MixerCache:
         self._regions.clear()
         self._bases.clear()
 
-    def row(self, base: int, slot: int) -> int:
-        """The ring row of `slot` of the sequence whose KV region starts at `base`."""
+    def _region(self, base: int) -> int:
         region = self._regions.get(base)
         if region is None:
             region = self._regions[base] = len(self._regions)
             bisect.insort(self._bases, base)
             if 2 + len(self._regions) * self.ring > self.conv.shape[1]:
                 self._allocate(2 * len(self._regions))
-        return 2 + region * self.ring + (slot - base) % self.ring
+        return region
+
+    def row(self, base: int, slot: int) -> int:
+        """The conv row of `slot` of the sequence whose KV region starts at `base`."""
+        return 2 + self._region(base) * self.ring + (slot - base) % self.ring
+
+    def state_row(self, base: int, slot: int) -> int:
+        """The state row of `slot` of the sequence whose KV region starts at `base`."""
+        return self._region(base) * self.state_ring + (slot - base) % self.state_ring
 
     def step_rows(self, positions: Sequence[int], slots: Sequence[int], paths: Sequence[Sequence[int]] | None,
                   bases: Sequence[int] | None, rows: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """For a step's `rows` rows (the real ones at `positions` / `slots`): the ring row each
-        writes [rows] (pad rows: TRASH), the ring rows of each one's 1st .. (K-1)th predecessor
-        [rows, K-1] (its draft tree path's rows while the path reaches back that far, the
-        path ending at the row itself; else its sequence's committed token at position p - k,
-        at slot base + p - k; ZERO before position 0 and for pad rows), and per real row
-        (its ring row, its parent's or -1): what the DeltaNets' states read and write."""
+        """For a step's `rows` rows (the real ones at `positions` / `slots`): the conv row each
+        writes [rows] (pad rows: TRASH), the conv rows of each one's 1st .. (K-1)th
+        predecessor [rows, K-1] (its draft tree path's rows while the path reaches back that
+        far, the path ending at the row itself; else its sequence's committed token at
+        position p - k, at slot base + p - k; ZERO before position 0 and for pad rows), and
+        per real row (its state row, its parent's or -1 before position 0)."""
         writes = torch.full((rows,), self.TRASH, dtype=torch.long)
         sources = torch.full((rows, self.taps - 1), self.ZERO, dtype=torch.long)
         recurrent = []
@@ -166,13 +179,14 @@ class MixerCache:
             path = paths[r] if paths is not None else ()
             base = bases[r] if bases is not None else 0
             writes[r] = self.row(base, slot)
-            for k in range(1, self.taps):
-                if k < len(path):
-                    sources[r, k - 1] = self.row(base, path[-1 - k])
-                elif position - k >= 0:
-                    sources[r, k - 1] = self.row(base, base + position - k)
-            parent = int(sources[r, 0]) if self.taps > 1 else self.ZERO
-            recurrent.append((int(writes[r]), parent if parent != self.ZERO else -1))
+            before = [path[-1 - k] if k < len(path) else base + position - k if position - k >= 0 else None
+                      for k in range(1, self.taps)]  # the 1st .. (K-1)th predecessor's slot
+            for k, source in enumerate(before):
+                if source is not None:
+                    sources[r, k] = self.row(base, source)
+            if self._state_shape is not None:
+                parent = before[0] if before else None
+                recurrent.append((self.state_row(base, slot), -1 if parent is None else self.state_row(base, parent)))
         return writes, sources, tuple(recurrent)
 
     def move(self, sources: Sequence[int], targets: Sequence[int]) -> None:
@@ -180,11 +194,10 @@ class MixerCache:
         for src, dst in zip(sources, targets):
             if src != dst and self._bases:
                 base = self._bases[max(bisect.bisect_right(self._bases, src) - 1, 0)]
-                a, b = self.row(base, src), self.row(base, dst)
-                self.conv[:, b] = self.conv[:, a]
+                self.conv[:, self.row(base, dst)] = self.conv[:, self.row(base, src)]
                 if self.states is not None:
-                    self.states[:, b] = self.states[:, a]
+                    self.states[:, self.state_row(base, dst)] = self.states[:, self.state_row(base, src)]
 
     def read_state(self, layer: int, row: int) -> torch.Tensor:
-        """The recurrent state at ring row `row` (-1: before position 0, zeros)."""
-        return self.states[layer, self.ZERO] if row < 0 else self.states[layer, row]
+        """The recurrent state at state row `row` (-1: before position 0, zeros)."""
+        return self._zero_state if row < 0 else self.states[layer, row]

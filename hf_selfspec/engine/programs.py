@@ -891,7 +891,7 @@ class Engine:
                     row = mixer.row(base, base + n - j)  # (first: a new sequence may grow the rings)
                     mixer.conv[self.view.conv_index[li], row] = state[:, -j]
                 if self.view.delta_index[li] >= 0:
-                    row = mixer.row(base, base + n - 1)
+                    row = mixer.state_row(base, base + n - 1)
                     mixer.states[self.view.delta_index[li], row] = layer.recurrent_states[0][0].float()
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
