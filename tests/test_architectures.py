@@ -365,6 +365,13 @@ SUPPORTED = {
                                            linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=3,
                                            linear_num_value_heads=3, num_hidden_layers=2,
                                            layer_types=["full_attention", "linear_attention"]),
+    # Qwen 3.5 MoE (text): Qwen 3.5's layers with Qwen2-MoE's block (softmax top-k, a shared
+    # expert gated by a sigmoid)
+    "qwen3_5_moe": dict(arch="Qwen3_5MoeText", model_class="Qwen3_5MoeForCausalLM", head_dim=16,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48, random_norms=True,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"]),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -431,7 +438,8 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
-                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5"])
+                                  "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
+                                  "qwen3_5_moe"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
