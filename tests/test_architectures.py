@@ -354,6 +354,13 @@ SUPPORTED = {
     "lfm2_moe-unbiased": dict(arch="Lfm2Moe", layer_types=["full_attention", "conv"], num_dense_layers=0,
                               num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, use_expert_bias=False,
                               norm_topk_prob=False),
+    # LFM3: LFM2's convolutions, sliding and full attention layers each with its own RoPE
+    # (float32 tables), sandwich norms around every block, a sigmoid gate per attention head;
+    # and without the last two
+    "lfm3": dict(arch="Lfm3", head_dim=16, num_hidden_layers=4, sliding_window=16, random_norms=True,
+                 layer_types=["conv", "sliding_attention", "conv", "full_attention"]),
+    "lfm3-plain": dict(arch="Lfm3", head_dim=16, num_hidden_layers=3, sliding_window=16, use_sandwich_norm=False,
+                       use_attention_gate=False, layer_types=["sliding_attention", "conv", "full_attention"]),
     # Qwen 3.5 (text): gated DeltaNets (a SiLU convolution over 4 positions, a recurrent state
     # per head) in most layers, attention gated by more rows of q_proj, RoPE on a quarter of
     # each head, norms by 1 + w; value heads twice the key heads, or as many
@@ -439,7 +446,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe"])
+                                  "qwen3_5_moe", "lfm3"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

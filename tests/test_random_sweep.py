@@ -152,6 +152,9 @@ ARCHS = {
     "Qwen3_5Text": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
                         linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2,
                         linear_num_value_heads=4),
+    # LFM2's convolutions, sliding and full attention each with its own RoPE, sandwich norms,
+    # a gate per attention head
+    "Lfm3": dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"], sliding_window=24),
     "Qwen3_5MoeText": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                            linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -180,7 +183,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText"):
+                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Lfm3"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

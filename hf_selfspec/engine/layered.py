@@ -16,7 +16,8 @@ attention sinks (GPT-OSS, Granite-SWA: a RoPE base per layer), and sparse MoE mo
 (Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo, Mixtral, the Granite MoEs, HunYuan-MoE, PhiMoE's
 sparsemixer, Cohere 2 MoE, GPT-OSS; DeepSeek-V3's sigmoid routing: GLM-4.5, dots.llm1, Solar
 Open, K-EXAONE, MiniMax-M2; ERNIE 4.5 MoE), and hybrids whose other layers mix tokens
-without attention (LFM2 and LFM2-MoE: gated short convolutions; Qwen 3.5: gated DeltaNets;
+without attention (LFM2, LFM2-MoE and LFM3: gated short convolutions; Qwen 3.5 and its MoE:
+gated DeltaNets;
 their maths in mixers.py); GQA, MQA and MHA; tied or untied LM head;
 linear biases; any head_dim; every RoPE type of these models' HF rotary module (default,
 linear, dynamic, yarn, llama3, longrope), whose own tables the engine takes. Each type is listed only after its modeling code was read against Llama's:
@@ -46,9 +47,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text", "qwen3_5_moe")
+                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
-SHORT_CONV_TYPES = ("lfm2", "lfm2_moe")
+SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # hybrids whose other layers are gated DeltaNets (Qwen 3.5: GatedDeltaNetWeights), whose
 # attention layers gate their output by a sigmoid of more rows of q_proj
 DELTA_NET_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
@@ -317,6 +318,8 @@ class LayerWeights:
     conv: ShortConvWeights | None = None
     # Qwen 3.5's DeltaNet layers: this block in place of the attention (q, k, v, o None)
     delta: GatedDeltaNetWeights | None = None
+    # LFM3's attention gate [Hq, H]: each head's output times sigmoid(its row . x)
+    head_gate: torch.nn.Linear | None = None
 
     @property
     def linears(self) -> tuple:
@@ -324,7 +327,8 @@ class LayerWeights:
         expert's matrices; a convolution layer's in and out projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
-            + (() if self.conv is None else self.conv.linears) + (() if self.delta is None else self.delta.linears)
+            + (() if self.conv is None else self.conv.linears) + (() if self.delta is None else self.delta.linears) \
+            + (() if self.head_gate is None else (self.head_gate,))
 
     @property
     def intermediate_size(self) -> int:
@@ -823,8 +827,9 @@ def cpu_only(config, inner) -> bool:
 def _rotates(attention, config) -> bool:
     """Whether HF rotates this attention module's q and k: SmolLM3's modules say so
     (`use_rope`); EXAONE 4 leaves its full-attention layers unrotated where the model has a
-    sliding window (its "global NoPE"), Cohere 2 its full-attention layers always."""
-    if config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:
+    sliding window (its "global NoPE"), Cohere 2 its full-attention layers always; a layer
+    without attention (LFM2's convolutions, Qwen 3.5's DeltaNets) rotates nothing."""
+    if attention is None or config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:
         return False
     if hasattr(attention, "use_rope"):
         return bool(attention.use_rope)
@@ -841,6 +846,8 @@ def _layer_window(attention, config_window: int) -> int:
     """The sliding window of one attention module (0: none): its own `sliding_window` where
     it holds one (Qwen2, Gemma 2/3, OLMo 3, Ministral: set on sliding layers only; EXAONE 4:
     on every layer, applied where `is_sliding`), else the config's (Mistral, Phi-3)."""
+    if attention is None:  # a convolution or DeltaNet layer
+        return 0
     if getattr(attention, "attention_type", None) in ("global", "local"):  # GPT-Neo's layers
         return config_window if attention.attention_type == "local" else 0
     if not getattr(attention, "is_sliding", True):
@@ -857,7 +864,9 @@ def _rope_layer_types(inner, config) -> tuple | None:
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
         return None
-    return tuple(dict.fromkeys(config.layer_types))
+    # LFM3's rotary module holds the attention layers' types only (not its convolutions')
+    rotated = getattr(rotary, "layer_types", None)
+    return tuple(t for t in dict.fromkeys(config.layer_types) if rotated is None or t in rotated)
 
 
 def text_config(model: torch.nn.Module):
@@ -1312,14 +1321,16 @@ class LayeredModel:
             # GLM-4 names its blocks' output norms post_self_attn_ / post_mlp_layernorm,
             # HyperCLOVAX post_norm1 / post_norm2 (its Peri-LN)
             attn_out_norm=norm("post_attention_layernorm") if out_norms
-            else norm(_first_held(layer, ("post_self_attn_layernorm", "post_norm1"))),
-            mlp_out_norm=norm(_first_held(layer, ("post_feedforward_layernorm", "post_mlp_layernorm", "post_norm2"))),
+            else norm(_first_held(layer, ("post_self_attn_layernorm", "post_norm1", "post_operator_norm"))),
+            mlp_out_norm=norm(_first_held(layer, ("post_feedforward_layernorm", "post_mlp_layernorm", "post_norm2",
+                                                  "post_ffn_norm"))),
             act=act,
             qkv=qkv,
             qkv_layout=qkv_layout,
             moe=moe,
             conv=conv,
             delta=delta,
+            head_gate=getattr(attn, "g_proj", None) if self.config.model_type == "lfm3" else None,
         )
 
     def _moe(self, block, shared_mlp=None) -> MoEWeights:

@@ -548,8 +548,9 @@ class Engine:
             if lw.conv is not None or lw.delta is not None:  # LFM2's / Qwen 3.5's mixer, then the MLP
                 mixed = mixers.short_conv(self, x, lw.conv, li, meta) if lw.conv is not None \
                     else mixers.delta_net(self, x, lw.delta, li, meta)
-                h = h + mixed
-                h = h + self._mlp(v.norm(h, lw.post_norm), lw, n)
+                h = h + (mixed if lw.attn_out_norm is None else v.norm(mixed, lw.attn_out_norm))  # LFM3's sandwich
+                m = self._mlp(v.norm(h, lw.post_norm), lw, n)
+                h = h + (m if lw.mlp_out_norm is None else v.norm(m, lw.mlp_out_norm))
                 continue
             cos, sin = self._rope_tables(meta, li, R)
             cos, sin = cos[None], sin[None]  # [1, R, d]
@@ -563,6 +564,8 @@ class Engine:
             self.k_cache[li].index_copy_(1, slots, k)
             self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
             o = attend(q, li)  # attention [R, Hq*d] in h's dtype
+            if lw.head_gate is not None:  # LFM3: each head's output scaled by its own gate
+                o = (o.view(R, v.num_heads, v.head_dim) * torch.sigmoid(lin(x, lw.head_gate))[..., None]).view(R, -1)
             o = lin(o if gate is None else o * torch.sigmoid(gate), lw.o)
             if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
                 m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
