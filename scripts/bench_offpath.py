@@ -250,6 +250,12 @@ RANDOM_SHAPES = {
         layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]),
         "LFM2-8B-A1B (33 GB in fp32: --layers 4; attention in 6 of 24 layers, 32 experts, 4 per token, "
         "sigmoid routing with an expert bias)"),
+    "lfm3_1_7b": ("Lfm3Config", "Lfm3ForCausalLM", dict(
+        vocab_size=128000, hidden_size=2048, intermediate_size=7680, num_hidden_layers=24, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=128, sliding_window=256, max_position_embeddings=128000,
+        tie_word_embeddings=True),
+        "LFM3-1.7B (convolutions in 12 of 24 layers, sliding and full attention with their own RoPE, sandwich "
+        "norms, gated heads)"),
     "qwen3_5_0_8b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,

@@ -897,3 +897,22 @@ def test_qwen3_5_image_text_class_decodes_its_text():
     ids = torch.tensor(rows[:1])
     with pytest.raises(ValueError, match="pixel_values"):
         model.generate(ids, pixel_values=torch.zeros(4, 3), assistant="self", max_new_tokens=4)
+
+
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5"])
+def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
+    """A decoder used directly measures the engine's step costs after its prefill: those
+    timing steps write their rows to rings of their own (MixerCache.scratch), so the
+    convolution inputs and states of the sequence stay as they were: the engine's AR output."""
+    from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+    from hf_selfspec.engine.programs import Engine
+
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch"), **overrides)
+    engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
+    prompt = prompts(40)[0]
+    expected = engine.generate_ar(prompt, 24)
+    assert engine._step_costs is None
+    result = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 24)
+    assert engine._step_costs is not None  # measured mid-request
+    assert result.tokens == expected

@@ -14,7 +14,8 @@ so its outputs never depend on the other rows of its step.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,6 +126,7 @@ class MixerCache:
         self.dtype, self.device = v.dtype, v.device
         self._regions: dict[int, int] = {}  # first slot -> region index
         self._bases: list[int] = []  # sorted
+        self._first_region = 0  # scratch(): after the sequences' regions
         self.conv = self.states = None
         self._zero_state = None if delta is None else torch.zeros(self._state_shape[1:], device=self.device)
         self._allocate(1)
@@ -150,11 +152,23 @@ class MixerCache:
     def _region(self, base: int) -> int:
         region = self._regions.get(base)
         if region is None:
-            region = self._regions[base] = len(self._regions)
+            region = self._regions[base] = self._first_region + len(self._regions)
             bisect.insort(self._bases, base)
-            if 2 + len(self._regions) * self.ring > self.conv.shape[1]:
-                self._allocate(2 * len(self._regions))
+            if 2 + (region + 1) * self.ring > self.conv.shape[1]:
+                self._allocate(2 * (region + 1))
         return region
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Steps that only time the engine (costs.py) map their rows to regions after the
+        sequences' own, so a measurement mid-request leaves every sequence's rows as they were."""
+        saved = self._regions, self._bases, self._first_region
+        self._first_region = self._first_region + len(self._regions)
+        self._regions, self._bases = {}, []
+        try:
+            yield
+        finally:
+            self._regions, self._bases, self._first_region = saved
 
     def row(self, base: int, slot: int) -> int:
         """The conv row of `slot` of the sequence whose KV region starts at `base`."""

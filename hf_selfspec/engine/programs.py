@@ -29,6 +29,7 @@ by copying) and small buffers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import mmap
@@ -782,12 +783,13 @@ class Engine:
         if self._step_costs is None:
             context = costs.cost_context(self)
             found = self._measured.step_costs(self.layout.name, context)
-            if found is not None and costs.measured_while_busy(self, found[1]):
-                found = None  # measured on a busy machine: measure again and store
-            if found is None:
-                found = (costs.step_costs_from_products(self.width, self._products_seconds)
-                         or costs.measure_step_costs(self))
-                self._measured.store_step_costs(self.layout.name, context, *found)
+            with self._timing_steps():
+                if found is not None and costs.measured_while_busy(self, found[1]):
+                    found = None  # measured on a busy machine: measure again and store
+                if found is None:
+                    found = (costs.step_costs_from_products(self.width, self._products_seconds)
+                             or costs.measure_step_costs(self))
+                    self._measured.store_step_costs(self.layout.name, context, *found)
             self._step_costs, self._one_row_seconds = found
         return self._step_costs
 
@@ -802,10 +804,16 @@ class Engine:
             context = costs.cost_context(self)
             found = self._measured.batch_costs(self.layout.name, context)
             if found is None or found[0][-1] != self.max_step_rows:
-                found = costs.measure_batch_costs(self)
+                with self._timing_steps():
+                    found = costs.measure_batch_costs(self)
                 self._measured.store_batch_costs(self.layout.name, context, *found)
             self._batch_costs = costs.batch_cost_curve(self.step_costs, self.width, *found, self.max_step_rows)
         return self._batch_costs
+
+    def _timing_steps(self):
+        """Around steps that only time the engine: LFM2's / Qwen 3.5's rows then go to rings
+        of their own, never over a sequence's (a measurement may come mid-request)."""
+        return contextlib.nullcontext() if self.mixer_cache is None else self.mixer_cache.scratch()
 
     @property
     def has_batch_costs(self) -> bool:
@@ -821,7 +829,8 @@ class Engine:
             context = costs.cost_context(self)
             found = self._measured.attention_seconds(self.layout.name, context)
             if found is None:
-                found = costs.measure_attention_seconds(self)
+                with self._timing_steps():
+                    found = costs.measure_attention_seconds(self)
                 self._measured.store_attention_seconds(self.layout.name, context, found)
             self._attention_seconds = found
         return self._attention_seconds
