@@ -372,6 +372,11 @@ SUPPORTED = {
                                            linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=3,
                                            linear_num_value_heads=3, num_hidden_layers=2,
                                            layer_types=["full_attention", "linear_attention"]),
+    # a DeltaNet convolving each row alone (kernel 1): its state's parent is still the row before
+    "qwen3_5-one-tap": dict(arch="Qwen3_5Text", model_class="Qwen3_5ForCausalLM", head_dim=16, linear_key_head_dim=16,
+                            linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                            linear_conv_kernel_dim=1, num_hidden_layers=2,
+                            layer_types=["linear_attention", "full_attention"]),
     # Qwen 3.5 MoE (text): Qwen 3.5's layers with Qwen2-MoE's block (softmax top-k, a shared
     # expert gated by a sigmoid)
     "qwen3_5_moe": dict(arch="Qwen3_5MoeText", model_class="Qwen3_5MoeForCausalLM", head_dim=16,
@@ -849,7 +854,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5) and recurrent state (Qwen 3.5's DeltaNet)
     come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),

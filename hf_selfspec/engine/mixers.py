@@ -193,13 +193,14 @@ class MixerCache:
             path = paths[r] if paths is not None else ()
             base = bases[r] if bases is not None else 0
             writes[r] = self.row(base, slot)
+            # the 1st .. (K-1)th predecessor's slot (at least the 1st: a state's parent)
             before = [path[-1 - k] if k < len(path) else base + position - k if position - k >= 0 else None
-                      for k in range(1, self.taps)]  # the 1st .. (K-1)th predecessor's slot
-            for k, source in enumerate(before):
+                      for k in range(1, max(self.taps, 2))]
+            for k, source in enumerate(before[:self.taps - 1]):
                 if source is not None:
                     sources[r, k] = self.row(base, source)
             if self._state_shape is not None:
-                parent = before[0] if before else None
+                parent = before[0]
                 recurrent.append((self.state_row(base, slot), -1 if parent is None else self.state_row(base, parent)))
         return writes, sources, tuple(recurrent)
 
