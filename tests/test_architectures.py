@@ -377,6 +377,15 @@ SUPPORTED = {
                             linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
                             linear_conv_kernel_dim=1, num_hidden_layers=2,
                             layer_types=["linear_attention", "full_attention"]),
+    # OLMo Hybrid: gated DeltaNets (q, k, v from three projections, beta up to 2) in pre-norm
+    # layers, attention in OLMo 2's post-norm layers; its released form without RoPE, and with
+    "olmo_hybrid": dict(arch="OlmoHybrid", linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, num_hidden_layers=3, random_norms=True,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        rope_parameters={"rope_type": "default", "rope_theta": None}),
+    "olmo_hybrid-rope": dict(arch="OlmoHybrid", linear_key_head_dim=16, linear_value_head_dim=8,
+                             linear_num_key_heads=2, linear_num_value_heads=2, num_hidden_layers=2,
+                             linear_allow_neg_eigval=False, layer_types=["full_attention", "linear_attention"]),
     # Qwen 3.5 MoE (text): Qwen 3.5's layers with Qwen2-MoE's block (softmax top-k, a shared
     # expert gated by a sigmoid)
     "qwen3_5_moe": dict(arch="Qwen3_5MoeText", model_class="Qwen3_5MoeForCausalLM", head_dim=16,
@@ -451,7 +460,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe", "lfm3"])
+                                  "qwen3_5_moe", "lfm3", "olmo_hybrid"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -854,7 +863,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap"])
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5) and recurrent state (Qwen 3.5's DeltaNet)
     come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),

@@ -155,6 +155,11 @@ ARCHS = {
     # LFM2's convolutions, sliding and full attention each with its own RoPE, sandwich norms,
     # a gate per attention head
     "Lfm3": dict(layer_types=["conv", "sliding_attention", "conv", "full_attention"], sliding_window=24),
+    # DeltaNets (q, k, v projections of their own, beta up to 2) between OLMo 2's post-norm
+    # attention layers, without RoPE as released
+    "OlmoHybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       rope_parameters={"rope_type": "default", "rope_theta": None}),
     "Qwen3_5MoeText": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                            linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,

@@ -16,8 +16,8 @@ attention sinks (GPT-OSS, Granite-SWA: a RoPE base per layer), and sparse MoE mo
 (Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo, Mixtral, the Granite MoEs, HunYuan-MoE, PhiMoE's
 sparsemixer, Cohere 2 MoE, GPT-OSS; DeepSeek-V3's sigmoid routing: GLM-4.5, dots.llm1, Solar
 Open, K-EXAONE, MiniMax-M2; ERNIE 4.5 MoE), and hybrids whose other layers mix tokens
-without attention (LFM2, LFM2-MoE and LFM3: gated short convolutions; Qwen 3.5 and its MoE:
-gated DeltaNets;
+without attention (LFM2, LFM2-MoE and LFM3: gated short convolutions; Qwen 3.5, its MoE and
+OLMo Hybrid: gated DeltaNets;
 their maths in mixers.py); GQA, MQA and MHA; tied or untied LM head;
 linear biases; any head_dim; every RoPE type of these models' HF rotary module (default,
 linear, dynamic, yarn, llama3, longrope), whose own tables the engine takes. Each type is listed only after its modeling code was read against Llama's:
@@ -47,12 +47,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3")
+                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # hybrids whose other layers are gated DeltaNets (Qwen 3.5: GatedDeltaNetWeights), whose
 # attention layers gate their output by a sigmoid of more rows of q_proj
-DELTA_NET_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+DELTA_NET_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "olmo_hybrid")
+# the DeltaNet's projections, as each family names them: q/k/v (one weight, or three), z
+# (the output gate), b (beta), a (the decay), the output
+DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj")}
+QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -119,7 +123,8 @@ CPU_ONLY_REFUSAL = (
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
-NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma") + DELTA_NET_TYPES
+NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
+                       "qwen3_5_moe")
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
 ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe",
                     "cohere2_moe")
@@ -255,7 +260,7 @@ class GatedDeltaNetWeights:
     sigmoid(in_proj_b(h)); the row's output state^T q, RMS-normed per head (norm_weight,
     plain) and gated by silu(in_proj_z(h)); out_proj joins the residual stream."""
 
-    in_qkv: torch.nn.Linear  # [2 Hk dk + Hv dv, H]
+    in_qkv: tuple  # [2 Hk dk + Hv dv, H] in one linear (Qwen 3.5) or q, k, v in three (OLMo Hybrid)
     in_z: torch.nn.Linear  # [Hv dv, H]
     in_b: torch.nn.Linear  # [Hv, H]
     in_a: torch.nn.Linear  # [Hv, H]
@@ -269,11 +274,12 @@ class GatedDeltaNetWeights:
     num_v_heads: int
     k_dim: int
     v_dim: int
+    beta_scale: float = 1.0  # OLMo Hybrid's allow_neg_eigval: beta in (0, 2)
     bias: None = None  # the convolution's (none: HF builds it without)
 
     @property
     def linears(self) -> tuple:
-        return (self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj)
+        return (*self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj)
 
 
 @dataclass
@@ -451,21 +457,29 @@ def _check_short_conv(name: str, conv, channels: int) -> None:
             f"torch.nn.Conv1d over {channels} channels with float weights only: use plain model.generate()")
 
 
+def _delta_net_names(model_type: str) -> tuple[str, ...]:
+    """The names of a DeltaNet's projections (DELTA_NET_PROJECTIONS), flat."""
+    qkv, *rest = DELTA_NET_PROJECTIONS.get(model_type, QWEN3_5_DELTA_NET_PROJECTIONS)
+    return (*qkv, *rest)
+
+
 def _check_delta_net(name: str, block) -> None:
-    """Qwen 3.5's gated DeltaNet as GatedDeltaNetWeights reads it: a plain depthwise Conv1d
-    without bias over the q/k/v channels, SiLU, float dt_bias / A_log [Hv], a gated RMSNorm
-    [dv], value heads a multiple of the key heads."""
-    if block is None or not all(hasattr(block, a) for a in ("conv1d", "dt_bias", "A_log", "norm", "num_k_heads",
-                                                             "num_v_heads", "head_k_dim", "head_v_dim")):
+    """Qwen 3.5's (OLMo Hybrid's) gated DeltaNet as GatedDeltaNetWeights reads it: a plain
+    depthwise Conv1d without bias over the q/k/v channels, SiLU, float dt_bias / A_log [Hv],
+    a gated RMSNorm [dv] (`norm`, OLMo Hybrid's `o_norm`), value heads a multiple of the key
+    heads."""
+    norm = getattr(block, "norm", None) or getattr(block, "o_norm", None)
+    if block is None or norm is None or not all(hasattr(block, a) for a in (
+            "conv1d", "dt_bias", "A_log", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")):
         raise UnsupportedModelError(f"{name} is not a gated DeltaNet the engine knows; use plain model.generate()")
     conv = block.conv1d
     _check_short_conv(f"{name}.conv1d", conv, 2 * block.num_k_heads * block.head_k_dim
                       + block.num_v_heads * block.head_v_dim)
-    params = (block.dt_bias, block.A_log, getattr(block.norm, "weight", None))
+    params = (block.dt_bias, block.A_log, getattr(norm, "weight", None))
     if conv.bias is not None or getattr(block, "activation", None) not in SILU_NAMES \
             or block.num_v_heads % block.num_k_heads \
             or any(not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES for p in params) \
-            or block.norm.weight.shape != (block.head_v_dim,):
+            or norm.weight.shape != (block.head_v_dim,):
         raise UnsupportedModelError(
             f"{name}: the engine runs Qwen 3.5's gated DeltaNet with a SiLU convolution without bias, float "
             "dt_bias / A_log and a gated RMSNorm per value head only; use plain model.generate()")
@@ -1055,14 +1069,16 @@ class LayeredModel:
         self.delta_index = tuple(delta_layers.index(i) if i in delta_layers else -1 for i in range(self.num_layers))
         self.num_delta_layers = len(delta_layers)
         # Qwen 3.5's attention: q_proj gives each head its q rows, then as many gate rows
-        self.gated_attention = config.model_type in DELTA_NET_TYPES
+        self.gated_attention = config.model_type in DELTA_NET_TYPES and config.model_type != "olmo_hybrid"
         # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
         # None for a model without sinks
         self.layer_sinks = tuple(_attention(layer).sinks for layer in layers) \
             if config.model_type in ATTENTION_SINK_TYPES else None
         # per layer, whether HF rotates its q and k (SmolLM3 leaves every 4th layer without
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
-        self.rope_layers = tuple(_rotates(_attention(layer), config) for layer in layers)
+        # (OLMo Hybrid's released checkpoints have no rotary module: NoPE everywhere)
+        self.rope_layers = tuple(_rotates(_attention(layer), config) and getattr(inner, "rotary_emb", True) is not None
+                                 for layer in layers)
         # Gemma 3 rotates each layer type (sliding / full attention) by its own RoPE: HF's
         # rotary module takes the layer type. rope_types: the types in table order (None:
         # one RoPE for every layer); layer_rope: each layer's table, -1 for none
@@ -1111,8 +1127,7 @@ class LayeredModel:
                            if _attention(layer) is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES
                            else ("conv.", getattr(layer, "conv", None), ("in_proj", "out_proj"))
                            if model_type in SHORT_CONV_TYPES
-                           else ("linear_attn.", getattr(layer, "linear_attn", None),
-                                 ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")),
+                           else ("linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)),
                            (_mlp_path(layer), _mlp_block(layer), () if hasattr(_mlp_block(layer), "experts")
                             else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
@@ -1220,13 +1235,16 @@ class LayeredModel:
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
         qkv, qkv_layout, conv, delta, o = None, "per_head", None, None, None
-        if attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's gated DeltaNet
+        if attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's / OLMo Hybrid's gated DeltaNet
             q = k = v = None
             block = layer.linear_attn
+            qkv_names, z, b, a, out = DELTA_NET_PROJECTIONS.get(self.config.model_type, QWEN3_5_DELTA_NET_PROJECTIONS)
+            gated_norm = block.norm if hasattr(block, "norm") else block.o_norm
             delta = GatedDeltaNetWeights(
-                block.in_proj_qkv, block.in_proj_z, block.in_proj_b, block.in_proj_a, block.conv1d.weight[:, 0],
-                block.dt_bias, block.A_log, block.norm.weight, float(block.norm.variance_epsilon), block.out_proj,
-                int(block.num_k_heads), int(block.num_v_heads), int(block.head_k_dim), int(block.head_v_dim))
+                tuple(getattr(block, n) for n in qkv_names), getattr(block, z), getattr(block, b), getattr(block, a),
+                block.conv1d.weight[:, 0], block.dt_bias, block.A_log, gated_norm.weight,
+                float(gated_norm.variance_epsilon), getattr(block, out), int(block.num_k_heads), int(block.num_v_heads),
+                int(block.head_k_dim), int(block.head_v_dim), 2.0 if getattr(block, "allow_neg_eigval", False) else 1.0)
         elif attn is None:  # LFM2's convolution layer
             q = k = v = None
             block = layer.conv
@@ -1426,8 +1444,10 @@ class LayeredModel:
             return self._identity_tables(max_positions)
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
-        # LFM2-MoE names its rotary module pos_emb
+        # LFM2-MoE names its rotary module pos_emb; OLMo Hybrid may have none (NoPE)
         rotary = inner.rotary_emb if hasattr(inner, "rotary_emb") else inner.pos_emb
+        if rotary is None:
+            return self._identity_tables(max_positions)
         kind = {} if layer_type is None else {"layer_type": layer_type}
         if self.config.model_type in PER_LAYER_THETA_TYPES:  # layer_type: a RoPE base, its own module
             rotary, kind = inner.rotary_embs[self.rope_types.index(layer_type)], {}

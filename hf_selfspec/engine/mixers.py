@@ -66,13 +66,15 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     R, dtype = x.shape[0], x.dtype
     hk, hv, dk, dv = net.num_k_heads, net.num_v_heads, net.k_dim, net.v_dim
     cache = engine.mixer_cache
-    mixed = causal_conv(cache.conv[v.conv_index[layer]], lin(x, net.in_qkv), net.kernel, None, meta)
+    qkv = torch.cat([lin(x, part) for part in net.in_qkv], dim=-1) if len(net.in_qkv) > 1 else lin(x, net.in_qkv[0])
+    mixed = causal_conv(cache.conv[v.conv_index[layer]], qkv, net.kernel, None, meta)
     mixed = F.silu(mixed.to(dtype))  # HF: the convolution's output in the weights' dtype, then SiLU
     q = mixed[:, :hk * dk].reshape(R, hk, dk)
     k = mixed[:, hk * dk:2 * hk * dk].reshape(R, hk, dk)
     val = mixed[:, 2 * hk * dk:].reshape(R, hv, dv)
     z = lin(x, net.in_z)
-    beta = torch.sigmoid(lin(x, net.in_b)).float()
+    beta = torch.sigmoid(lin(x, net.in_b))
+    beta = (beta if net.beta_scale == 1.0 else beta * net.beta_scale).float()  # OLMo Hybrid: * 2 in the model's dtype
     decay = (-net.a_log.float().exp() * F.softplus(lin(x, net.in_a).float() + net.dt_bias)).exp()  # [R, Hv]
     if hv != hk:  # each key head serves hv / hk consecutive value heads
         q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
