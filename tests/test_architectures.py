@@ -930,3 +930,28 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     result = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 24)
     assert engine._step_costs is not None  # measured mid-request
     assert result.tokens == expected
+
+
+@pytest.mark.parametrize("case,path", [("lfm2", "layers.0.conv.in_proj"), ("lfm3", "layers.1.self_attn.g_proj"),
+                                       ("qwen3_5", "layers.0.linear_attn.in_proj_qkv"),
+                                       ("olmo_hybrid", "layers.0.linear_attn.g_proj"), ("lfm2", "layers.0.conv.conv")])
+def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
+    """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
+    plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at
+    attach_heads, naming it, and the model is left as it was."""
+    class Wrapped(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.weight = inner, inner.weight
+
+        def forward(self, x):
+            return self.inner(x)
+
+    overrides = dict(SUPPORTED[case])
+    model = build(overrides.pop("arch"), **overrides)
+    parent_path, name = path.rsplit(".", 1)
+    parent = model.model.get_submodule(parent_path)
+    setattr(parent, name, Wrapped(getattr(parent, name)))
+    with pytest.raises(UnsupportedModelError, match=f"{path}.*plain model.generate"):
+        attach_heads(model, heads=False)
+    assert "_selfspec" not in model.__dict__

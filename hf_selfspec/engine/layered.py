@@ -50,9 +50,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
-# hybrids whose other layers are gated DeltaNets (Qwen 3.5: GatedDeltaNetWeights), whose
-# attention layers gate their output by a sigmoid of more rows of q_proj
-DELTA_NET_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "olmo_hybrid")
+# Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
+# norms by 1 + w; with OLMo Hybrid, the hybrids whose other layers are gated DeltaNets
+# (GatedDeltaNetWeights)
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+DELTA_NET_TYPES = QWEN3_5_TYPES + ("olmo_hybrid",)
 # the DeltaNet's projections, as each family names them: q/k/v (one weight, or three), z
 # (the output gate), b (beta), a (the decay), the output
 DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj")}
@@ -123,8 +125,7 @@ CPU_ONLY_REFUSAL = (
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
-NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text",
-                       "qwen3_5_moe")
+NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma") + QWEN3_5_TYPES
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
 ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe",
                     "cohere2_moe")
@@ -275,7 +276,6 @@ class GatedDeltaNetWeights:
     k_dim: int
     v_dim: int
     beta_scale: float = 1.0  # OLMo Hybrid's allow_neg_eigval: beta in (0, 2)
-    bias: None = None  # the convolution's (none: HF builds it without)
 
     @property
     def linears(self) -> tuple:
@@ -455,6 +455,21 @@ def _check_short_conv(name: str, conv, channels: int) -> None:
             f"{name} is a {kind} (weight {getattr(weight, 'dtype', None)}, shape "
             f"{tuple(getattr(weight, 'shape', ()))}); the engine runs LFM2's plain depthwise "
             f"torch.nn.Conv1d over {channels} channels with float weights only: use plain model.generate()")
+
+
+def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, ...]]:
+    """Where a decoder layer's token mixer sits (a module path prefix), the module, and the
+    names of its projections: its attention's (LFM3's head gate too), LFM2's convolution's,
+    or a DeltaNet's."""
+    attn = _attention(layer)
+    if attn is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES:
+        names = _projection_names(attn, ATTENTION_PROJECTIONS)
+        if model_type == "lfm3" and getattr(attn, "g_proj", None) is not None:
+            names += ("g_proj",)
+        return _attention_name(layer) + ".", attn, names
+    if model_type in SHORT_CONV_TYPES:
+        return "conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")
+    return "linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)
 
 
 def _delta_net_names(model_type: str) -> tuple[str, ...]:
@@ -1069,7 +1084,7 @@ class LayeredModel:
         self.delta_index = tuple(delta_layers.index(i) if i in delta_layers else -1 for i in range(self.num_layers))
         self.num_delta_layers = len(delta_layers)
         # Qwen 3.5's attention: q_proj gives each head its q rows, then as many gate rows
-        self.gated_attention = config.model_type in DELTA_NET_TYPES and config.model_type != "olmo_hybrid"
+        self.gated_attention = config.model_type in QWEN3_5_TYPES
         # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
         # None for a model without sinks
         self.layer_sinks = tuple(_attention(layer).sinks for layer in layers) \
@@ -1122,12 +1137,7 @@ class LayeredModel:
         projections = [(f"model.layers.{i}.{part}{name}", getattr(block, name, None))
                        for i, layer in enumerate(layers)
                        for part, block, names in (
-                           (_attention_name(layer) + ".", _attention(layer),
-                            _projection_names(_attention(layer), ATTENTION_PROJECTIONS))
-                           if _attention(layer) is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES
-                           else ("conv.", getattr(layer, "conv", None), ("in_proj", "out_proj"))
-                           if model_type in SHORT_CONV_TYPES
-                           else ("linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)),
+                           _mixer_projections(layer, model_type),
                            (_mlp_path(layer), _mlp_block(layer), () if hasattr(_mlp_block(layer), "experts")
                             else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]

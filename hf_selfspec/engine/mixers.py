@@ -127,7 +127,6 @@ class MixerCache:
                                                          delta.v_dim)
         self.dtype, self.device = v.dtype, v.device
         self._regions: dict[int, int] = {}  # first slot -> region index
-        self._bases: list[int] = []  # sorted
         self._first_region = 0  # scratch(): after the sequences' regions
         self.conv = self.states = None
         self._zero_state = None if delta is None else torch.zeros(self._state_shape[1:], device=self.device)
@@ -149,13 +148,11 @@ class MixerCache:
     def new_request(self) -> None:
         """No sequence's rows are kept (their rings are reused from the first)."""
         self._regions.clear()
-        self._bases.clear()
 
     def _region(self, base: int) -> int:
         region = self._regions.get(base)
         if region is None:
             region = self._regions[base] = self._first_region + len(self._regions)
-            bisect.insort(self._bases, base)
             if 2 + (region + 1) * self.ring > self.conv.shape[1]:
                 self._allocate(2 * (region + 1))
         return region
@@ -164,13 +161,13 @@ class MixerCache:
     def scratch(self) -> Iterator[None]:
         """Steps that only time the engine (costs.py) map their rows to regions after the
         sequences' own, so a measurement mid-request leaves every sequence's rows as they were."""
-        saved = self._regions, self._bases, self._first_region
+        saved = self._regions, self._first_region
         self._first_region = self._first_region + len(self._regions)
-        self._regions, self._bases = {}, []
+        self._regions = {}
         try:
             yield
         finally:
-            self._regions, self._bases, self._first_region = saved
+            self._regions, self._first_region = saved
 
     def row(self, base: int, slot: int) -> int:
         """The conv row of `slot` of the sequence whose KV region starts at `base`."""
@@ -208,9 +205,10 @@ class MixerCache:
 
     def move(self, sources: Sequence[int], targets: Sequence[int]) -> None:
         """Engine.move_kv's compaction (absolute slots, each in its sequence's region)."""
+        bases = sorted(self._regions)  # each region's slots run from its base to the next one's
         for src, dst in zip(sources, targets):
-            if src != dst and self._bases:
-                base = self._bases[max(bisect.bisect_right(self._bases, src) - 1, 0)]
+            if src != dst and bases:
+                base = bases[max(bisect.bisect_right(bases, src) - 1, 0)]
                 self.conv[:, self.row(base, dst)] = self.conv[:, self.row(base, src)]
                 if self.states is not None:
                     self.states[:, self.state_row(base, dst)] = self.states[:, self.state_row(base, src)]

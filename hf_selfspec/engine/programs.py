@@ -480,7 +480,7 @@ class Engine:
             writes, sources, recurrent = self.mixer_cache.step_rows(positions, host[1, :n].tolist(), paths, bases,
                                                                     rows)
             conv_rows, conv_sources = writes.to(v.device), sources.to(v.device)
-            recurrent_rows = recurrent if v.num_delta_layers else None
+            recurrent_rows = recurrent or None  # (empty without DeltaNets)
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
             tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases, conv_rows, conv_sources,
@@ -535,9 +535,7 @@ class Engine:
                                               v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
                                               softcap, window, v.rope_pairs)
             return h.to(dtype)
-        lin = self.layout.linear
         h = self._pad(h, R)
-        slots = meta.slots[:R]
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
         if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed \
                 and v.rms_sequential_gated and not (v.norm_plus_one or v.gelu or v.rope_pairs):
@@ -546,28 +544,12 @@ class Engine:
         for li in range(start, end):
             lw = v.layers[li]
             x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
-            if lw.conv is not None or lw.delta is not None:  # LFM2's / Qwen 3.5's mixer, then the MLP
-                mixed = mixers.short_conv(self, x, lw.conv, li, meta) if lw.conv is not None \
-                    else mixers.delta_net(self, x, lw.delta, li, meta)
-                h = h + (mixed if lw.attn_out_norm is None else v.norm(mixed, lw.attn_out_norm))  # LFM3's sandwich
-                m = self._mlp(v.norm(h, lw.post_norm), lw, n)
-                h = h + (m if lw.mlp_out_norm is None else v.norm(m, lw.mlp_out_norm))
-                continue
-            cos, sin = self._rope_tables(meta, li, R)
-            cos, sin = cos[None], sin[None]  # [1, R, d]
-            q, k, val, gate = self._qkv(x, lw, R)
-            q = q.transpose(0, 1)  # [Hq, R, d]
-            k = k.transpose(0, 1)  # [Hkv, R, d]
-            q = apply_rope(q, cos, sin, v.rope_pairs)
-            k = apply_rope(k, cos, sin, v.rope_pairs)
-            if v.qk_norm_after_rope:  # HunYuan
-                q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
-            self.k_cache[li].index_copy_(1, slots, k)
-            self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
-            o = attend(q, li)  # attention [R, Hq*d] in h's dtype
-            if lw.head_gate is not None:  # LFM3: each head's output scaled by its own gate
-                o = (o.view(R, v.num_heads, v.head_dim) * torch.sigmoid(lin(x, lw.head_gate))[..., None]).view(R, -1)
-            o = lin(o if gate is None else o * torch.sigmoid(gate), lw.o)
+            if lw.conv is not None:  # LFM2's convolution in place of attention (then the same MLP)
+                o = mixers.short_conv(self, x, lw.conv, li, meta)
+            elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
+                o = mixers.delta_net(self, x, lw.delta, li, meta)
+            else:
+                o = self._attention_block(x, lw, li, meta, attend)
             if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
                 m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
                 h = (o + m) + h if v.parallel_sum_first else (h + o) + m
@@ -581,6 +563,27 @@ class Engine:
                 m = v.norm(m, lw.mlp_out_norm)
             h = h + v.residual(m)
         return h[:n]
+
+    def _attention_block(self, x: torch.Tensor, lw, li: int, meta: StepMeta, attend) -> torch.Tensor:
+        """Layer `li`'s attention of its normed rows x [R, H], o_proj applied; writes the
+        rows' KV at meta.slots."""
+        v, lin, R = self.view, self.layout.linear, meta.rows
+        cos, sin = self._rope_tables(meta, li, R)
+        cos, sin = cos[None], sin[None]  # [1, R, d]
+        q, k, val, gate = self._qkv(x, lw, R)
+        q = q.transpose(0, 1)  # [Hq, R, d]
+        k = k.transpose(0, 1)  # [Hkv, R, d]
+        q = apply_rope(q, cos, sin, v.rope_pairs)
+        k = apply_rope(k, cos, sin, v.rope_pairs)
+        if v.qk_norm_after_rope:  # HunYuan
+            q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
+        slots = meta.slots[:R]
+        self.k_cache[li].index_copy_(1, slots, k)
+        self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
+        o = attend(q, li)  # attention [R, Hq*d] in x's dtype
+        if lw.head_gate is not None:  # LFM3: each head's output scaled by its own gate
+            o = (o.view(R, v.num_heads, v.head_dim) * torch.sigmoid(lin(x, lw.head_gate))[..., None]).view(R, -1)
+        return lin(o if gate is None else o * torch.sigmoid(gate), lw.o)  # Qwen 3.5: gated per element
 
     def _layer_runs(self, start: int, end: int) -> list[tuple[int, int, int, int]]:
         """Layers [start, end) as maximal runs (lo, hi, table, window) of layers with one
