@@ -30,7 +30,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     per-head q/k norms, a RoPE per layer type) or "olmo3" (OLMo 2's layers, a RoPE per layer
     type); both alternate sliding and full attention layers, with RoPE bases 10 and 10000;
     "lfm2" (LFM2: gated short convolutions in alternate layers, from the first), "qwen3_5"
-    (Qwen 3.5: gated DeltaNets in alternate layers, from the first).
+    (Qwen 3.5: gated DeltaNets in alternate layers, from the first), "granite4h" (Granite
+    4.0-H: Mamba2 mixers in alternate layers, from the first; NoPE attention, Granite's
+    multipliers, the dense shared MLP).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -133,6 +135,22 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                     p.normal_(0.0, p.shape[-1] ** -0.5)
                 elif "norm" in name:
                     p.uniform_(-0.5, 0.5)
+    elif kind == "granite4h":
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        types = ["mamba", "attention"] * (layers // 2) + ["mamba"] * (layers % 2)
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            layer_types=types, num_local_experts=0, shared_intermediate_size=2 * hidden, mamba_n_heads=4,
+            mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=4.0, residual_multiplier=0.5,
+            attention_multiplier=1.0 / (hidden // 4), logits_scaling=2.0, **common))
+        with torch.no_grad():  # the convolution taps, the SSM's steps and skips (HF: ones), the norms
+            for name, p in model.named_parameters():
+                if name.endswith("conv1d.weight"):
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+                elif name.endswith(("mamba.dt_bias", "mamba.D")):
+                    p.normal_(0.0, 1.0)
+                elif "norm" in name:
+                    p.uniform_(0.5, 1.5)
     else:
         raise ValueError(kind)
     with torch.no_grad():

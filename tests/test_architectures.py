@@ -61,8 +61,10 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(0.0, 2.0)
             if name.endswith(("conv.conv.weight", "conv1d.weight")):  # LFM2's, Qwen 3.5's taps [C, 1, K]: HF's 0.02 hides them
                 param.normal_(0.0, param.shape[-1] ** -0.5)
-            if name.endswith("conv.conv.bias"):
+            if name.endswith(("conv.conv.bias", "mamba.conv1d.bias")):
                 param.normal_(0.0, 0.5)
+            if name.endswith(("mamba.dt_bias", "mamba.D")):  # Mamba2's steps and skips: HF's ones hide a dropped one
+                param.normal_(0.0, 1.0)
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's: a bias that decides
                 buffer.normal_(0.0, 0.2)
@@ -393,6 +395,21 @@ SUPPORTED = {
                         linear_num_value_heads=4, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=48, random_norms=True,
                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # Granite 4.0-H: Mamba2 mixers (a SiLU convolution over 4 positions, a recurrent state per
+    # head, B and C per group of heads, a gated RMSNorm per group) in most layers, attention
+    # without RoPE, Granite's multipliers, the dense shared MLP; its MoE form with RoPE and
+    # biased projections; Granite 4.0's attention-only form (the C++ layers)
+    "granitemoehybrid": dict(arch="GraniteMoeHybrid", num_hidden_layers=4, num_local_experts=0,
+                             layer_types=["mamba", "attention", "mamba", "mamba"], shared_intermediate_size=96,
+                             mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=4.0,
+                             residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=2.0, random_norms=True),
+    "granitemoehybrid-moe-rope": dict(arch="GraniteMoeHybrid", num_hidden_layers=3, num_local_experts=8,
+                                      num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=64,
+                                      layer_types=["attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_state=8,
+                                      mamba_proj_bias=True, position_embedding_type="rope"),
+    "granitemoehybrid-attention-only": dict(arch="GraniteMoeHybrid", num_local_experts=0, shared_intermediate_size=96,
+                                            layer_types=["attention", "attention"], position_embedding_type="rope",
+                                            embedding_multiplier=4.0, attention_multiplier=0.1, logits_scaling=2.0),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -460,7 +477,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe", "lfm3", "olmo_hybrid"])
+                                  "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -680,7 +697,7 @@ def test_gemma3_image_inputs_refused(media):
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
                                        ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True),
-                                       ("qwen3_5", True)])
+                                       ("qwen3_5", True), ("granitemoehybrid", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""
@@ -863,10 +880,10 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid"])
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
-    """A tree row's convolution (LFM2, Qwen 3.5) and recurrent state (Qwen 3.5's DeltaNet)
-    come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
+    """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
+    DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
     and the accepted rows' convolution inputs and states move with their KV: the engine's
     AR output, with the accepted path off the first branch."""
     from test_trees import OracleTrees
@@ -913,7 +930,7 @@ def test_qwen3_5_image_text_class_decodes_its_text():
         model.generate(ids, pixel_values=torch.zeros(4, 3), assistant="self", max_new_tokens=4)
 
 
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5"])
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "granitemoehybrid"])
 def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     """A decoder used directly measures the engine's step costs after its prefill: those
     timing steps write their rows to rings of their own (MixerCache.scratch), so the
@@ -934,7 +951,9 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
 
 @pytest.mark.parametrize("case,path", [("lfm2", "layers.0.conv.in_proj"), ("lfm3", "layers.1.self_attn.g_proj"),
                                        ("qwen3_5", "layers.0.linear_attn.in_proj_qkv"),
-                                       ("olmo_hybrid", "layers.0.linear_attn.g_proj"), ("lfm2", "layers.0.conv.conv")])
+                                       ("olmo_hybrid", "layers.0.linear_attn.g_proj"), ("lfm2", "layers.0.conv.conv"),
+                                       ("granitemoehybrid", "layers.0.mamba.in_proj"),
+                                       ("granitemoehybrid", "layers.2.mamba.conv1d")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

@@ -38,18 +38,18 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
 
 @pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
 @pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2", "gemma3", "olmo3",
-                                  "lfm2", "qwen3_5"])
+                                  "lfm2", "qwen3_5", "granite4h"])
 def test_engine_ar_matches_hf_greedy_on_llama_variants(kind, layout, prefill):
     """SmolLM3 leaves layers 1 and 3 here unrotated (no_rope_layers; the C++ layers run in
     one call per run of layers with or without RoPE); Phi-3 fuses q/k/v and gate/up into
     one weight each (read as row ranges of it), phi3_partial rotates half of each head's
     dimensions; Granite scales the embedding rows, the
     attention scores, each block's output and the logits; LFM2 convolves in alternate layers,
-    Qwen 3.5 runs gated DeltaNets there."""
+    Qwen 3.5 runs gated DeltaNets there, Granite 4.0-H Mamba2 mixers (and rotates none)."""
     model = tiny_model(kind, seed=4)
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=512, row_layout=layout, prefill=prefill))
     # SmolLM3's layers 1 and 3 unrotated; LFM2's and Qwen 3.5's layers 0 and 2 have no attention
-    unrotated = {"smollm3": (1, 3), "lfm2": (0, 2), "qwen3_5": (0, 2)}.get(kind, ())
+    unrotated = {"smollm3": (1, 3), "lfm2": (0, 2), "qwen3_5": (0, 2), "granite4h": (0, 1, 2, 3)}.get(kind, ())
     assert engine.view.rope_layers == tuple(i not in unrotated for i in range(4))
     gen = torch.Generator().manual_seed(104)
     for prompt_len in (1, 9, 77, 300):

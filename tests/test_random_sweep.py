@@ -164,6 +164,11 @@ ARCHS = {
                            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                            linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                            shared_expert_intermediate_size=64),
+    # Granite 4.0-H: Mamba2 mixers (a recurrent state per head, B and C per group of heads)
+    # between attention layers without RoPE, Granite's multipliers, the dense shared MLP
+    "GraniteMoeHybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
+                             shared_intermediate_size=96, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
+                             embedding_multiplier=4.0, residual_multiplier=0.5, logits_scaling=2.0),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
@@ -216,6 +221,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, 2.0)
             if name.endswith(("conv.conv.weight", "conv1d.weight")):  # LFM2's, Qwen 3.5's taps [C, 1, K]
                 p.normal_(0.0, p.shape[-1] ** -0.5)
+            if name.endswith(("mamba.dt_bias", "mamba.D")):  # Mamba2's steps and skips (HF: ones)
+                p.normal_(0.0, 1.0)
             if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's routing
                 p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():

@@ -47,7 +47,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid")
+                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -59,6 +59,8 @@ DELTA_NET_TYPES = QWEN3_5_TYPES + ("olmo_hybrid",)
 # (the output gate), b (beta), a (the decay), the output
 DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj")}
 QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# hybrids whose other layers are Mamba2 mixers (Mamba2Weights), held by the layer as `mamba`
+MAMBA2_TYPES = ("granitemoehybrid",)
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -84,7 +86,7 @@ MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_os
 SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe")
 # Granite MoE and its kin: the softmax of the top-k router logits; GraniteMoeShared and
 # Granite-MoE-SWA add the layer's ungated shared MLP (`shared_mlp`, gate and up rows fused)
-GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa")
+GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
 # models whose attention modules hold a learnable sink per head (`sinks`: one more logit in
 # each softmax's denominator, of value 0)
 ATTENTION_SINK_TYPES = ("gpt_oss", "granite_swa", "granitemoe_swa")
@@ -121,7 +123,7 @@ CPU_ONLY_REFUSAL = (
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan), short convolutions "
-    "(LFM2) or gated DeltaNets (Qwen 3.5), which the engine's "
+    "(LFM2), gated DeltaNets (Qwen 3.5) or Mamba2 mixers (Granite 4.0-H), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -281,6 +283,45 @@ class GatedDeltaNetWeights:
     def linears(self) -> tuple:
         return (*self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj)
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.k_dim, self.v_dim)
+
+
+@dataclass
+class Mamba2Weights:
+    """A Mamba2 mixer (Granite 4.0-H's), HF's single-token decode maths
+    (mamba2_selective_state_update): z, xBC, dt = in_proj(h)'s column blocks; xBC goes into
+    the layer's conv cache at the row's slot and is convolved over the row's last K
+    positions (with the conv's bias), SiLU, then split into x [Hm, dh] and B, C [G, N] (head
+    h reads group h // (Hm / G)); dt = softplus(dt + dt_bias); a float32 state [Hm, dh, N]
+    per row, from its predecessor's: state * exp(dt * A) + (dt * B) * x, A = -exp(A_log);
+    the output state . C (in the model's dtype) + D * x, through the gated RMSNorm
+    (silu(z), per group of `norm_group` channels), then out_proj."""
+
+    in_proj: torch.nn.Linear  # [I + conv channels + Hm, H]: z, xBC, dt
+    kernel: torch.Tensor  # [I + 2 G N, K], a view of the Conv1d's weight
+    conv_bias: torch.Tensor | None  # [I + 2 G N]
+    dt_bias: torch.Tensor  # [Hm]
+    a_log: torch.Tensor  # [Hm]
+    d: torch.Tensor  # [Hm]
+    norm_weight: torch.Tensor  # [I]
+    norm_eps: float
+    norm_group: int  # channels per group of the gated RMSNorm
+    out_proj: torch.nn.Linear  # [H, I]
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+
+    @property
+    def linears(self) -> tuple:
+        return (self.in_proj, self.out_proj)
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
 
 @dataclass
 class LayerWeights:
@@ -324,16 +365,18 @@ class LayerWeights:
     conv: ShortConvWeights | None = None
     # Qwen 3.5's DeltaNet layers: this block in place of the attention (q, k, v, o None)
     delta: GatedDeltaNetWeights | None = None
+    # Granite 4.0-H's Mamba2 layers: this block in place of the attention (q, k, v, o None)
+    mamba: Mamba2Weights | None = None
     # LFM3's attention gate [Hq, H]: each head's output times sigmoid(its row . x)
     head_gate: torch.nn.Linear | None = None
 
     @property
     def linears(self) -> tuple:
         """The layer's projections (a plain MLP has no gate; an MoE block's router and every
-        expert's matrices; a convolution layer's in and out projections)."""
+        expert's matrices; a convolution, DeltaNet or Mamba2 layer's projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
-            + (() if self.conv is None else self.conv.linears) + (() if self.delta is None else self.delta.linears) \
+            + tuple(lin for block in (self.conv, self.delta, self.mamba) if block is not None for lin in block.linears) \
             + (() if self.head_gate is None else (self.head_gate,))
 
     @property
@@ -362,7 +405,7 @@ ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", 
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
                    ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("up_proj", "down_proj"),
-                   ("fc_in", "fc_out"), ("w1", "w3", "w2"))
+                   ("fc_in", "fc_out"), ("w1", "w3", "w2"), ("input_linear", "output_linear"))
 
 
 def _projection_names(module, options) -> tuple[str, ...]:
@@ -376,10 +419,11 @@ def _projection_names(module, options) -> tuple[str, ...]:
 
 def _mlp_path(layer) -> str:
     """Where a decoder layer holds its MLP or MoE block: "mlp." (Granite MoE:
-    "block_sparse_moe."), or "" where the layer holds the MLP's projections itself (OPT's
-    fc1 / fc2)."""
-    for name in ("mlp", "block_sparse_moe", "ffn", "feed_forward"):  # MPT: ffn, LFM2: feed_forward
-        if hasattr(layer, name):
+    "block_sparse_moe."; a dense Granite 4.0 layer, whose block_sparse_moe is None: its
+    "shared_mlp."), or "" where the layer holds the MLP's projections itself (OPT's fc1 /
+    fc2)."""
+    for name in ("mlp", "block_sparse_moe", "ffn", "feed_forward", "shared_mlp"):  # MPT: ffn, LFM2: feed_forward
+        if getattr(layer, name, None) is not None:
             return name + "."
     return ""
 
@@ -462,13 +506,15 @@ def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, 
     names of its projections: its attention's (LFM3's head gate too), LFM2's convolution's,
     or a DeltaNet's."""
     attn = _attention(layer)
-    if attn is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES:
+    if attn is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES:
         names = _projection_names(attn, ATTENTION_PROJECTIONS)
         if model_type == "lfm3" and getattr(attn, "g_proj", None) is not None:
             names += ("g_proj",)
         return _attention_name(layer) + ".", attn, names
     if model_type in SHORT_CONV_TYPES:
         return "conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")
+    if model_type in MAMBA2_TYPES:
+        return "mamba.", getattr(layer, "mamba", None), ("in_proj", "out_proj")
     return "linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)
 
 
@@ -498,6 +544,27 @@ def _check_delta_net(name: str, block) -> None:
         raise UnsupportedModelError(
             f"{name}: the engine runs Qwen 3.5's gated DeltaNet with a SiLU convolution without bias, float "
             "dt_bias / A_log and a gated RMSNorm per value head only; use plain model.generate()")
+
+
+def _check_mamba2(name: str, block) -> None:
+    """A Mamba2 mixer as Mamba2Weights reads it: a plain depthwise Conv1d over x, B and C,
+    SiLU, float dt_bias / A_log / D [heads], a gated RMSNorm over the heads' channels in
+    whole groups, heads a multiple of the groups."""
+    names = ("conv1d", "dt_bias", "A_log", "D", "norm", "num_heads", "head_dim", "ssm_state_size", "n_groups",
+             "intermediate_size")
+    if block is None or not all(hasattr(block, a) for a in names):
+        raise UnsupportedModelError(f"{name} is not a Mamba2 mixer the engine knows; use plain model.generate()")
+    inner = block.num_heads * block.head_dim
+    _check_short_conv(f"{name}.conv1d", block.conv1d, inner + 2 * block.n_groups * block.ssm_state_size)
+    norm_weight, group = getattr(block.norm, "weight", None), getattr(block.norm, "group_size", None)
+    params = (block.dt_bias, block.A_log, block.D, norm_weight)
+    if getattr(block, "activation", None) not in SILU_NAMES or block.num_heads % block.n_groups \
+            or inner != block.intermediate_size \
+            or any(not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES for p in params) \
+            or norm_weight.shape != (inner,) or not isinstance(group, int) or group <= 0 or inner % group:
+        raise UnsupportedModelError(
+            f"{name}: the engine runs Mamba2 mixers with a SiLU convolution, float dt_bias / A_log / D, heads in "
+            "whole groups and a gated RMSNorm over whole groups only; use plain model.generate()")
 
 
 def _first_held(module, names: tuple[str, ...]) -> str:
@@ -850,7 +917,7 @@ def cpu_only(config, inner) -> bool:
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
         or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES \
-        + SHORT_CONV_TYPES + DELTA_NET_TYPES
+        + SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -1070,19 +1137,20 @@ class LayeredModel:
             self.embedding_norm = inner.norm
         layers = decoder_layers(inner)
         self.layers = [self._layer(layer) for layer in layers]
-        # LFM2's convolution and Qwen 3.5's DeltaNet layers: per layer, its index among them
-        # (-1: an attention layer; the engine's conv cache), the convolutions' width in
-        # positions (0 without any) and channels; per layer its index among the DeltaNets
-        # (their recurrent states)
-        conv_layers = [i for i, lw in enumerate(self.layers) if lw.conv is not None or lw.delta is not None]
+        # LFM2's convolution, Qwen 3.5's DeltaNet and Granite 4.0-H's Mamba2 layers: per layer,
+        # its index among them (-1: an attention layer; the engine's conv cache), the
+        # convolutions' width in positions (0 without any) and channels; per layer its index
+        # among the DeltaNet / Mamba2 layers (their recurrent states), and their state's shape
+        mixers = [lw.conv or lw.delta or lw.mamba for lw in self.layers]
+        conv_layers = [i for i, block in enumerate(mixers) if block is not None]
         self.conv_index = tuple(conv_layers.index(i) if i in conv_layers else -1 for i in range(self.num_layers))
         self.num_conv_layers = len(conv_layers)
-        kernels = [(lw.conv or lw.delta).kernel for lw in self.layers if lw.conv is not None or lw.delta is not None]
-        self.conv_taps = kernels[0].shape[1] if kernels else 0
-        self.conv_channels = kernels[0].shape[0] if kernels else 0
-        delta_layers = [i for i, lw in enumerate(self.layers) if lw.delta is not None]
-        self.delta_index = tuple(delta_layers.index(i) if i in delta_layers else -1 for i in range(self.num_layers))
-        self.num_delta_layers = len(delta_layers)
+        self.conv_taps = mixers[conv_layers[0]].kernel.shape[1] if conv_layers else 0
+        self.conv_channels = mixers[conv_layers[0]].kernel.shape[0] if conv_layers else 0
+        state_layers = [i for i in conv_layers if hasattr(mixers[i], "state_shape")]
+        self.state_index = tuple(state_layers.index(i) if i in state_layers else -1 for i in range(self.num_layers))
+        self.num_state_layers = len(state_layers)
+        self.state_shape = mixers[state_layers[0]].state_shape if state_layers else None
         # Qwen 3.5's attention: q_proj gives each head its q rows, then as many gate rows
         self.gated_attention = config.model_type in QWEN3_5_TYPES
         # GPT-OSS: per layer, its attention's sink per head [Hq] (the module's own parameter);
@@ -1154,6 +1222,8 @@ class LayeredModel:
                                   config.hidden_size)
             if model_type in DELTA_NET_TYPES and _attention(layer) is None:
                 _check_delta_net(f"model.layers.{i}.linear_attn", getattr(layer, "linear_attn", None))
+            if model_type in MAMBA2_TYPES and _attention(layer) is None:
+                _check_mamba2(f"model.layers.{i}.mamba", getattr(layer, "mamba", None))
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -1244,8 +1314,15 @@ class LayeredModel:
             if hasattr(attn, q_name):
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
-        qkv, qkv_layout, conv, delta, o = None, "per_head", None, None, None
-        if attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's / OLMo Hybrid's gated DeltaNet
+        qkv, qkv_layout, conv, delta, mamba, o = None, "per_head", None, None, None, None
+        if attn is None and getattr(layer, "mamba", None) is not None:  # Granite 4.0-H's Mamba2 mixer
+            q = k = v = None
+            block = layer.mamba
+            mamba = Mamba2Weights(
+                block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.dt_bias, block.A_log, block.D,
+                block.norm.weight, float(block.norm.variance_epsilon), int(block.norm.group_size), block.out_proj,
+                int(block.num_heads), int(block.head_dim), int(block.ssm_state_size), int(block.n_groups))
+        elif attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's / OLMo Hybrid's gated DeltaNet
             q = k = v = None
             block = layer.linear_attn
             qkv_names, z, b, a, out = DELTA_NET_PROJECTIONS.get(self.config.model_type, QWEN3_5_DELTA_NET_PROJECTIONS)
@@ -1308,6 +1385,10 @@ class LayeredModel:
             gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         elif hasattr(mlp, "w1"):  # LFM2: silu(w1(x)) * w3(x) -> w2
             gate, up, down = mlp.w1, mlp.w3, mlp.w2
+        elif hasattr(mlp, "input_linear"):  # a dense Granite 4.0 layer's shared_mlp: gate rows, then up's
+            inter = mlp.input_linear.out_features // 2
+            gate, up = RowSlice(mlp.input_linear, 0, inter), RowSlice(mlp.input_linear, inter, 2 * inter)
+            down = mlp.output_linear
         else:  # a plain MLP: Phi's fc1/fc2, StarCoder 2's c_fc/c_proj, GPT-NeoX's dense_h_to_4h/...,
             # Arcee's and Apertus's up_proj/down_proj
             up_name, down_name = _projection_names(mlp, MLP_PROJECTIONS[2:])
@@ -1358,6 +1439,7 @@ class LayeredModel:
             moe=moe,
             conv=conv,
             delta=delta,
+            mamba=mamba,
             head_gate=getattr(attn, "g_proj", None) if self.config.model_type == "lfm3" else None,
         )
 
@@ -1499,6 +1581,7 @@ class LayeredModel:
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
                 and not self.qk_norm_after_rope and self.layer_sinks is None
                 and all(lw.gate is not None and lw.qkv is None and lw.conv is None and lw.delta is None
+                        and lw.mamba is None
                         for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Token mixers other than attention, row-invariant as the attention backends are: LFM2's
-gated short convolution and Qwen 3.5's gated DeltaNet.
+gated short convolution, Qwen 3.5's gated DeltaNet and Granite 4.0-H's Mamba2.
 
-Both convolve a projection of each row over its last K positions, and the DeltaNet also
-carries a recurrent state [Hv, dk, dv] from row to row. `MixerCache` keeps both per
+All convolve a projection of each row over its last K positions; the DeltaNet and Mamba2
+also carry a recurrent state ([Hv, dk, dv], [Hm, dh, N]) from row to row. `MixerCache` keeps both per
 sequence over its last few slots only (a ring: a state per position would cost megabytes
 per position), and a step names each row's ring rows: where it writes, its predecessors'
 (its draft tree path's rows, else its sequence's committed ones) and its parent's state
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
-    from .layered import GatedDeltaNetWeights, ShortConvWeights
+    from .layered import GatedDeltaNetWeights, Mamba2Weights, ShortConvWeights
     from .meta import StepMeta
     from .programs import Engine
 
@@ -83,7 +83,7 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     k = _l2norm(k.float())
     val = val.float()
     out = torch.zeros(R, hv, dv, dtype=torch.float32, device=x.device)
-    index = v.delta_index[layer]
+    index = v.state_index[layer]
     for r, (row, parent) in enumerate(meta.recurrent_rows):
         state = cache.read_state(index, parent)
         state = state * decay[r][:, None, None]
@@ -98,12 +98,48 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     return lin(gated.to(dtype).reshape(R, hv * dv), net.out_proj)
 
 
+def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta: StepMeta) -> torch.Tensor:
+    """Granite 4.0-H's Mamba2 mixer (Mamba2Weights) of the normed rows x [R, H], with HF's
+    single-token decode arithmetic per row (mamba2_selective_state_update, at batch 1:
+    the same ops in the same dtypes, its bmm included), each row's state from its parent's
+    (meta.recurrent_rows), written at its own ring row."""
+    v, lin = engine.view, engine.layout.linear
+    R, dtype = x.shape[0], x.dtype
+    heads, dh, n, groups = net.num_heads, net.head_dim, net.state_size, net.num_groups
+    inner, channels = heads * dh, net.kernel.shape[0]
+    cache = engine.mixer_cache
+    zxbcdt = lin(x, net.in_proj)  # [R, I + channels + Hm]
+    z, xbc, dt = zxbcdt[:, :inner], zxbcdt[:, inner:inner + channels], zxbcdt[:, inner + channels:]
+    xbc = F.silu(causal_conv(cache.conv[v.conv_index[layer]], xbc, net.kernel, net.conv_bias, meta).to(dtype))
+    xs = xbc[:, :inner].reshape(R, heads, dh)
+    per_group = heads // groups  # head h reads group h // per_group's B and C
+    b = xbc[:, inner:inner + groups * n].reshape(R, groups, 1, n).expand(R, groups, per_group, n).reshape(R, heads, n)
+    c = xbc[:, inner + groups * n:].reshape(R, groups, 1, n).expand(R, groups, per_group, n).reshape(R, heads, n, 1)
+    dt = F.softplus(dt + net.dt_bias.to(dtype))  # [R, Hm], the model's dtype
+    decay = torch.exp(dt.float() * -torch.exp(net.a_log.float()))[:, :, None, None]  # exp(dt A) [R, Hm, 1, 1]
+    # (dt B) x in the model's dtype, each product rounded as HF's [Hm, dh, N] tensors are
+    dbx = (dt[:, :, None] * b)[:, :, None, :] * xs[..., None]  # [R, Hm, dh, N]
+    out = torch.empty(R, heads, dh, 1, dtype=dtype, device=x.device)
+    index = v.state_index[layer]
+    for r, (row, parent) in enumerate(meta.recurrent_rows):
+        state = cache.read_state(index, parent) * decay[r] + dbx[r]
+        cache.states[index, row] = state
+        torch.bmm(state.to(dtype), c[r], out=out[r])
+    y = (out.view(R, heads, dh) + xs * net.d[:, None]).to(dtype).reshape(R, inner)
+    # HF's gated RMSNorm: y * silu(z) in float32, normed per group, weight * (rounded)
+    gated = y.float() * F.silu(z.float())
+    grouped = gated.view(R, inner // net.norm_group, net.norm_group)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + net.norm_eps)
+    return lin((net.norm_weight * grouped.view(R, inner).to(dtype)).to(dtype), net.out_proj)
+
+
 class MixerCache:
-    """What the convolution and DeltaNet layers carry from step to step, for each sequence
-    (KV region, keyed by its first slot) and only over its last few slots: the convolutions'
-    inputs (`conv` [conv layers, rows, C], the model's dtype) over `ring` = width + K + 1
-    slots, and the DeltaNets' recurrent states (`states` [DeltaNet layers, rows, Hv, dk, dv],
-    float32, a megabyte each at Qwen3.5-0.8B's size) over `state_ring` = width + 2 slots.
+    """What the convolution, DeltaNet and Mamba2 layers carry from step to step, for each
+    sequence (KV region, keyed by its first slot) and only over its last few slots: the
+    convolutions' inputs (`conv` [conv layers, rows, C], the model's dtype) over `ring` =
+    width + K + 1 slots, and the recurrent states (`states` [DeltaNet / Mamba2 layers, rows,
+    *state shape], float32, a megabyte or more each at Qwen3.5-0.8B's or Granite-4.0-H-1B's
+    size) over `state_ring` = width + 2 slots.
     Slot s of the sequence at `base` is conv row 2 + region * ring + (s - base) mod ring
     (row 0 stays zero: what a convolution reads before position 0; row 1 takes the pad
     rows' writes) and state row region * state_ring + (s - base) mod state_ring.
@@ -122,14 +158,12 @@ class MixerCache:
         self.ring = engine.width + self.taps + 1
         self.state_ring = engine.width + 2
         self._conv_shape = (v.num_conv_layers, v.conv_channels)
-        delta = next((lw.delta for lw in v.layers if lw.delta is not None), None)
-        self._state_shape = None if delta is None else (v.num_delta_layers, delta.num_v_heads, delta.k_dim,
-                                                         delta.v_dim)
+        self._state_shape = None if v.state_shape is None else (v.num_state_layers, *v.state_shape)
         self.dtype, self.device = v.dtype, v.device
         self._regions: dict[int, int] = {}  # first slot -> region index
         self._first_region = 0  # scratch(): after the sequences' regions
         self.conv = self.states = None
-        self._zero_state = None if delta is None else torch.zeros(self._state_shape[1:], device=self.device)
+        self._zero_state = None if v.state_shape is None else torch.zeros(v.state_shape, device=self.device)
         self._allocate(1)
 
     def _allocate(self, regions: int) -> None:

@@ -548,6 +548,8 @@ class Engine:
                 o = mixers.short_conv(self, x, lw.conv, li, meta)
             elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
                 o = mixers.delta_net(self, x, lw.delta, li, meta)
+            elif lw.mamba is not None:  # Granite 4.0-H's Mamba2 mixer
+                o = mixers.mamba2(self, x, lw.mamba, li, meta)
             else:
                 o = self._attention_block(x, lw, li, meta, attend)
             if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
@@ -899,15 +901,16 @@ class Engine:
         out = self.view.decoder(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
             if self.view.num_conv_layers and self.view.conv_index[li] >= 0:
-                # LFM2 / Qwen 3.5: HF's state holds the convolution's input of the last K
-                # positions (zeros before the first); a DeltaNet's, its recurrent state too
+                # LFM2 / Qwen 3.5 / Granite 4.0-H: HF's state holds the convolution's input of
+                # the last K positions (zeros before the first); a DeltaNet's or Mamba2's, its
+                # recurrent state too
                 state, mixer = layer.conv_states[0][0], self.mixer_cache  # [C, K]
                 for j in range(1, min(n, state.shape[-1]) + 1):  # the j-th last position
                     row = mixer.row(base, base + n - j)  # (first: a new sequence may grow the rings)
                     mixer.conv[self.view.conv_index[li], row] = state[:, -j]
-                if self.view.delta_index[li] >= 0:
+                if self.view.state_index[li] >= 0:
                     row = mixer.state_row(base, base + n - 1)
-                    mixer.states[self.view.delta_index[li], row] = layer.recurrent_states[0][0].float()
+                    mixer.states[self.view.state_index[li], row] = layer.recurrent_states[0][0].float()
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
