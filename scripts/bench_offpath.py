@@ -263,6 +263,13 @@ RANDOM_SHAPES = {
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
         "Qwen3.5-0.8B's text model (gated DeltaNets in 18 of 24 layers, gated attention; an LM head of 248k rows)"),
+    "granite_4_0_h_1b": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        vocab_size=100352, hidden_size=1536, shared_intermediate_size=4096, num_hidden_layers=40,
+        num_attention_heads=12, num_key_value_heads=4, num_local_experts=0, mamba_n_heads=48, mamba_d_head=64,
+        mamba_d_state=128, mamba_n_groups=1, embedding_multiplier=12.0, logits_scaling=6.0,
+        attention_multiplier=0.0078125, residual_multiplier=0.22, max_position_embeddings=131072,
+        tie_word_embeddings=True, layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)]),
+        "Granite-4.0-H-1B's shape (Mamba2 mixers in 36 of 40 layers, attention without RoPE in 4)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

@@ -410,6 +410,13 @@ SUPPORTED = {
     "granitemoehybrid-attention-only": dict(arch="GraniteMoeHybrid", num_local_experts=0, shared_intermediate_size=96,
                                             layer_types=["attention", "attention"], position_embedding_type="rope",
                                             embedding_multiplier=4.0, attention_multiplier=0.1, logits_scaling=2.0),
+    # Bamba: Granite 4.0-H's Mamba2 mixers between attention layers rotating half of each head,
+    # a gated MLP after its own norm (pre_ff_layernorm); with biases everywhere and full RoPE
+    "bamba": dict(arch="Bamba", num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_n_groups=2,
+                  mamba_d_state=16, random_norms=True),
+    "bamba-biases": dict(arch="Bamba", num_hidden_layers=3, attn_layer_indices=[0], mamba_n_heads=8, mamba_d_state=8,
+                         mamba_proj_bias=True, mlp_bias=True, attention_bias=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -477,7 +484,8 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "gptj-partial-rotary", "falcon-40b-form", "nemotron", "codegen", "bloom",
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
-                                  "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope"])
+                                  "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
+                                  "bamba"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

@@ -169,6 +169,8 @@ ARCHS = {
     "GraniteMoeHybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
                              shared_intermediate_size=96, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16,
                              embedding_multiplier=4.0, residual_multiplier=0.5, logits_scaling=2.0),
+    # Bamba: the same mixers between attention layers rotating half of each head
+    "Bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}

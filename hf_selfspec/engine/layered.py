@@ -47,7 +47,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid")
+                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -60,7 +60,7 @@ DELTA_NET_TYPES = QWEN3_5_TYPES + ("olmo_hybrid",)
 DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj")}
 QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # hybrids whose other layers are Mamba2 mixers (Mamba2Weights), held by the layer as `mamba`
-MAMBA2_TYPES = ("granitemoehybrid",)
+MAMBA2_TYPES = ("granitemoehybrid", "bamba")
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -1423,7 +1423,7 @@ class LayeredModel:
             k_norm=held(k_norm),
             post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
                 _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2",
-                                    "final_layer_norm", "ln_mlp", "norm_2", "ffn_norm"))),
+                                    "final_layer_norm", "ln_mlp", "norm_2", "ffn_norm", "pre_ff_layernorm"))),
             gate=gate,
             up=up,
             down=down,
