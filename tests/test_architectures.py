@@ -417,6 +417,11 @@ SUPPORTED = {
     "bamba-biases": dict(arch="Bamba", num_hidden_layers=3, attn_layer_indices=[0], mamba_n_heads=8, mamba_d_state=8,
                          mamba_proj_bias=True, mlp_bias=True, attention_bias=True,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    # Nemotron-H: layers of ONE block each after their own norm (weight applied in float32): a
+    # Mamba2 mixer, attention without RoPE, or a ReLU² MLP; the embedding named `embeddings`
+    "nemotron_h": dict(arch="NemotronH", num_hidden_layers=6, head_dim=16, random_norms=True,
+                       layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
+                       mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -485,7 +490,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
-                                  "bamba"])
+                                  "bamba", "nemotron_h"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -888,7 +893,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid"])
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
@@ -961,7 +966,8 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("qwen3_5", "layers.0.linear_attn.in_proj_qkv"),
                                        ("olmo_hybrid", "layers.0.linear_attn.g_proj"), ("lfm2", "layers.0.conv.conv"),
                                        ("granitemoehybrid", "layers.0.mamba.in_proj"),
-                                       ("granitemoehybrid", "layers.2.mamba.conv1d")])
+                                       ("granitemoehybrid", "layers.2.mamba.conv1d"),
+                                       ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at
@@ -982,3 +988,32 @@ def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     with pytest.raises(UnsupportedModelError, match=f"{path}.*plain model.generate"):
         attach_heads(model, heads=False)
     assert "_selfspec" not in model.__dict__
+
+
+def test_nemotron_h_moe_blocks_refused_by_name():
+    """Nemotron 3 Nano's form (MoE blocks of ungated experts): refused at attach_heads with
+    what it is and what runs, the model left as it was."""
+    overrides = dict(SUPPORTED["nemotron_h"])
+    overrides.update(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "mlp"],
+                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     moe_shared_expert_intermediate_size=32)
+    model = build(overrides.pop("arch"), **overrides)
+    with pytest.raises(UnsupportedModelError, match="Nemotron-H model has MoE blocks.*plain model.generate"):
+        attach_heads(model, heads=False)
+    assert "_selfspec" not in model.__dict__
+
+
+def test_nemotron_h_prompt_time_steps_bounded_as_in_hfs_prefill():
+    """Nemotron-H's chunked prefill bounds the Mamba2 time steps below by time_step_min (its
+    decode steps do not; HF's dt_bias init puts many below it): the engine's own prefill
+    bounds the prompt's rows alike, and gives HF's greedy tokens."""
+    overrides = dict(SUPPORTED["nemotron_h"])
+    model = build(overrides.pop("arch"), **overrides)
+    with torch.no_grad():  # time steps about e^-8 before the bound: 1e-3 instead of 3e-4 in the prompt
+        for layer in model.model.layers:
+            if layer.block_type == "linear_attention":
+                layer.mixer.dt_bias.fill_(-8.0)
+    rows = prompts(5, 40, 120)
+    expected = [hf_greedy(model, p) for p in rows]
+    attach_heads(model, heads=False, engine=EngineConfig(prefill="engine"))
+    assert [self_greedy(model, [p])[0] for p in rows] == expected

@@ -171,6 +171,9 @@ ARCHS = {
                              embedding_multiplier=4.0, residual_multiplier=0.5, logits_scaling=2.0),
     # Bamba: the same mixers between attention layers rotating half of each head
     "Bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16),
+    # Nemotron-H: one block per layer (a Mamba2 mixer, attention without RoPE, a ReLU² MLP)
+    "NemotronH": dict(layer_types=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
+                      mamba_head_dim=16, n_groups=2, ssm_state_size=16),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
@@ -195,7 +198,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Lfm3"):
+                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Lfm3", "NemotronH"):
         config["head_dim"] = hidden // heads
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)

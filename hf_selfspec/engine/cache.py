@@ -81,7 +81,7 @@ def machine_key(view, width: int) -> dict[str, Any]:
         "cpu": cpu_model(), "threads": torch.get_num_threads(), **_software(),
         "model_type": view.config.model_type, "layers": view.num_layers,
         "hidden": view.hidden_size, "heads": view.num_heads, "kv_heads": view.num_kv_heads,
-        "head_dim": view.head_dim, "intermediate": lw.intermediate_size,
+        "head_dim": view.head_dim, "intermediate": next((lw.intermediate_size for lw in view.layers if lw.has_mlp), 0),
         "vocab": view.vocab_size, "qk_norm": lw.q_norm is not None,
         "biases": any(lin.bias is not None for lin in linears),
         "dtype": str(view.dtype), "device": view.device.type, "width": width,

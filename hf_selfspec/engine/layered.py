@@ -47,7 +47,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba")
+                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -60,7 +60,14 @@ DELTA_NET_TYPES = QWEN3_5_TYPES + ("olmo_hybrid",)
 DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj")}
 QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # hybrids whose other layers are Mamba2 mixers (Mamba2Weights), held by the layer as `mamba`
-MAMBA2_TYPES = ("granitemoehybrid", "bamba")
+# (Nemotron-H: as its one block, `mixer`)
+MAMBA2_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
+# models whose decoder layers hold ONE block each (`mixer`, after the layer's `norm`): a Mamba2
+# mixer, attention, an MLP or an MoE block (Nemotron-H); the engine's layer then has no
+# token mixer or no MLP
+ONE_BLOCK_LAYER_TYPES = ("nemotron_h",)
+# models without position embeddings of any kind (their attention is unrotated: NoPE)
+NOPE_TYPES = ("nemotron_h",)
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -313,6 +320,8 @@ class Mamba2Weights:
     head_dim: int
     state_size: int
     num_groups: int
+    # HF's chunked prefill bounds the time steps by these (its decode steps do not)
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
 
     @property
     def linears(self) -> tuple:
@@ -348,7 +357,7 @@ class LayerWeights:
     k_norm: torch.Tensor | torch.nn.Module | None
     post_norm: torch.Tensor | torch.nn.Module | None  # [H], the MLP's input norm
     gate: torch.nn.Linear | RowSlice | None
-    up: torch.nn.Linear | RowSlice | None  # None: an MoE block (moe) instead of the MLP
+    up: torch.nn.Linear | RowSlice | None  # None: an MoE block (moe) instead of the MLP, or none (has_mlp)
     down: torch.nn.Linear | None
     attn_out_norm: torch.Tensor | None = None  # [H]
     mlp_out_norm: torch.Tensor | None = None  # [H]
@@ -380,9 +389,22 @@ class LayerWeights:
             + (() if self.head_gate is None else (self.head_gate,))
 
     @property
+    def has_mixer(self) -> bool:
+        """Whether the layer mixes tokens (attention, a convolution, a DeltaNet or Mamba2): all
+        but a Nemotron-H MLP layer do."""
+        return self.o is not None or any(block is not None for block in (self.conv, self.delta, self.mamba))
+
+    @property
+    def has_mlp(self) -> bool:
+        """Whether the layer has an MLP or MoE block: all but Nemotron-H's token-mixer layers do."""
+        return self.up is not None or self.moe is not None
+
+    @property
     def intermediate_size(self) -> int:
-        """The MLP's (an expert's) intermediate width."""
-        return self.moe.down[0].in_features if self.moe is not None else self.up.weight.shape[0]
+        """The MLP's (an expert's) intermediate width (0: no MLP)."""
+        if self.moe is not None:
+            return self.moe.down[0].in_features
+        return 0 if self.up is None else self.up.weight.shape[0]
 
     @property
     def norms_inputs_only(self) -> bool:
@@ -417,11 +439,20 @@ def _projection_names(module, options) -> tuple[str, ...]:
     return options[0]
 
 
+def _one_block(layer) -> str | None:
+    """A Nemotron-H layer's one block's type ("linear_attention", "full_attention", "mlp",
+    "moe"; its `mixer`); None for a layer of a token mixer and an MLP."""
+    kind = getattr(layer, "block_type", None)
+    return kind if hasattr(layer, "mixer") and isinstance(kind, str) else None
+
+
 def _mlp_path(layer) -> str:
     """Where a decoder layer holds its MLP or MoE block: "mlp." (Granite MoE:
     "block_sparse_moe."; a dense Granite 4.0 layer, whose block_sparse_moe is None: its
-    "shared_mlp."), or "" where the layer holds the MLP's projections itself (OPT's fc1 /
-    fc2)."""
+    "shared_mlp."; a Nemotron-H MLP layer: "mixer."), or "" where the layer holds the MLP's
+    projections itself (OPT's fc1 / fc2)."""
+    if _one_block(layer) is not None:
+        return "mixer."
     for name in ("mlp", "block_sparse_moe", "ffn", "feed_forward", "shared_mlp"):  # MPT: ffn, LFM2: feed_forward
         if getattr(layer, name, None) is not None:
             return name + "."
@@ -429,7 +460,10 @@ def _mlp_path(layer) -> str:
 
 
 def _mlp_block(layer):
-    """A decoder layer's MLP or MoE block (the layer itself for OPT: `_mlp_path`)."""
+    """A decoder layer's MLP or MoE block (the layer itself for OPT: `_mlp_path`); None for a
+    Nemotron-H layer whose one block is a token mixer."""
+    if _one_block(layer) is not None:
+        return layer.mixer if _one_block(layer) in ("mlp", "moe") else None
     path = _mlp_path(layer)
     return getattr(layer, path[:-1]) if path else layer
 
@@ -437,6 +471,8 @@ def _mlp_block(layer):
 def _attention(layer):
     """A decoder layer's attention block (GPT-NeoX names it `attention`, GPT-2 `attn`; GPT-Neo's
     `attn` holds it as `attention`); None for LFM2's convolution and Qwen 3.5's DeltaNet layers."""
+    if _one_block(layer) is not None:  # Nemotron-H: its attention layers' one block
+        return layer.mixer if _one_block(layer) == "full_attention" else None
     for name in ("self_attn", "attention", "attn", "self_attention"):
         if hasattr(layer, name):
             block = getattr(layer, name)
@@ -446,6 +482,8 @@ def _attention(layer):
 
 def _attention_name(layer) -> str:
     """Where `_attention` finds the block, as a module path ("attn.attention": GPT-Neo)."""
+    if _one_block(layer) is not None:
+        return "mixer"
     name = next((name for name in ("self_attn", "attention", "attn", "self_attention") if hasattr(layer, name)),
                 "self_attn")
     return "attn.attention" if name == "attn" and hasattr(layer.attn, "attention") else name
@@ -514,7 +552,9 @@ def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, 
     if model_type in SHORT_CONV_TYPES:
         return "conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")
     if model_type in MAMBA2_TYPES:
-        return "mamba.", getattr(layer, "mamba", None), ("in_proj", "out_proj")
+        if _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
+            return "", None, ()
+        return ("mixer." if _one_block(layer) else "mamba."), _mamba2_block(layer), ("in_proj", "out_proj")
     return "linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)
 
 
@@ -544,6 +584,13 @@ def _check_delta_net(name: str, block) -> None:
         raise UnsupportedModelError(
             f"{name}: the engine runs Qwen 3.5's gated DeltaNet with a SiLU convolution without bias, float "
             "dt_bias / A_log and a gated RMSNorm per value head only; use plain model.generate()")
+
+
+def _mamba2_block(layer):
+    """A layer's Mamba2 mixer (Granite 4.0-H, Bamba: `mamba`; Nemotron-H: its one block), or None."""
+    if _one_block(layer) is not None:
+        return layer.mixer if _one_block(layer) == "linear_attention" else None
+    return getattr(layer, "mamba", None)
 
 
 def _check_mamba2(name: str, block) -> None:
@@ -989,7 +1036,7 @@ def text_decoder(model: torch.nn.Module):
 
 def _embedding(inner):
     """The decoder's token embedding (GPT-NeoX: embed_in, GPT-2: wte)."""
-    for name in ("embed_tokens", "embed_in", "wte", "word_embeddings"):
+    for name in ("embed_tokens", "embed_in", "wte", "word_embeddings", "embeddings"):
         if hasattr(inner, name):
             return getattr(inner, name)
     raise UnsupportedModelError(f"{type(inner).__name__} has no token embedding the engine knows")
@@ -1071,6 +1118,8 @@ class LayeredModel:
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
         if config.model_type in SHORT_CONV_TYPES:
             self.eps = float(config.norm_eps)
+        if config.model_type in ONE_BLOCK_LAYER_TYPES:
+            self.eps = float(config.layer_norm_epsilon)
         # the logits' width: the LM head's rows (Apertus 1.5 may prune its head below the
         # embedding's vocabulary)
         self.vocab_size = model.lm_head.weight.shape[0]
@@ -1092,7 +1141,7 @@ class LayeredModel:
         self._embed_module = embedding
         self.scaled_embedding = isinstance(getattr(embedding, "embed_scale", None), torch.Tensor)
         self.norm_plus_one = config.model_type in NORM_PLUS_ONE_TYPES
-        self.norm_scale_in_float32 = config.model_type in ("helium", "gpt_oss")
+        self.norm_scale_in_float32 = config.model_type in ("helium", "gpt_oss", "nemotron_h")
         self.gelu = _activation(config) in GELU_TANH_NAMES
         gemma2 = config.model_type in GEMMA_LATER_TYPES
         self.attention_softcap = getattr(config, "attn_logit_softcapping", None) if gemma2 else None
@@ -1161,7 +1210,7 @@ class LayeredModel:
         # RoPE: `no_rope_layers`, read by each attention module as `use_rope`)
         # (OLMo Hybrid's released checkpoints have no rotary module: NoPE everywhere)
         self.rope_layers = tuple(_rotates(_attention(layer), config) and getattr(inner, "rotary_emb", True) is not None
-                                 for layer in layers)
+                                 and config.model_type not in NOPE_TYPES for layer in layers)
         # Gemma 3 rotates each layer type (sliding / full attention) by its own RoPE: HF's
         # rotary module takes the layer type. rope_types: the types in table order (None:
         # one RoPE for every layer); layer_rope: each layer's table, -1 for none
@@ -1206,7 +1255,8 @@ class LayeredModel:
                        for i, layer in enumerate(layers)
                        for part, block, names in (
                            _mixer_projections(layer, model_type),
-                           (_mlp_path(layer), _mlp_block(layer), () if hasattr(_mlp_block(layer), "experts")
+                           (_mlp_path(layer), _mlp_block(layer),
+                            () if _mlp_block(layer) is None or hasattr(_mlp_block(layer), "experts")
                             else _projection_names(_mlp_block(layer), MLP_PROJECTIONS)))
                        for name in names]
         for i, layer in enumerate(layers):
@@ -1222,8 +1272,8 @@ class LayeredModel:
                                   config.hidden_size)
             if model_type in DELTA_NET_TYPES and _attention(layer) is None:
                 _check_delta_net(f"model.layers.{i}.linear_attn", getattr(layer, "linear_attn", None))
-            if model_type in MAMBA2_TYPES and _attention(layer) is None:
-                _check_mamba2(f"model.layers.{i}.mamba", getattr(layer, "mamba", None))
+            if model_type in MAMBA2_TYPES and _attention(layer) is None and _one_block(layer) not in ("mlp", "moe"):
+                _check_mamba2(f"model.layers.{i}.{'mixer' if _one_block(layer) else 'mamba'}", _mamba2_block(layer))
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -1289,6 +1339,11 @@ class LayeredModel:
             raise UnsupportedModelError(
                 "partial_rotary_factor below 1 (mellum): HF's Mellum attention rotates whole heads and "
                 "cannot run these tables; the engine does not guess: use a full rotary configuration")
+        if config.model_type == "nemotron_h" and "moe" in (config.layers_block_type or ()):
+            raise UnsupportedModelError(
+                "this Nemotron-H model has MoE blocks (Nemotron 3 Nano's form: ungated ReLU² experts, "
+                "a sigmoid router with a correction bias), which the engine does not implement; the dense "
+                "Nemotron-H models (Mamba2, attention and MLP layers) run: use plain model.generate() for this one")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(
                 "use_bidirectional_attention=True: the engine decodes causally only; use plain "
@@ -1315,13 +1370,16 @@ class LayeredModel:
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
         qkv, qkv_layout, conv, delta, mamba, o = None, "per_head", None, None, None, None
-        if attn is None and getattr(layer, "mamba", None) is not None:  # Granite 4.0-H's Mamba2 mixer
+        if attn is None and _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
             q = k = v = None
-            block = layer.mamba
+        elif attn is None and _mamba2_block(layer) is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2
+            q = k = v = None
+            block = _mamba2_block(layer)
             mamba = Mamba2Weights(
                 block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.dt_bias, block.A_log, block.D,
                 block.norm.weight, float(block.norm.variance_epsilon), int(block.norm.group_size), block.out_proj,
-                int(block.num_heads), int(block.head_dim), int(block.ssm_state_size), int(block.n_groups))
+                int(block.num_heads), int(block.head_dim), int(block.ssm_state_size), int(block.n_groups),
+                tuple(float(b) for b in (block.time_step_limit or (0.0, float("inf")))))
         elif attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's / OLMo Hybrid's gated DeltaNet
             q = k = v = None
             block = layer.linear_attn
@@ -1374,7 +1432,9 @@ class LayeredModel:
             o = attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense") \
                 else attn.out_proj if hasattr(attn, "out_proj") else _as_linear(attn.c_proj)
         gate = act = moe = None
-        if hasattr(mlp, "experts"):  # a sparse MoE block (its dense layers: an MLP below)
+        if mlp is None:  # a Nemotron-H layer whose one block is a token mixer
+            up = down = None
+        elif hasattr(mlp, "experts"):  # a sparse MoE block (its dense layers: an MLP below)
             up = down = None
             moe = self._moe(mlp, getattr(layer, "shared_mlp", None))
         elif hasattr(mlp, "gate_up_proj"):  # Phi-3: the gate's rows, then the up projection's
@@ -1409,21 +1469,26 @@ class LayeredModel:
         def norm(name):
             return held(getattr(layer, name, None))
 
+        input_norm = norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
+                                              "self_attn_layer_norm", "ln_attn", "norm_1", "operator_norm")))
+        post_norm = norm("pre_feedforward_layernorm") if out_norms else norm(
+            _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2", "final_layer_norm",
+                                "ln_mlp", "norm_2", "ffn_norm", "pre_ff_layernorm")))
+        if _one_block(layer) is not None:  # Nemotron-H: its one norm is its one block's input norm
+            input_norm, post_norm = (None, held(layer.norm)) if mlp is not None else (held(layer.norm), None)
+
         return LayerWeights(
             # Apertus names its input norms attention_ / feedforward_layernorm, GPT-2 ln_1 / ln_2,
             # OPT self_attn_layer_norm / final_layer_norm (the layer's own)
             # LFM2 operator_norm / ffn_norm
-            input_norm=norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
-                                                "self_attn_layer_norm", "ln_attn", "norm_1", "operator_norm"))),
+            input_norm=input_norm,
             q=q,
             k=k,
             v=v,
             o=o,
             q_norm=held(q_norm),
             k_norm=held(k_norm),
-            post_norm=norm("pre_feedforward_layernorm") if out_norms else norm(
-                _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2",
-                                    "final_layer_norm", "ln_mlp", "norm_2", "ffn_norm", "pre_ff_layernorm"))),
+            post_norm=post_norm,
             gate=gate,
             up=up,
             down=down,
@@ -1532,7 +1597,7 @@ class LayeredModel:
           A prompt past that length has long factors at every position, which HF's own
           prefill (EngineConfig.prefill="hf", the default) gives the prompt's keys; generate()
           refuses such a prompt with prefill="engine"."""
-        if self.config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:  # no RoPE: tables that rotate nothing
+        if self.config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES + NOPE_TYPES:  # no RoPE: tables that rotate nothing
             return self._identity_tables(max_positions)
         positions = torch.arange(max_positions, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)

@@ -116,6 +116,8 @@ def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta
     b = xbc[:, inner:inner + groups * n].reshape(R, groups, 1, n).expand(R, groups, per_group, n).reshape(R, heads, n)
     c = xbc[:, inner + groups * n:].reshape(R, groups, 1, n).expand(R, groups, per_group, n).reshape(R, heads, n, 1)
     dt = F.softplus(dt + net.dt_bias.to(dtype))  # [R, Hm], the model's dtype
+    if meta.prompt and net.dt_limit != (0.0, float("inf")):  # as HF's chunked prefill (Nemotron-H: >= time_step_min)
+        dt = dt.clamp(*net.dt_limit)
     decay = torch.exp(dt.float() * -torch.exp(net.a_log.float()))[:, :, None, None]  # exp(dt A) [R, Hm, 1, 1]
     # (dt B) x in the model's dtype, each product rounded as HF's [Hm, dh, N] tensors are
     dbx = (dt[:, :, None] * b)[:, :, None, :] * xs[..., None]  # [R, Hm, dh, N]

@@ -543,22 +543,25 @@ class Engine:
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
             lw = v.layers[li]
-            x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
-            if lw.conv is not None:  # LFM2's convolution in place of attention (then the same MLP)
-                o = mixers.short_conv(self, x, lw.conv, li, meta)
-            elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
-                o = mixers.delta_net(self, x, lw.delta, li, meta)
-            elif lw.mamba is not None:  # Granite 4.0-H's Mamba2 mixer
-                o = mixers.mamba2(self, x, lw.mamba, li, meta)
-            else:
-                o = self._attention_block(x, lw, li, meta, attend)
-            if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
-                m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
-                h = (o + m) + h if v.parallel_sum_first else (h + o) + m
+            if lw.has_mixer:  # (a Nemotron-H MLP layer has none; its token-mixer layers no MLP)
+                x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
+                if lw.conv is not None:  # LFM2's convolution in place of attention (then the same MLP)
+                    o = mixers.short_conv(self, x, lw.conv, li, meta)
+                elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
+                    o = mixers.delta_net(self, x, lw.delta, li, meta)
+                elif lw.mamba is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2 mixer
+                    o = mixers.mamba2(self, x, lw.mamba, li, meta)
+                else:
+                    o = self._attention_block(x, lw, li, meta, attend)
+                if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
+                    m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
+                    h = (o + m) + h if v.parallel_sum_first else (h + o) + m
+                    continue
+                if lw.attn_out_norm is not None:
+                    o = v.norm(o, lw.attn_out_norm)
+                h = h + v.residual(o)
+            if not lw.has_mlp:
                 continue
-            if lw.attn_out_norm is not None:
-                o = v.norm(o, lw.attn_out_norm)
-            h = h + v.residual(o)
             x = h if lw.post_norm is None else v.norm(h, lw.post_norm)
             m = self._mlp(x, lw, n)
             if lw.mlp_out_norm is not None:
@@ -912,6 +915,8 @@ class Engine:
                     row = mixer.state_row(base, base + n - 1)
                     mixer.states[self.view.state_index[li], row] = layer.recurrent_states[0][0].float()
                 continue
+            if getattr(layer, "keys", None) is None:  # a layer without attention (Nemotron-H's MLP layers)
+                continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
             # Falcon's new architecture caches each KV head repeated for its group of query heads
@@ -929,6 +934,7 @@ class Engine:
             positions = list(range(lo, lo + len(chunk)))
             meta = (self.make_meta(positions) if base == 0 else
                     self.make_meta(positions, slots=[base + p for p in positions], bases=[base] * len(chunk)))
+            meta.prompt = True
             h = self.run_layers(self.embed(chunk), 0, self.view.num_layers, meta)
         logits, final = self.logits(h[-1:])
         return logits[0], final[0]
