@@ -270,6 +270,13 @@ RANDOM_SHAPES = {
         attention_multiplier=0.0078125, residual_multiplier=0.22, max_position_embeddings=131072,
         tie_word_embeddings=True, layer_types=["attention" if i % 10 == 5 else "mamba" for i in range(40)]),
         "Granite-4.0-H-1B's shape (Mamba2 mixers in 36 of 40 layers, attention without RoPE in 4)"),
+    "nemotron_nano_9b_v2": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=131072, hidden_size=4480, intermediate_size=15680, num_hidden_layers=56, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, mamba_num_heads=128, mamba_head_dim=80, n_groups=8, ssm_state_size=128,
+        max_position_embeddings=131072, tie_word_embeddings=False,
+        hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+        "NVIDIA-Nemotron-Nano-9B-v2's shape (36 GB in fp32: --layers 15, its first attention layer the 15th; "
+        "Mamba2, NoPE attention and ReLU² MLP layers of one block each)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
@@ -296,6 +303,8 @@ def part_random_shape(name: str, args) -> None:
     layers = args.layers or text[key]
     if "layer_types" in text:  # the checkpoint's pattern, cut or repeated to `layers`
         text["layer_types"] = (text["layer_types"] * layers)[:layers]
+    if "hybrid_override_pattern" in text:  # Nemotron-H's pattern, likewise
+        text["hybrid_override_pattern"] = (text["hybrid_override_pattern"] * layers)[:layers]
     if args.layers and "attention_types" in text:  # GPT-Neo: its layers' kinds, alternating
         text["attention_types"] = [[["global", "local"], (layers + 1) // 2]]
         layers = 2 * ((layers + 1) // 2)

@@ -422,6 +422,22 @@ SUPPORTED = {
     "nemotron_h": dict(arch="NemotronH", num_hidden_layers=6, head_dim=16, random_norms=True,
                        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
                        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16),
+    # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, their outputs summed,
+    # muP multipliers on the embedding, both mixers' inputs and outputs, in_proj's columns, k,
+    # the MLP's gate and output and the logits; without the mixer's norm (the gate in the
+    # model's dtype), and with it, gating after or before it
+    "falcon_h1": dict(arch="FalconH1", num_hidden_layers=3, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                      mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=3.0, lm_head_multiplier=0.5,
+                      mlp_multipliers=[0.7, 1.3], key_multiplier=0.8, attention_in_multiplier=0.9,
+                      attention_out_multiplier=1.1, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], ssm_in_multiplier=1.2,
+                      ssm_out_multiplier=0.9, random_norms=True),
+    "falcon_h1-norm-after-gate": dict(arch="FalconH1", num_hidden_layers=2, head_dim=16, mamba_d_ssm=64,
+                                      mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_rms_norm=True,
+                                      mamba_norm_before_gate=False, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6],
+                                      random_norms=True),
+    "falcon_h1-norm-before-gate": dict(arch="FalconH1", num_hidden_layers=2, head_dim=16, mamba_d_ssm=64,
+                                       mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_rms_norm=True,
+                                       mamba_norm_before_gate=True, random_norms=True),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -490,7 +506,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
-                                  "bamba", "nemotron_h"])
+                                  "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -893,7 +909,8 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
-@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h",
+                                  "falcon_h1"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
@@ -967,7 +984,8 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("olmo_hybrid", "layers.0.linear_attn.g_proj"), ("lfm2", "layers.0.conv.conv"),
                                        ("granitemoehybrid", "layers.0.mamba.in_proj"),
                                        ("granitemoehybrid", "layers.2.mamba.conv1d"),
-                                       ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj")])
+                                       ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj"),
+                                       ("falcon_h1", "layers.1.mamba.out_proj")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

@@ -174,6 +174,11 @@ ARCHS = {
     # Nemotron-H: one block per layer (a Mamba2 mixer, attention without RoPE, a ReLU² MLP)
     "NemotronH": dict(layer_types=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
                       mamba_head_dim=16, n_groups=2, ssm_state_size=16),
+    # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, muP multipliers
+    "FalconH1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=3.0,
+                     lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8, attention_in_multiplier=0.9,
+                     attention_out_multiplier=1.1, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], ssm_in_multiplier=1.2,
+                     ssm_out_multiplier=0.9),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}

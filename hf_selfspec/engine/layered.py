@@ -47,7 +47,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo",
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
-                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h")
+                         "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
+                         "falcon_h1")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -61,7 +62,10 @@ DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj
 QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # hybrids whose other layers are Mamba2 mixers (Mamba2Weights), held by the layer as `mamba`
 # (Nemotron-H: as its one block, `mixer`)
-MAMBA2_TYPES = ("granitemoehybrid", "bamba", "nemotron_h")
+MAMBA2_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
+# models whose every layer runs a Mamba2 mixer and attention side by side on its normed input,
+# their outputs summed (Falcon-H1, with muP multipliers on both and on the MLP)
+PARALLEL_MIXER_TYPES = ("falcon_h1",)
 # models whose decoder layers hold ONE block each (`mixer`, after the layer's `norm`): a Mamba2
 # mixer, attention, an MLP or an MoE block (Nemotron-H); the engine's layer then has no
 # token mixer or no MLP
@@ -312,7 +316,9 @@ class Mamba2Weights:
     dt_bias: torch.Tensor  # [Hm]
     a_log: torch.Tensor  # [Hm]
     d: torch.Tensor  # [Hm]
-    norm_weight: torch.Tensor  # [I]
+    # the gated RMSNorm's weight [I]; None (Falcon-H1 without mamba_rms_norm): the output is
+    # gated by silu(z) in the model's dtype, unnormed
+    norm_weight: torch.Tensor | None
     norm_eps: float
     norm_group: int  # channels per group of the gated RMSNorm
     out_proj: torch.nn.Linear  # [H, I]
@@ -322,6 +328,14 @@ class Mamba2Weights:
     num_groups: int
     # HF's chunked prefill bounds the time steps by these (its decode steps do not)
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Falcon-H1's gated RMSNorm: its weight multiplies in float32, the gate after the norm
+    # where norm_before_gate (Granite's: weight * the rounded norm, gated before it)
+    norm_in_float32: bool = False
+    norm_before_gate: bool = False
+    # Falcon-H1's muP: the input scaled, in_proj's columns by its mup_vector [P], the output
+    in_scale: float = 1.0
+    projection_scale: torch.Tensor | None = None
+    out_scale: float = 1.0
 
     @property
     def linears(self) -> tuple:
@@ -603,12 +617,17 @@ def _check_mamba2(name: str, block) -> None:
         raise UnsupportedModelError(f"{name} is not a Mamba2 mixer the engine knows; use plain model.generate()")
     inner = block.num_heads * block.head_dim
     _check_short_conv(f"{name}.conv1d", block.conv1d, inner + 2 * block.n_groups * block.ssm_state_size)
-    norm_weight, group = getattr(block.norm, "weight", None), getattr(block.norm, "group_size", None)
-    params = (block.dt_bias, block.A_log, block.D, norm_weight)
+    norm_weight = getattr(block.norm, "weight", None)
+    group = getattr(block.norm, "group_size", None)
+    if isinstance(getattr(block.norm, "n_groups", None), int) and block.norm.n_groups > 0:  # Falcon-H1's
+        group = inner // block.norm.n_groups if inner % block.norm.n_groups == 0 else None
+    unnormed = type(block.norm) is torch.nn.Identity and getattr(block, "mamba_rms_norm", None) is False
+    params = (block.dt_bias, block.A_log, block.D) + (() if unnormed else (norm_weight,))
     if getattr(block, "activation", None) not in SILU_NAMES or block.num_heads % block.n_groups \
             or inner != block.intermediate_size \
             or any(not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES for p in params) \
-            or norm_weight.shape != (inner,) or not isinstance(group, int) or group <= 0 or inner % group:
+            or not unnormed and (norm_weight.shape != (inner,) or not isinstance(group, int) or group <= 0
+                                 or inner % group):
         raise UnsupportedModelError(
             f"{name}: the engine runs Mamba2 mixers with a SiLU convolution, float dt_bias / A_log / D, heads in "
             "whole groups and a gated RMSNorm over whole groups only; use plain model.generate()")
@@ -1135,7 +1154,8 @@ class LayeredModel:
         # attention_multiplier, each block's output joins the residual stream scaled, the
         # logits divided
         granite = config.model_type in GRANITE_MULTIPLIER_TYPES
-        self.embedding_multiplier = float(config.embedding_multiplier) if granite else 1.0
+        falcon_h1 = config.model_type == "falcon_h1"
+        self.embedding_multiplier = float(config.embedding_multiplier) if granite or falcon_h1 else 1.0
         # Gemma's embedding module scales its rows by sqrt(hidden), rounded to the weights'
         # dtype first (a buffer of the module: read when used, so a .to() is followed)
         self._embed_module = embedding
@@ -1151,7 +1171,15 @@ class LayeredModel:
         self.logits_scaling = float(config.logits_scaling) if granite and config.model_type != "hyperclovax" else 1.0
         # Cohere multiplies its logits by logit_scale, HyperCLOVAX by logits_scaling
         self.logit_scale = (float(config.logit_scale) if config.model_type in ("cohere", "cohere2", "cohere2_moe")
+                            else float(config.lm_head_multiplier) if falcon_h1
                             else float(config.logits_scaling) if config.model_type == "hyperclovax" else 1.0)
+        # Falcon-H1's muP multipliers (1.0 for every other model): the attention's input, its k
+        # projection and its output; the MLP's gate product (before the activation) and output
+        self.attention_in_multiplier = float(config.attention_in_multiplier) if falcon_h1 else 1.0
+        self.key_multiplier = float(config.key_multiplier) if falcon_h1 else 1.0
+        self.attention_out_multiplier = float(config.attention_out_multiplier) if falcon_h1 else 1.0
+        self.mlp_gate_multiplier, self.mlp_down_multiplier = (
+            (float(m) for m in config.mlp_multipliers) if falcon_h1 else (1.0, 1.0))
         # HunYuan norms q and k (per head) after RoPE, every other model before it
         self.qk_norm_after_rope = config.model_type in QK_NORM_AFTER_ROPE_TYPES
         # OLMo (1) clamps q, k and v to [-clip_qkv, clip_qkv] after their products
@@ -1272,8 +1300,12 @@ class LayeredModel:
                                   config.hidden_size)
             if model_type in DELTA_NET_TYPES and _attention(layer) is None:
                 _check_delta_net(f"model.layers.{i}.linear_attn", getattr(layer, "linear_attn", None))
-            if model_type in MAMBA2_TYPES and _attention(layer) is None and _one_block(layer) not in ("mlp", "moe"):
-                _check_mamba2(f"model.layers.{i}.{'mixer' if _one_block(layer) else 'mamba'}", _mamba2_block(layer))
+            if model_type in MAMBA2_TYPES and _mamba2_block(layer) is not None:
+                name = f"model.layers.{i}.{'mixer' if _one_block(layer) else 'mamba'}"
+                _check_mamba2(name, _mamba2_block(layer))
+                if model_type in PARALLEL_MIXER_TYPES:  # beside the attention: its projections too
+                    projections += [(f"{name}.{n}", getattr(_mamba2_block(layer), n, None))
+                                    for n in ("in_proj", "out_proj")]
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
         _check_plain_linear("lm_head", model.lm_head)
@@ -1375,11 +1407,7 @@ class LayeredModel:
         elif attn is None and _mamba2_block(layer) is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2
             q = k = v = None
             block = _mamba2_block(layer)
-            mamba = Mamba2Weights(
-                block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.dt_bias, block.A_log, block.D,
-                block.norm.weight, float(block.norm.variance_epsilon), int(block.norm.group_size), block.out_proj,
-                int(block.num_heads), int(block.head_dim), int(block.ssm_state_size), int(block.n_groups),
-                tuple(float(b) for b in (block.time_step_limit or (0.0, float("inf")))))
+            mamba = self._mamba2(block)
         elif attn is None and hasattr(layer, "linear_attn"):  # Qwen 3.5's / OLMo Hybrid's gated DeltaNet
             q = k = v = None
             block = layer.linear_attn
@@ -1428,6 +1456,8 @@ class LayeredModel:
             qkv = attn.c_attn
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        if self.config.model_type in PARALLEL_MIXER_TYPES:  # Falcon-H1: its Mamba2 mixer beside the attention
+            mamba = self._mamba2(layer.mamba)
         if attn is not None:
             o = attn.o_proj if hasattr(attn, "o_proj") else attn.dense if hasattr(attn, "dense") \
                 else attn.out_proj if hasattr(attn, "out_proj") else _as_linear(attn.c_proj)
@@ -1507,6 +1537,23 @@ class LayeredModel:
             mamba=mamba,
             head_gate=getattr(attn, "g_proj", None) if self.config.model_type == "lfm3" else None,
         )
+
+    def _mamba2(self, block) -> Mamba2Weights:
+        """A Mamba2 mixer's Mamba2Weights (Falcon-H1's: its norm optional, its muP scales)."""
+        norm = block.norm if isinstance(getattr(block.norm, "weight", None), torch.Tensor) else None
+        falcon = self.config.model_type == "falcon_h1"
+        inner = int(block.num_heads) * int(block.head_dim)
+        group = inner // int(block.norm.n_groups) if falcon and norm is not None else int(getattr(norm, "group_size", inner))
+        mup = getattr(block, "mup_vector", None) if falcon else None
+        return Mamba2Weights(
+            block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.dt_bias, block.A_log, block.D,
+            None if norm is None else norm.weight, float(getattr(norm, "variance_epsilon", 0.0)), group,
+            block.out_proj, int(block.num_heads), int(block.head_dim), int(block.ssm_state_size), int(block.n_groups),
+            tuple(float(b) for b in (block.time_step_limit or (0.0, float("inf")))),
+            norm_in_float32=falcon, norm_before_gate=falcon and norm is not None and bool(norm.norm_before_gate),
+            in_scale=float(block.ssm_in_multiplier) if falcon else 1.0,
+            projection_scale=None if mup is None else mup.view(-1),
+            out_scale=float(self.config.ssm_out_multiplier) if falcon else 1.0)
 
     def _moe(self, block, shared_mlp=None) -> MoEWeights:
         """The MoE block's MoEWeights (shared_mlp: GraniteMoeShared's, held by the layer)."""

@@ -108,7 +108,9 @@ def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta
     heads, dh, n, groups = net.num_heads, net.head_dim, net.state_size, net.num_groups
     inner, channels = heads * dh, net.kernel.shape[0]
     cache = engine.mixer_cache
-    zxbcdt = lin(x, net.in_proj)  # [R, I + channels + Hm]
+    zxbcdt = lin(x if net.in_scale == 1.0 else x * net.in_scale, net.in_proj)  # [R, I + channels + Hm]
+    if net.projection_scale is not None:  # Falcon-H1's muP vector over the columns
+        zxbcdt = zxbcdt * net.projection_scale
     z, xbc, dt = zxbcdt[:, :inner], zxbcdt[:, inner:inner + channels], zxbcdt[:, inner + channels:]
     xbc = F.silu(causal_conv(cache.conv[v.conv_index[layer]], xbc, net.kernel, net.conv_bias, meta).to(dtype))
     xs = xbc[:, :inner].reshape(R, heads, dh)
@@ -128,11 +130,25 @@ def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta
         cache.states[index, row] = state
         torch.bmm(state.to(dtype), c[r], out=out[r])
     y = (out.view(R, heads, dh) + xs * net.d[:, None]).to(dtype).reshape(R, inner)
-    # HF's gated RMSNorm: y * silu(z) in float32, normed per group, weight * (rounded)
-    gated = y.float() * F.silu(z.float())
+    if net.norm_weight is None:  # Falcon-H1 without its norm: gated in the model's dtype
+        y = lin(y * F.silu(z), net.out_proj)
+    else:
+        y = lin(_gated_norm(y, z, net), net.out_proj)
+    return y if net.out_scale == 1.0 else y * net.out_scale
+
+
+def _gated_norm(y: torch.Tensor, z: torch.Tensor, net: Mamba2Weights) -> torch.Tensor:
+    """HF's gated RMSNorm of a Mamba2 mixer's output y [R, I] by z, per group of channels:
+    y * silu(z) in float32, normed, then weight * (rounded) (Granite 4.0-H, Bamba,
+    Nemotron-H); Falcon-H1's: weight * norm in float32, gated before or after the norm."""
+    R, inner = y.shape
+    gated = y.float() if net.norm_before_gate else y.float() * F.silu(z.float())
     grouped = gated.view(R, inner // net.norm_group, net.norm_group)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + net.norm_eps)
-    return lin((net.norm_weight * grouped.view(R, inner).to(dtype)).to(dtype), net.out_proj)
+    if not net.norm_in_float32:
+        return (net.norm_weight * grouped.view(R, inner).to(y.dtype)).to(y.dtype)
+    normed = (net.norm_weight.view(-1, net.norm_group) * grouped).view(R, inner)
+    return (normed * F.silu(z.float()) if net.norm_before_gate else normed).to(y.dtype)
 
 
 class MixerCache:

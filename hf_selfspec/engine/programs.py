@@ -549,6 +549,9 @@ class Engine:
                     o = mixers.short_conv(self, x, lw.conv, li, meta)
                 elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
                     o = mixers.delta_net(self, x, lw.delta, li, meta)
+                elif lw.mamba is not None and lw.o is not None:  # Falcon-H1: Mamba2 and attention, summed
+                    a = self._attention_block(x * v.attention_in_multiplier, lw, li, meta, attend)
+                    o = mixers.mamba2(self, x, lw.mamba, li, meta) + a * v.attention_out_multiplier
                 elif lw.mamba is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2 mixer
                     o = mixers.mamba2(self, x, lw.mamba, li, meta)
                 else:
@@ -663,6 +666,8 @@ class Engine:
             fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
             return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2], None
         q, k, val = lin(x, lw.q), lin(x, lw.k), lin(x, lw.v)
+        if v.key_multiplier != 1.0:  # Falcon-H1's muP
+            k = k * v.key_multiplier
         whole = isinstance(lw.q_norm, torch.Tensor) and lw.q_norm.shape[-1] != v.head_dim
         if whole:
             q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
@@ -684,7 +689,11 @@ class Engine:
             return self._moe(x, lw.moe, x.shape[0] if real_rows is None else real_rows)
         if lw.gate is None:  # a plain MLP (Phi, StarCoder 2, GPT-NeoX): HF's own activation
             return lin(lw.act(lin(x, lw.up)), lw.down)
-        return lin(self.view.act_mul(lin(x, lw.gate), lin(x, lw.up)), lw.down)
+        v = self.view
+        if v.mlp_gate_multiplier != 1.0 or v.mlp_down_multiplier != 1.0:  # Falcon-H1's muP
+            gate = lin(x, lw.gate) * v.mlp_gate_multiplier
+            return lin(v.act_mul(gate, lin(x, lw.up)), lw.down) * v.mlp_down_multiplier
+        return lin(v.act_mul(lin(x, lw.gate), lin(x, lw.up)), lw.down)
 
     def _moe(self, x: torch.Tensor, moe, real_rows: int) -> torch.Tensor:
         """An MoE block on the rows x [R, H] (MoEWeights' maths; rows from real_rows on are
@@ -914,8 +923,7 @@ class Engine:
                 if self.view.state_index[li] >= 0:
                     row = mixer.state_row(base, base + n - 1)
                     mixer.states[self.view.state_index[li], row] = layer.recurrent_states[0][0].float()
-                continue
-            if getattr(layer, "keys", None) is None:  # a layer without attention (Nemotron-H's MLP layers)
+            if getattr(layer, "keys", None) is None:  # a layer without attention (its mixer's states copied above)
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
