@@ -277,6 +277,14 @@ RANDOM_SHAPES = {
         hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
         "NVIDIA-Nemotron-Nano-9B-v2's shape (36 GB in fp32: --layers 15, its first attention layer the 15th; "
         "Mamba2, NoPE attention and ReLU² MLP layers of one block each)"),
+    "falcon_h1_0_5b": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        vocab_size=32784, hidden_size=1024, intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
+        mamba_n_groups=1, mamba_rms_norm=False, mamba_norm_before_gate=False, embedding_multiplier=5.656854249492381,
+        attention_out_multiplier=0.9375, key_multiplier=0.39062499999999994, lm_head_multiplier=0.0390625,
+        mlp_multipliers=[0.8838834764831844, 0.5859375], max_position_embeddings=16384, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000000000.0}),
+        "Falcon-H1-0.5B's shape (a Mamba2 mixer beside the attention in each of 36 layers, muP multipliers)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
