@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_rows.cpp")
+# the hybrids' recurrent state updates, built into the same extension
+STATES_SOURCE = Path(__file__).with_name("cpu_states.cpp")
 NAME = "selfspec_cpu_rows"
 # a build takes ~1 min (a few on a loaded 2-core machine): a lock older than this was left
 # by a build that died
@@ -141,10 +143,10 @@ def _load_module():
         wait_for_build_lock(lock)  # a lock left by a killed build: removed, never waited on
         with _LockWatch(lock) as watch:
             module = load_inline(
-                name=NAME, cpp_sources=[SOURCE.read_text()],
+                name=NAME, cpp_sources=[SOURCE.read_text(), STATES_SOURCE.read_text()],
                 functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_attention_alibi",
                            "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
-                           "rows_screen_vnni"],
+                           "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         if watch.fired:
             _error = (f"the kernel build lock {lock} went stale while this process waited on it "
@@ -282,6 +284,16 @@ def load_rows_screen():
     this machine cannot build or run it."""
     module = _load_module()
     return None if module is None else module.rows_screen
+
+
+def load_rows_states():
+    """The compiled recurrent state updates (cpu_states.cpp) as (`rows_mamba2_states`,
+    `rows_delta_states`): for a step's rows in order, each row's state from its parent's ring
+    row of `states` [L, S, heads, ., .] (float32, updated in place at layer `layer`), its
+    output returned; row-invariant by construction. None when this machine cannot build or
+    run the kernel (`build_error()` says why)."""
+    module = _load_module()
+    return None if module is None else (module.rows_mamba2_states, module.rows_delta_states)
 
 
 # `path` argument of rows_attention / rows_layer for steps without a tree

@@ -49,6 +49,8 @@ class StepMeta:
     # Qwen 3.5's DeltaNet layers: per real row (its ring row, its parent's or -1 before
     # position 0), host ints
     recurrent_rows: tuple[tuple[int, int], ...] | None = None
+    # the same as an int64 CPU tensor [real rows, 2] (the C++ state updates read it)
+    recurrent_index: torch.Tensor | None = None
     # rows of a prompt (the engine's own prefill): Mamba2 bounds their time steps by the
     # model's time_step_limit there, as HF's chunked prefill does (its decode steps do not)
     prompt: bool = False

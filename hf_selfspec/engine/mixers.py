@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from hf_selfspec.kernels.cpu_rows import load_rows_states
+
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
     from .layered import GatedDeltaNetWeights, Mamba2Weights, ShortConvWeights
     from .meta import StepMeta
@@ -84,7 +86,12 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     val = val.float()
     out = torch.zeros(R, hv, dv, dtype=torch.float32, device=x.device)
     index = v.state_index[layer]
-    for r, (row, parent) in enumerate(meta.recurrent_rows):
+    if cache.kernels is not None:  # the C++ update (cpu_states.cpp): one pass over each state
+        real = len(meta.recurrent_rows)
+        out[:real] = cache.kernels[1](cache.states, index, meta.recurrent_index, decay[:real].contiguous(),
+                                      beta[:real].contiguous(), q[:real].contiguous(), k[:real].contiguous(),
+                                      val[:real].contiguous())
+    for r, (row, parent) in enumerate(() if cache.kernels is not None else meta.recurrent_rows):
         state = cache.read_state(index, parent)
         state = state * decay[r][:, None, None]
         kv_mem = (state * k[r][:, :, None]).sum(dim=-2)
@@ -120,16 +127,22 @@ def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta
     dt = F.softplus(dt + net.dt_bias.to(dtype))  # [R, Hm], the model's dtype
     if meta.prompt and net.dt_limit != (0.0, float("inf")):  # as HF's chunked prefill (Nemotron-H: >= time_step_min)
         dt = dt.clamp(*net.dt_limit)
-    decay = torch.exp(dt.float() * -torch.exp(net.a_log.float()))[:, :, None, None]  # exp(dt A) [R, Hm, 1, 1]
-    # (dt B) x in the model's dtype, each product rounded as HF's [Hm, dh, N] tensors are
-    dbx = (dt[:, :, None] * b)[:, :, None, :] * xs[..., None]  # [R, Hm, dh, N]
-    out = torch.empty(R, heads, dh, 1, dtype=dtype, device=x.device)
+    decay = torch.exp(dt.float() * -torch.exp(net.a_log.float()))  # exp(dt A) [R, Hm]
+    dtb = dt[:, :, None] * b  # [R, Hm, N], rounded to the model's dtype as HF's dB
     index = v.state_index[layer]
-    for r, (row, parent) in enumerate(meta.recurrent_rows):
-        state = cache.read_state(index, parent) * decay[r] + dbx[r]
-        cache.states[index, row] = state
-        torch.bmm(state.to(dtype), c[r], out=out[r])
-    y = (out.view(R, heads, dh) + xs * net.d[:, None]).to(dtype).reshape(R, inner)
+    out = torch.zeros(R, heads, dh, dtype=dtype, device=x.device)
+    if cache.kernels is not None:  # the C++ update (cpu_states.cpp): one pass over each state, no [dh, N] temporaries
+        real = len(meta.recurrent_rows)
+        out[:real] = cache.kernels[0](cache.states, index, meta.recurrent_index, decay[:real].contiguous(),
+                                      dtb[:real].float().contiguous(), xs[:real].float().contiguous(),
+                                      c[:real, :, :, 0].float().contiguous()).to(dtype)
+    else:  # HF's ops at batch 1, row by row: (dt B) x in the model's dtype, its bmm
+        dbx = dtb[:, :, None, :] * xs[..., None]  # [R, Hm, dh, N]
+        for r, (row, parent) in enumerate(meta.recurrent_rows):
+            state = cache.read_state(index, parent) * decay[r][:, None, None] + dbx[r]
+            cache.states[index, row] = state
+            torch.bmm(state.to(dtype), c[r], out=out[r][..., None])
+    y = (out + xs * net.d[:, None]).to(dtype).reshape(R, inner)
     if net.norm_weight is None:  # Falcon-H1 without its norm: gated in the model's dtype
         y = lin(y * F.silu(z), net.out_proj)
     else:
@@ -178,6 +191,9 @@ class MixerCache:
         self._conv_shape = (v.num_conv_layers, v.conv_channels)
         self._state_shape = None if v.state_shape is None else (v.num_state_layers, *v.state_shape)
         self.dtype, self.device = v.dtype, v.device
+        # the C++ state updates where the engine runs the C++ rows (its kernel layout), else
+        # the PyTorch ops (HF's own, row by row)
+        self.kernels = load_rows_states() if engine.layout.kernel_layers is not None else None
         self._regions: dict[int, int] = {}  # first slot -> region index
         self._first_region = 0  # scratch(): after the sequences' regions
         self.conv = self.states = None

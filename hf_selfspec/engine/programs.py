@@ -484,7 +484,7 @@ class Engine:
         return StepMeta(
             positions_t, slots_t, limit_t, n, rows, biases, v.cos[at], v.sin[at], path, base,
             tuple(c[at] for c, _ in extra), tuple(s[at] for _, s in extra), window_biases, conv_rows, conv_sources,
-            recurrent_rows,
+            recurrent_rows, None if not recurrent_rows else torch.tensor(recurrent_rows, dtype=torch.long),
         )
 
     def move_kv(self, sources: Sequence[int], targets: Sequence[int]) -> None:
