@@ -438,6 +438,10 @@ SUPPORTED = {
     "falcon_h1-norm-before-gate": dict(arch="FalconH1", num_hidden_layers=2, head_dim=16, mamba_d_ssm=64,
                                        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_rms_norm=True,
                                        mamba_norm_before_gate=True, random_norms=True),
+    # Mamba2: no attention at all, a Mamba2 mixer after each layer's norm (the decoder named
+    # `backbone`)
+    "mamba2": dict(arch="Mamba2", num_hidden_layers=3, num_heads=4, head_dim=32, n_groups=2, state_size=16,
+                   random_norms=True),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -506,7 +510,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
-                                  "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate"])
+                                  "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -910,7 +914,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
 @pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h",
-                                  "falcon_h1"])
+                                  "falcon_h1", "mamba2"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),

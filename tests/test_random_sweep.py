@@ -179,6 +179,8 @@ ARCHS = {
                      lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8, attention_in_multiplier=0.9,
                      attention_out_multiplier=1.1, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], ssm_in_multiplier=1.2,
                      ssm_out_multiplier=0.9),
+    # Mamba2: no attention, a Mamba2 mixer per layer (num_heads set from the hidden size below)
+    "Mamba2": dict(head_dim=32, n_groups=2, state_size=16),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
@@ -205,6 +207,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
                 "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Lfm3", "NemotronH"):
         config["head_dim"] = hidden // heads
+    if arch == "Mamba2":  # its heads fill the mixer's width, expand (2) x hidden
+        config["num_heads"] = 2 * hidden // 32
     if arch == "Llama" and rng.random() < 0.3:
         config.update(attention_bias=True, mlp_bias=True)
     model_class = getattr(transformers, MODEL_CLASSES.get(arch, f"{arch}ForCausalLM"))

@@ -48,7 +48,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
-                         "falcon_h1")
+                         "falcon_h1", "mamba2")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -62,16 +62,18 @@ DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj
 QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # hybrids whose other layers are Mamba2 mixers (Mamba2Weights), held by the layer as `mamba`
 # (Nemotron-H: as its one block, `mixer`)
-MAMBA2_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
+MAMBA2_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "mamba2")
 # models whose every layer runs a Mamba2 mixer and attention side by side on its normed input,
 # their outputs summed (Falcon-H1, with muP multipliers on both and on the MLP)
 PARALLEL_MIXER_TYPES = ("falcon_h1",)
 # models whose decoder layers hold ONE block each (`mixer`, after the layer's `norm`): a Mamba2
-# mixer, attention, an MLP or an MoE block (Nemotron-H); the engine's layer then has no
-# token mixer or no MLP
-ONE_BLOCK_LAYER_TYPES = ("nemotron_h",)
+# mixer, attention, an MLP or an MoE block (Nemotron-H); a Mamba2 mixer (Mamba2); the
+# engine's layer then has no token mixer or no MLP
+ONE_BLOCK_LAYER_TYPES = ("nemotron_h", "mamba2")
+# models without attention: no KV cache to speak of (one head of 8 dimensions, never written)
+ATTENTION_FREE_TYPES = ("mamba2",)
 # models without position embeddings of any kind (their attention is unrotated: NoPE)
-NOPE_TYPES = ("nemotron_h",)
+NOPE_TYPES = ("nemotron_h",) + ATTENTION_FREE_TYPES
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -80,7 +82,7 @@ IMAGE_TEXT_DECODERS = {"gemma3": "language_model", "qwen3_5": "language_model", 
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
                       "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
                       "falcon": "transformer", "codegen": "transformer", "bloom": "transformer",
-                      "mpt": "transformer"}
+                      "mpt": "transformer", "mamba2": "backbone"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
@@ -457,6 +459,8 @@ def _one_block(layer) -> str | None:
     """A Nemotron-H layer's one block's type ("linear_attention", "full_attention", "mlp",
     "moe"; its `mixer`); None for a layer of a token mixer and an MLP."""
     kind = getattr(layer, "block_type", None)
+    if hasattr(layer, "mixer") and not isinstance(kind, str) and hasattr(layer.mixer, "A_log"):
+        return "linear_attention"  # Mamba2's blocks: a Mamba2 mixer each
     return kind if hasattr(layer, "mixer") and isinstance(kind, str) else None
 
 
@@ -1124,15 +1128,16 @@ class LayeredModel:
         self.config = config  # the text decoder's
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = (None if config.model_type in MHA_ONLY_TYPES
+        attention_free = config.model_type in ATTENTION_FREE_TYPES
+        self.num_heads = 1 if attention_free else config.num_attention_heads
+        self.num_kv_heads = (None if config.model_type in MHA_ONLY_TYPES + ATTENTION_FREE_TYPES
                              else getattr(config, "num_key_value_heads", None)) or self.num_heads
         if config.model_type == "gpt_bigcode" and config.multi_query:  # one KV head (StarCoder)
             self.num_kv_heads = 1
         if config.model_type == "falcon":  # one KV head (Falcon-7B), or num_kv_heads (new architecture)
             self.num_kv_heads = config.num_kv_heads if config.new_decoder_architecture or not config.multi_query \
                 else 1
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.head_dim = 8 if attention_free else getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
         if config.model_type in SHORT_CONV_TYPES:

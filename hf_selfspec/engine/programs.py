@@ -931,7 +931,9 @@ class Engine:
             step = layer.keys.shape[1] // self.k_cache.shape[1]
             self.k_cache[li, :, base + n - kept:base + n] = layer.keys[0, ::step]
             self.v_cache[li, :, base + n - kept:base + n] = layer.values[0, ::step]
-        last = out.last_hidden_state[0, -1]  # after the final norm
+        # after the final norm (Mamba2 keeps a 16-bit model's residual stream in float32:
+        # its LM head reads it in the weights' dtype)
+        last = out.last_hidden_state[0, -1].to(self.view.dtype)
         return self.view.scale_logits(self.view.lm_head(last[None]))[0], last
 
     def _prefill_engine(self, prompt_ids: Sequence[int], base: int = 0):
