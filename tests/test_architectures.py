@@ -442,6 +442,10 @@ SUPPORTED = {
     # `backbone`)
     "mamba2": dict(arch="Mamba2", num_hidden_layers=3, num_heads=4, head_dim=32, n_groups=2, state_size=16,
                    random_norms=True),
+    # the first Mamba: a state [I, N] per layer decaying per channel and state dimension, dt from
+    # a low-rank projection; Falcon Mamba also RMS-norms dt's input, B and C
+    "mamba": dict(arch="Mamba", num_hidden_layers=3, state_size=8, random_norms=True),
+    "falcon_mamba": dict(arch="FalconMamba", num_hidden_layers=2, state_size=8, random_norms=True),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -510,7 +514,8 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "mpt-6-heads", "vaultgemma", "hyperclovax", "cohere2-window", "jais2", "glm4_moe",
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
-                                  "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2"])
+                                  "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
+                                  "mamba", "falcon_mamba"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -914,7 +919,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
 @pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h",
-                                  "falcon_h1", "mamba2"])
+                                  "falcon_h1", "mamba2", "mamba"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
@@ -989,7 +994,7 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("granitemoehybrid", "layers.0.mamba.in_proj"),
                                        ("granitemoehybrid", "layers.2.mamba.conv1d"),
                                        ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj"),
-                                       ("falcon_h1", "layers.1.mamba.out_proj")])
+                                       ("falcon_h1", "layers.1.mamba.out_proj"), ("mamba", "layers.1.mixer.x_proj")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at
@@ -1005,7 +1010,7 @@ def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
     parent_path, name = path.rsplit(".", 1)
-    parent = model.model.get_submodule(parent_path)
+    parent = text_decoder(model).get_submodule(parent_path)
     setattr(parent, name, Wrapped(getattr(parent, name)))
     with pytest.raises(UnsupportedModelError, match=f"{path}.*plain model.generate"):
         attach_heads(model, heads=False)

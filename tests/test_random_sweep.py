@@ -181,6 +181,9 @@ ARCHS = {
                      ssm_out_multiplier=0.9),
     # Mamba2: no attention, a Mamba2 mixer per layer (num_heads set from the hidden size below)
     "Mamba2": dict(head_dim=32, n_groups=2, state_size=16),
+    # the first Mamba (a state [I, N] per layer), and Falcon Mamba's (dt, B, C RMS-normed)
+    "Mamba": dict(state_size=8),
+    "FalconMamba": dict(state_size=8),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}

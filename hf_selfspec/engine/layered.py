@@ -48,7 +48,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
-                         "falcon_h1", "mamba2")
+                         "falcon_h1", "mamba2", "mamba", "falcon_mamba")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -69,9 +69,12 @@ PARALLEL_MIXER_TYPES = ("falcon_h1",)
 # models whose decoder layers hold ONE block each (`mixer`, after the layer's `norm`): a Mamba2
 # mixer, attention, an MLP or an MoE block (Nemotron-H); a Mamba2 mixer (Mamba2); the
 # engine's layer then has no token mixer or no MLP
-ONE_BLOCK_LAYER_TYPES = ("nemotron_h", "mamba2")
+# the first Mamba (Mamba1Weights): a state [I, N] per layer, a decay per channel and state
+# dimension; Falcon Mamba norms its dt, B and C
+MAMBA1_TYPES = ("mamba", "falcon_mamba")
+ONE_BLOCK_LAYER_TYPES = ("nemotron_h", "mamba2") + MAMBA1_TYPES
 # models without attention: no KV cache to speak of (one head of 8 dimensions, never written)
-ATTENTION_FREE_TYPES = ("mamba2",)
+ATTENTION_FREE_TYPES = ("mamba2",) + MAMBA1_TYPES
 # models without position embeddings of any kind (their attention is unrotated: NoPE)
 NOPE_TYPES = ("nemotron_h",) + ATTENTION_FREE_TYPES
 # image-text classes served for their text decoder: the model type and the attribute of
@@ -82,7 +85,7 @@ IMAGE_TEXT_DECODERS = {"gemma3": "language_model", "qwen3_5": "language_model", 
 DECODER_ATTRIBUTES = {"gpt_neox": "gpt_neox", "gpt2": "transformer", "opt": "model.decoder",
                       "gpt_neo": "transformer", "gpt_bigcode": "transformer", "gptj": "transformer",
                       "falcon": "transformer", "codegen": "transformer", "bloom": "transformer",
-                      "mpt": "transformer", "mamba2": "backbone"}
+                      "mpt": "transformer", "mamba2": "backbone", "mamba": "backbone", "falcon_mamba": "backbone"}
 # LayerNorm models: their norm modules (mean subtracted; with weight and bias, weight only
 # (Cohere) or neither (OLMo)) are called as HF calls them; their layers run as PyTorch ops
 # around the engine's products
@@ -349,6 +352,39 @@ class Mamba2Weights:
 
 
 @dataclass
+class Mamba1Weights:
+    """The first Mamba's mixer (Mamba, Falcon Mamba), HF's single-token decode maths
+    (mamba_selective_state_update): x, z = in_proj(h)'s halves; x goes into the layer's conv
+    cache and is convolved over the row's last K positions (with the conv's bias), SiLU;
+    dt_rank, B, C = x_proj(x) (Falcon Mamba: each RMS-normed by its module); dt =
+    softplus(dt_proj.weight dt_rank + dt_proj.bias); a float32 state [I, N] per row, from
+    its predecessor's: state * exp(dt A) + (dt B) x in float32, A = -exp(A_log) [I, N]; the
+    output state . C (in the model's dtype) + D x, times silu(z), then out_proj."""
+
+    in_proj: torch.nn.Linear  # [2I, H]: x, z
+    kernel: torch.Tensor  # [I, K], a view of the Conv1d's weight
+    conv_bias: torch.Tensor | None  # [I]
+    x_proj: torch.nn.Linear  # [R + 2N, I]: dt's low-rank input, B, C
+    dt_weight: MatrixView  # [I, R]: dt_proj's weight (its bias added after, as HF adds it)
+    dt_bias: torch.Tensor  # [I]
+    a_log: torch.Tensor  # [I, N]
+    d: torch.Tensor  # [I]
+    out_proj: torch.nn.Linear  # [H, I]
+    rank: int
+    state_size: int
+    # Falcon Mamba's weightless RMS norms of dt's input, B and C (HF's own modules), or None
+    norms: tuple | None = None
+
+    @property
+    def linears(self) -> tuple:
+        return (self.in_proj, self.x_proj, self.dt_weight, self.out_proj)
+
+    @property
+    def state_shape(self) -> tuple[int, int]:
+        return tuple(self.a_log.shape)
+
+
+@dataclass
 class LayerWeights:
     """Parameters of one decoder layer, shared with the HF module (no copies).
 
@@ -392,6 +428,8 @@ class LayerWeights:
     delta: GatedDeltaNetWeights | None = None
     # Granite 4.0-H's Mamba2 layers: this block in place of the attention (q, k, v, o None)
     mamba: Mamba2Weights | None = None
+    # the first Mamba's layers (Mamba, Falcon Mamba): this block alone
+    mamba1: Mamba1Weights | None = None
     # LFM3's attention gate [Hq, H]: each head's output times sigmoid(its row . x)
     head_gate: torch.nn.Linear | None = None
 
@@ -401,14 +439,15 @@ class LayerWeights:
         expert's matrices; a convolution, DeltaNet or Mamba2 layer's projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
-            + tuple(lin for block in (self.conv, self.delta, self.mamba) if block is not None for lin in block.linears) \
+            + tuple(lin for block in (self.conv, self.delta, self.mamba, self.mamba1) if block is not None
+                    for lin in block.linears) \
             + (() if self.head_gate is None else (self.head_gate,))
 
     @property
     def has_mixer(self) -> bool:
         """Whether the layer mixes tokens (attention, a convolution, a DeltaNet or Mamba2): all
         but a Nemotron-H MLP layer do."""
-        return self.o is not None or any(block is not None for block in (self.conv, self.delta, self.mamba))
+        return self.o is not None or any(block is not None for block in (self.conv, self.delta, self.mamba, self.mamba1))
 
     @property
     def has_mlp(self) -> bool:
@@ -562,16 +601,18 @@ def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, 
     names of its projections: its attention's (LFM3's head gate too), LFM2's convolution's,
     or a DeltaNet's."""
     attn = _attention(layer)
-    if attn is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES:
+    if attn is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES + MAMBA1_TYPES:
         names = _projection_names(attn, ATTENTION_PROJECTIONS)
         if model_type == "lfm3" and getattr(attn, "g_proj", None) is not None:
             names += ("g_proj",)
         return _attention_name(layer) + ".", attn, names
     if model_type in SHORT_CONV_TYPES:
         return "conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")
-    if model_type in MAMBA2_TYPES:
+    if model_type in MAMBA2_TYPES + MAMBA1_TYPES:
         if _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
             return "", None, ()
+        if model_type in MAMBA1_TYPES:
+            return "mixer.", layer.mixer, ("in_proj", "x_proj", "dt_proj", "out_proj")
         return ("mixer." if _one_block(layer) else "mamba."), _mamba2_block(layer), ("in_proj", "out_proj")
     return "linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)
 
@@ -602,6 +643,24 @@ def _check_delta_net(name: str, block) -> None:
         raise UnsupportedModelError(
             f"{name}: the engine runs Qwen 3.5's gated DeltaNet with a SiLU convolution without bias, float "
             "dt_bias / A_log and a gated RMSNorm per value head only; use plain model.generate()")
+
+
+def _check_mamba1(name: str, block) -> None:
+    """The first Mamba's mixer as Mamba1Weights reads it: a plain depthwise Conv1d over x,
+    SiLU, float A_log [I, N] and D [I], dt_proj with its bias."""
+    names = ("conv1d", "A_log", "D", "x_proj", "dt_proj", "in_proj", "out_proj", "time_step_rank", "ssm_state_size",
+             "intermediate_size")
+    if block is None or not all(hasattr(block, a) for a in names):
+        raise UnsupportedModelError(f"{name} is not a Mamba mixer the engine knows; use plain model.generate()")
+    inner, n = block.intermediate_size, block.ssm_state_size
+    _check_short_conv(f"{name}.conv1d", block.conv1d, inner)
+    params = (block.A_log, block.D, getattr(block.dt_proj, "bias", None))
+    if getattr(block, "activation", None) not in SILU_NAMES \
+            or any(not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES for p in params) \
+            or block.A_log.shape != (inner, n) or block.D.shape != (inner,):
+        raise UnsupportedModelError(
+            f"{name}: the engine runs Mamba mixers with a SiLU convolution, float A_log [I, N] and D [I] and a "
+            "dt_proj with its bias only; use plain model.generate()")
 
 
 def _mamba2_block(layer):
@@ -1223,7 +1282,7 @@ class LayeredModel:
         # its index among them (-1: an attention layer; the engine's conv cache), the
         # convolutions' width in positions (0 without any) and channels; per layer its index
         # among the DeltaNet / Mamba2 layers (their recurrent states), and their state's shape
-        mixers = [lw.conv or lw.delta or lw.mamba for lw in self.layers]
+        mixers = [lw.conv or lw.delta or lw.mamba or lw.mamba1 for lw in self.layers]
         conv_layers = [i for i, block in enumerate(mixers) if block is not None]
         self.conv_index = tuple(conv_layers.index(i) if i in conv_layers else -1 for i in range(self.num_layers))
         self.num_conv_layers = len(conv_layers)
@@ -1305,7 +1364,9 @@ class LayeredModel:
                                   config.hidden_size)
             if model_type in DELTA_NET_TYPES and _attention(layer) is None:
                 _check_delta_net(f"model.layers.{i}.linear_attn", getattr(layer, "linear_attn", None))
-            if model_type in MAMBA2_TYPES and _mamba2_block(layer) is not None:
+            if model_type in MAMBA1_TYPES:
+                _check_mamba1(f"model.layers.{i}.mixer", getattr(layer, "mixer", None))
+            elif model_type in MAMBA2_TYPES and _mamba2_block(layer) is not None:
                 name = f"model.layers.{i}.{'mixer' if _one_block(layer) else 'mamba'}"
                 _check_mamba2(name, _mamba2_block(layer))
                 if model_type in PARALLEL_MIXER_TYPES:  # beside the attention: its projections too
@@ -1407,8 +1468,18 @@ class LayeredModel:
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
         qkv, qkv_layout, conv, delta, mamba, o = None, "per_head", None, None, None, None
+        mamba1 = None
         if attn is None and _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
             q = k = v = None
+        elif self.config.model_type in MAMBA1_TYPES:  # Mamba, Falcon Mamba
+            q = k = v = None
+            block = layer.mixer
+            norms = ((block.dt_layernorm, block.b_layernorm, block.c_layernorm)
+                     if self.config.model_type == "falcon_mamba" else None)
+            mamba1 = Mamba1Weights(
+                block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.x_proj,
+                MatrixView(block.dt_proj.weight), block.dt_proj.bias, block.A_log, block.D, block.out_proj,
+                int(block.time_step_rank), int(block.ssm_state_size), norms)
         elif attn is None and _mamba2_block(layer) is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2
             q = k = v = None
             block = _mamba2_block(layer)
@@ -1540,6 +1611,7 @@ class LayeredModel:
             conv=conv,
             delta=delta,
             mamba=mamba,
+            mamba1=mamba1,
             head_gate=getattr(attn, "g_proj", None) if self.config.model_type == "lfm3" else None,
         )
 
@@ -1698,7 +1770,7 @@ class LayeredModel:
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
                 and not self.qk_norm_after_rope and self.layer_sinks is None
                 and all(lw.gate is not None and lw.qkv is None and lw.conv is None and lw.delta is None
-                        and lw.mamba is None
+                        and lw.mamba is None and lw.mamba1 is None
                         for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

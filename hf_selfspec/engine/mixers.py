@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from hf_selfspec.kernels.cpu_rows import load_rows_states
 
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
-    from .layered import GatedDeltaNetWeights, Mamba2Weights, ShortConvWeights
+    from .layered import GatedDeltaNetWeights, Mamba1Weights, Mamba2Weights, ShortConvWeights
     from .meta import StepMeta
     from .programs import Engine
 
@@ -148,6 +148,33 @@ def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta
     else:
         y = lin(_gated_norm(y, z, net), net.out_proj)
     return y if net.out_scale == 1.0 else y * net.out_scale
+
+
+def mamba1(engine: Engine, x: torch.Tensor, net: Mamba1Weights, layer: int, meta: StepMeta) -> torch.Tensor:
+    """The first Mamba's mixer (Mamba1Weights) of the normed rows x [R, H], with HF's
+    single-token decode arithmetic per row (mamba_selective_state_update at batch 1), each
+    row's state [I, N] from its parent's (meta.recurrent_rows), written at its own ring row."""
+    v, lin = engine.view, engine.layout.linear
+    R, dtype = x.shape[0], x.dtype
+    inner, n = net.state_shape
+    cache = engine.mixer_cache
+    xz = lin(x, net.in_proj)  # [R, 2I]: x, z
+    xs = F.silu(causal_conv(cache.conv[v.conv_index[layer]], xz[:, :inner], net.kernel, net.conv_bias, meta).to(dtype))
+    projected = lin(xs, net.x_proj)  # [R, rank + 2N]
+    low, b, c = projected[:, :net.rank], projected[:, net.rank:net.rank + n], projected[:, net.rank + n:]
+    if net.norms is not None:  # Falcon Mamba: dt's input, B and C RMS-normed (HF's own modules)
+        low, b, c = (norm(t) for norm, t in zip(net.norms, (low, b, c)))
+    dt = F.softplus(lin(low.contiguous(), net.dt_weight) + net.dt_bias.float().to(dtype))  # [R, I]
+    decay = torch.exp(dt.float()[:, :, None] * -torch.exp(net.a_log.float()))  # exp(dt A) [R, I, N], float32
+    dbx = (dt.float()[:, :, None] * b.float()[:, None, :]) * xs.float()[:, :, None]  # (dt B) x, float32
+    out = torch.zeros(R, inner, dtype=dtype, device=x.device)
+    index = v.state_index[layer]
+    for r, (row, parent) in enumerate(meta.recurrent_rows):
+        state = cache.read_state(index, parent) * decay[r] + dbx[r]
+        cache.states[index, row] = state
+        out[r] = torch.matmul(state.to(dtype)[None], c[r, :, None][None])[0, :, 0]  # HF's [1, I, N] @ [1, N, 1]
+    y = (out + xs * net.d) * F.silu(xz[:, inner:])
+    return lin(y.to(dtype), net.out_proj)
 
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, net: Mamba2Weights) -> torch.Tensor:

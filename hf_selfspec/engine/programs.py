@@ -554,6 +554,8 @@ class Engine:
                     o = mixers.mamba2(self, x, lw.mamba, li, meta) + a * v.attention_out_multiplier
                 elif lw.mamba is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2 mixer
                     o = mixers.mamba2(self, x, lw.mamba, li, meta)
+                elif lw.mamba1 is not None:  # Mamba's, Falcon Mamba's mixer
+                    o = mixers.mamba1(self, x, lw.mamba1, li, meta)
                 else:
                     o = self._attention_block(x, lw, li, meta, attend)
                 if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
