@@ -285,6 +285,14 @@ RANDOM_SHAPES = {
         mlp_multipliers=[0.8838834764831844, 0.5859375], max_position_embeddings=16384, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 100000000000.0}),
         "Falcon-H1-0.5B's shape (a Mamba2 mixer beside the attention in each of 36 layers, muP multipliers)"),
+    "mamba_1_4b": ("MambaConfig", "MambaForCausalLM", dict(
+        vocab_size=50280, hidden_size=2048, intermediate_size=4096, num_hidden_layers=48, state_size=16,
+        time_step_rank=128, conv_kernel=4, tie_word_embeddings=True),
+        "mamba-1.4b-hf's shape (no attention: a Mamba mixer with a float32 state [4096, 16] in each of 48 layers)"),
+    "mamba2_2_7b": ("Mamba2Config", "Mamba2ForCausalLM", dict(
+        vocab_size=50288, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64, n_groups=1,
+        state_size=128, conv_kernel=4, tie_word_embeddings=True),
+        "mamba2-2.7b's shape (no attention: a Mamba2 mixer in each of 64 layers)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
