@@ -735,7 +735,8 @@ def test_gemma3_image_inputs_refused(media):
                                        ("gemma3", True), ("olmo3", True), ("glm-rope-pairs", True),
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
                                        ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True),
-                                       ("qwen3_5", True), ("granitemoehybrid", True)])
+                                       ("qwen3_5", True), ("granitemoehybrid", True),
+                                       ("mamba", True), ("mamba2", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""

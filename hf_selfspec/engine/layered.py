@@ -139,7 +139,7 @@ CPU_ONLY_REFUSAL = (
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan), short convolutions "
-    "(LFM2), gated DeltaNets (Qwen 3.5) or Mamba2 mixers (Granite 4.0-H), which the engine's "
+    "(LFM2), gated DeltaNets (Qwen 3.5) or Mamba mixers (Granite 4.0-H, Falcon-H1, Mamba), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -1041,12 +1041,12 @@ def cpu_only(config, inner) -> bool:
     soft cap (the Triton attention has none), a RoPE per layer type (the CUDA-graph runner
     gathers one table), RoPE pairs (the Triton RoPE turns halves), attention sinks (the
     Triton attention has none); LayerNorm and MoE models and HunYuan's q/k norms after RoPE
-    have not run on a GPU yet, nor have LFM2's short convolutions: they stay on the CPU until
-    they have."""
+    have not run on a GPU yet, nor have the hybrids' convolutions and recurrent states (LFM2,
+    Qwen 3.5, the Mamba families): they stay on the CPU until they have."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
         or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES \
-        + SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES
+        + SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES + MAMBA1_TYPES
 
 
 def _rotates(attention, config) -> bool:
