@@ -161,16 +161,34 @@ def test_draft_model_with_other_token_ids_is_refused(models):
 
 
 def test_draft_model_of_an_unsupported_architecture_is_refused(models):
-    from transformers import MambaConfig, MambaForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from hf_selfspec.engine.layered import UnsupportedModelError
 
     main, _, _ = models
     attach_heads(main, False)
-    mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1)).eval()  # no attention
+    latent = DeepseekV3ForCausalLM(DeepseekV3Config(  # latent attention: k and v of other widths
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        n_routed_experts=4, moe_intermediate_size=16)).eval()
     ids = torch.tensor([prompt(7, 10)])
-    with pytest.raises(UnsupportedModelError, match="mamba"):
-        main.generate(ids, assistant="self", assistant_model=mamba, max_new_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
+        main.generate(ids, assistant="self", assistant_model=latent, max_new_tokens=4)
+
+
+def test_a_draft_model_without_attention_drafts_exactly(models):
+    """A Mamba draft model (no attention, a recurrent state per layer) for a Llama: the
+    main model's greedy output."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    main, _, _ = models
+    attach_heads(main, False)
+    torch.manual_seed(5)
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1)).eval()
+    ids = torch.tensor([prompt(7, 25)])
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(main.generate(ids, assistant="self", assistant_model=mamba, **kw), main.generate(ids, **kw))
+    assert main.selfspec_stats.drafted > 0
 
 
 def test_draft_confidence_is_validated():

@@ -41,12 +41,12 @@ class StepMeta:
     # the block attention's masks per sliding window of the model's layers (window -> masks
     # per chunk, as `biases`); empty where no layer slides or the backend reads limits itself
     window_biases: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    # LFM2's and Qwen 3.5's convolution layers (mixers.MixerCache.step_rows): the ring row
+    # the hybrids' convolution layers (mixers.MixerCache.step_rows): the ring row
     # each row writes [rows], and its 1st .. (K-1)th predecessors' [rows, K - 1]; None for a
     # model without them
     conv_rows: torch.Tensor | None = None
     conv_sources: torch.Tensor | None = None
-    # Qwen 3.5's DeltaNet layers: per real row (its ring row, its parent's or -1 before
+    # their DeltaNet and Mamba layers: per real row (its ring row, its parent's or -1 before
     # position 0), host ints
     recurrent_rows: tuple[tuple[int, int], ...] | None = None
     # the same as an int64 CPU tensor [real rows, 2] (the C++ state updates read it)

@@ -1,9 +1,11 @@
 """Token mixers other than attention, row-invariant as the attention backends are: LFM2's
-gated short convolution, Qwen 3.5's gated DeltaNet and Granite 4.0-H's Mamba2.
+gated short convolution, Qwen 3.5's gated DeltaNet, Mamba2 (Granite 4.0-H, Bamba,
+Nemotron-H, Falcon-H1, Mamba2) and the first Mamba.
 
-All convolve a projection of each row over its last K positions; the DeltaNet and Mamba2
-also carry a recurrent state ([Hv, dk, dv], [Hm, dh, N]) from row to row. `MixerCache` keeps both per
-sequence over its last few slots only (a ring: a state per position would cost megabytes
+All convolve a projection of each row over its last K positions; the DeltaNet and the
+Mambas also carry a recurrent state ([Hv, dk, dv], [Hm, dh, N], [I, N]) from row to row
+(on the kernel layout the DeltaNet's and Mamba2's updates run in C++: cpu_states.cpp).
+`MixerCache` keeps both per sequence over its last few slots only (a ring: a state per position would cost megabytes
 per position), and a step names each row's ring rows: where it writes, its predecessors'
 (its draft tree path's rows, else its sequence's committed ones) and its parent's state
 (StepMeta.conv_rows / conv_sources / recurrent_rows). Rows are processed in step order,
@@ -91,14 +93,15 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
         out[:real] = cache.kernels[1](cache.states, index, meta.recurrent_index, decay[:real].contiguous(),
                                       beta[:real].contiguous(), q[:real].contiguous(), k[:real].contiguous(),
                                       val[:real].contiguous())
-    for r, (row, parent) in enumerate(() if cache.kernels is not None else meta.recurrent_rows):
-        state = cache.read_state(index, parent)
-        state = state * decay[r][:, None, None]
-        kv_mem = (state * k[r][:, :, None]).sum(dim=-2)
-        delta = (val[r] - kv_mem) * beta[r][:, None]
-        state = state + k[r][:, :, None] * delta[:, None, :]
-        out[r] = (state * q[r][:, :, None]).sum(dim=-2)
-        cache.states[index, row] = state
+    else:  # HF's ops at batch 1, row by row
+        for r, (row, parent) in enumerate(meta.recurrent_rows):
+            state = cache.read_state(index, parent)
+            state = state * decay[r][:, None, None]
+            kv_mem = (state * k[r][:, :, None]).sum(dim=-2)
+            delta = (val[r] - kv_mem) * beta[r][:, None]
+            state = state + k[r][:, :, None] * delta[:, None, :]
+            out[r] = (state * q[r][:, :, None]).sum(dim=-2)
+            cache.states[index, row] = state
     core = out.to(dtype).float()  # HF rounds the output to the model's dtype before its norm
     core = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + net.norm_eps)
     gated = (net.norm_weight * core.to(dtype)) * F.silu(z.view(R, hv, dv).float())
@@ -106,7 +109,7 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
 
 
 def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta: StepMeta) -> torch.Tensor:
-    """Granite 4.0-H's Mamba2 mixer (Mamba2Weights) of the normed rows x [R, H], with HF's
+    """A Mamba2 mixer (Mamba2Weights) of the normed rows x [R, H], with HF's
     single-token decode arithmetic per row (mamba2_selective_state_update, at batch 1:
     the same ops in the same dtypes, its bmm included), each row's state from its parent's
     (meta.recurrent_rows), written at its own ring row."""
@@ -192,10 +195,10 @@ def _gated_norm(y: torch.Tensor, z: torch.Tensor, net: Mamba2Weights) -> torch.T
 
 
 class MixerCache:
-    """What the convolution, DeltaNet and Mamba2 layers carry from step to step, for each
+    """What the convolution, DeltaNet and Mamba layers carry from step to step, for each
     sequence (KV region, keyed by its first slot) and only over its last few slots: the
     convolutions' inputs (`conv` [conv layers, rows, C], the model's dtype) over `ring` =
-    width + K + 1 slots, and the recurrent states (`states` [DeltaNet / Mamba2 layers, rows,
+    width + K + 1 slots, and the recurrent states (`states` [DeltaNet / Mamba layers, rows,
     *state shape], float32, a megabyte or more each at Qwen3.5-0.8B's or Granite-4.0-H-1B's
     size) over `state_ring` = width + 2 slots.
     Slot s of the sequence at `base` is conv row 2 + region * ring + (s - base) mod ring

@@ -196,8 +196,8 @@ class Engine:
         self._one_row_seconds: float | None = None
         self.k_cache = self.v_cache = None
         self._allocate(self.config.capacity)
-        # LFM2 / Qwen 3.5: the convolutions' inputs and the DeltaNets' states of each
-        # sequence's last slots (mixers.MixerCache)
+        # the hybrids (LFM2, Qwen 3.5, the Mambas): the convolutions' inputs and the recurrent
+        # states of each sequence's last slots (mixers.MixerCache)
         self.mixer_cache = mixers.MixerCache(self) if v.num_conv_layers else None
         # the Triton fused small kernels (kernels/fused.py: residual add + RMSNorm, RoPE + KV
         # write) in the PyTorch-ops layers; opt-in (off by default) until a GPU run has checked
@@ -476,7 +476,7 @@ class Engine:
         at = positions_t[:rows]
         extra = v.rope_tables[1:]
         conv_rows = conv_sources = recurrent_rows = None
-        if self.mixer_cache is not None:  # LFM2 / Qwen 3.5: the rows' ring rows (MixerCache)
+        if self.mixer_cache is not None:  # the hybrids: the rows' ring rows (MixerCache)
             writes, sources, recurrent = self.mixer_cache.step_rows(positions, host[1, :n].tolist(), paths, bases,
                                                                     rows)
             conv_rows, conv_sources = writes.to(v.device), sources.to(v.device)
@@ -915,9 +915,8 @@ class Engine:
         out = self.view.decoder(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
             if self.view.num_conv_layers and self.view.conv_index[li] >= 0:
-                # LFM2 / Qwen 3.5 / Granite 4.0-H: HF's state holds the convolution's input of
-                # the last K positions (zeros before the first); a DeltaNet's or Mamba2's, its
-                # recurrent state too
+                # the hybrids: HF's state holds the convolution's input of the last K positions
+                # (zeros before the first); a DeltaNet's or a Mamba's, its recurrent state too
                 state, mixer = layer.conv_states[0][0], self.mixer_cache  # [C, K]
                 for j in range(1, min(n, state.shape[-1]) + 1):  # the j-th last position
                     row = mixer.row(base, base + n - j)  # (first: a new sequence may grow the rings)
