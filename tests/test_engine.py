@@ -220,10 +220,11 @@ def test_empty_prompt_is_refused():
 
 
 def test_unsupported_architecture_names_it():
-    from transformers import MambaConfig, MambaForCausalLM
+    from transformers import RwkvConfig, RwkvForCausalLM
 
-    model = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64))  # no attention
-    with pytest.raises(UnsupportedModelError, match="mamba"):
+    model = RwkvForCausalLM(RwkvConfig(num_hidden_layers=2, hidden_size=32, vocab_size=64, attention_hidden_size=32,
+                                       intermediate_size=64))  # RWKV: not served
+    with pytest.raises(UnsupportedModelError, match="rwkv"):
         Engine(model)
 
 

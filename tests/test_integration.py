@@ -217,10 +217,11 @@ def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(ki
 
 
 def test_unsupported_architecture():
-    from transformers import MambaConfig, MambaForCausalLM
+    from transformers import RwkvConfig, RwkvForCausalLM
 
-    model = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64))  # no attention
-    with pytest.raises(ValueError, match="mamba"):
+    model = RwkvForCausalLM(RwkvConfig(num_hidden_layers=2, hidden_size=32, vocab_size=64, attention_hidden_size=32,
+                                       intermediate_size=64))  # RWKV: not served
+    with pytest.raises(ValueError, match="rwkv"):
         attach_heads(model, heads=False)
 
 

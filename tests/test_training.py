@@ -149,15 +149,16 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, model_folder):
 
 
 def test_unsupported_model_is_refused():
-    from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, RwkvConfig, RwkvForCausalLM
 
     from hf_selfspec.training.recipe import check_model
 
     with pytest.raises(ValueError, match="causal LM"):
         check_model(torch.nn.Linear(2, 2))
-    mamba = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64))  # no attention
-    with pytest.raises(ValueError, match="model_type='mamba'"):
-        check_model(mamba)
+    rwkv = RwkvForCausalLM(RwkvConfig(num_hidden_layers=2, hidden_size=32, vocab_size=64, attention_hidden_size=32,
+                                      intermediate_size=64))  # RWKV: not served
+    with pytest.raises(ValueError, match="model_type='rwkv'"):
+        check_model(rwkv)
     check_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))  # served
 
 
