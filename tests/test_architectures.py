@@ -53,7 +53,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
             if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
-                                                  "feed_forward.gate.weight")):  # routers: decisive
+                                                  "feed_forward.gate.weight", "feed_forward.router.weight")):  # routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else router_scale) * param.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 param.normal_(0.0, 0.5)
@@ -446,6 +446,15 @@ SUPPORTED = {
     # a low-rank projection; Falcon Mamba also RMS-norms dt's input, B and C
     "mamba": dict(arch="Mamba", num_hidden_layers=3, state_size=8, random_norms=True),
     "falcon_mamba": dict(arch="FalconMamba", num_hidden_layers=2, state_size=8, random_norms=True),
+    # Jamba: the first Mamba's mixers (dt, B and C RMS-normed) between NoPE attention layers,
+    # every other layer an MoE block (a softmax over all experts, top-k, not renormalised);
+    # and its dense form without conv biases
+    "jamba": dict(arch="Jamba", num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8,
+                  random_norms=True, router_scale=1.0),
+    "jamba-dense": dict(arch="Jamba", num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=2,
+                        expert_layer_period=4, expert_layer_offset=3, num_experts=1, mamba_d_state=8, mamba_dt_rank=4,
+                        mamba_conv_bias=False),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -515,7 +524,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
-                                  "mamba", "falcon_mamba"])
+                                  "mamba", "falcon_mamba", "jamba"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -920,7 +929,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
 @pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h",
-                                  "falcon_h1", "mamba2", "mamba"])
+                                  "falcon_h1", "mamba2", "mamba", "jamba"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
@@ -995,7 +1004,8 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("granitemoehybrid", "layers.0.mamba.in_proj"),
                                        ("granitemoehybrid", "layers.2.mamba.conv1d"),
                                        ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj"),
-                                       ("falcon_h1", "layers.1.mamba.out_proj"), ("mamba", "layers.1.mixer.x_proj")])
+                                       ("falcon_h1", "layers.1.mamba.out_proj"), ("mamba", "layers.1.mixer.x_proj"),
+                                       ("jamba", "layers.2.mamba.dt_proj")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

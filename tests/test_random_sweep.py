@@ -184,6 +184,9 @@ ARCHS = {
     # the first Mamba (a state [I, N] per layer), and Falcon Mamba's (dt, B, C RMS-normed)
     "Mamba": dict(state_size=8),
     "FalconMamba": dict(state_size=8),
+    # Jamba: those mixers (dt, B, C normed) between NoPE attention layers, MoE in every other layer
+    "Jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8),
 }
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
@@ -230,7 +233,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
             if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
             if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
-                                              "feed_forward.gate.weight")):  # routers: decisive
+                                              "feed_forward.gate.weight", "feed_forward.router.weight")):  # routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 p.normal_(0.0, 0.5)

@@ -48,7 +48,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
-                         "falcon_h1", "mamba2", "mamba", "falcon_mamba")
+                         "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -70,13 +70,14 @@ PARALLEL_MIXER_TYPES = ("falcon_h1",)
 # mixer, attention, an MLP or an MoE block (Nemotron-H); a Mamba2 mixer (Mamba2); the
 # engine's layer then has no token mixer or no MLP
 # the first Mamba (Mamba1Weights): a state [I, N] per layer, a decay per channel and state
-# dimension; Falcon Mamba norms its dt, B and C
-MAMBA1_TYPES = ("mamba", "falcon_mamba")
-ONE_BLOCK_LAYER_TYPES = ("nemotron_h", "mamba2") + MAMBA1_TYPES
+# dimension; Falcon Mamba and Jamba norm its dt, B and C; Jamba's between attention layers,
+# held by the layer as `mamba`, each layer with its MLP or MoE block
+MAMBA1_TYPES = ("mamba", "falcon_mamba", "jamba")
+ONE_BLOCK_LAYER_TYPES = ("nemotron_h", "mamba2", "mamba", "falcon_mamba")
 # models without attention: no KV cache to speak of (one head of 8 dimensions, never written)
-ATTENTION_FREE_TYPES = ("mamba2",) + MAMBA1_TYPES
+ATTENTION_FREE_TYPES = ("mamba2", "mamba", "falcon_mamba")
 # models without position embeddings of any kind (their attention is unrotated: NoPE)
-NOPE_TYPES = ("nemotron_h",) + ATTENTION_FREE_TYPES
+NOPE_TYPES = ("nemotron_h", "jamba") + ATTENTION_FREE_TYPES
 # image-text classes served for their text decoder: the model type and the attribute of
 # model.model holding it (AutoModelForCausalLM loads Gemma 3 4B and up, whose checkpoints
 # carry a vision tower, as Gemma3ForConditionalGeneration)
@@ -95,7 +96,8 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
-             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+             "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
+             "jamba")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -612,7 +614,7 @@ def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, 
         if _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
             return "", None, ()
         if model_type in MAMBA1_TYPES:
-            return "mixer.", layer.mixer, ("in_proj", "x_proj", "dt_proj", "out_proj")
+            return _mamba1_path(layer), _mamba1_block(layer), ("in_proj", "x_proj", "dt_proj", "out_proj")
         return ("mixer." if _one_block(layer) else "mamba."), _mamba2_block(layer), ("in_proj", "out_proj")
     return "linear_attn.", getattr(layer, "linear_attn", None), _delta_net_names(model_type)
 
@@ -654,6 +656,7 @@ def _check_mamba1(name: str, block) -> None:
         raise UnsupportedModelError(f"{name} is not a Mamba mixer the engine knows; use plain model.generate()")
     inner, n = block.intermediate_size, block.ssm_state_size
     _check_short_conv(f"{name}.conv1d", block.conv1d, inner)
+    _check_plain_linear(f"{name}.dt_proj", block.dt_proj)  # (a wrapped one named before its bias is read)
     params = (block.A_log, block.D, getattr(block.dt_proj, "bias", None))
     if getattr(block, "activation", None) not in SILU_NAMES \
             or any(not isinstance(p, torch.Tensor) or p.dtype not in FLOAT_DTYPES for p in params) \
@@ -661,6 +664,16 @@ def _check_mamba1(name: str, block) -> None:
         raise UnsupportedModelError(
             f"{name}: the engine runs Mamba mixers with a SiLU convolution, float A_log [I, N] and D [I] and a "
             "dt_proj with its bias only; use plain model.generate()")
+
+
+def _mamba1_path(layer) -> str:
+    """Where a layer holds its first-Mamba mixer: "mamba." (Jamba) or "mixer." (Mamba)."""
+    return "mamba." if hasattr(layer, "mamba") else "mixer."
+
+
+def _mamba1_block(layer):
+    """A layer's first-Mamba mixer (Jamba: `mamba`; Mamba, Falcon Mamba: `mixer`), or None."""
+    return getattr(layer, _mamba1_path(layer)[:-1], None)
 
 
 def _mamba2_block(layer):
@@ -1364,8 +1377,8 @@ class LayeredModel:
                                   config.hidden_size)
             if model_type in DELTA_NET_TYPES and _attention(layer) is None:
                 _check_delta_net(f"model.layers.{i}.linear_attn", getattr(layer, "linear_attn", None))
-            if model_type in MAMBA1_TYPES:
-                _check_mamba1(f"model.layers.{i}.mixer", getattr(layer, "mixer", None))
+            if model_type in MAMBA1_TYPES and _attention(layer) is None:
+                _check_mamba1(f"model.layers.{i}.{_mamba1_path(layer)[:-1]}", _mamba1_block(layer))
             elif model_type in MAMBA2_TYPES and _mamba2_block(layer) is not None:
                 name = f"model.layers.{i}.{'mixer' if _one_block(layer) else 'mamba'}"
                 _check_mamba2(name, _mamba2_block(layer))
@@ -1471,11 +1484,11 @@ class LayeredModel:
         mamba1 = None
         if attn is None and _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
             q = k = v = None
-        elif self.config.model_type in MAMBA1_TYPES:  # Mamba, Falcon Mamba
+        elif attn is None and self.config.model_type in MAMBA1_TYPES:  # Mamba, Falcon Mamba, Jamba
             q = k = v = None
-            block = layer.mixer
+            block = _mamba1_block(layer)
             norms = ((block.dt_layernorm, block.b_layernorm, block.c_layernorm)
-                     if self.config.model_type == "falcon_mamba" else None)
+                     if self.config.model_type in ("falcon_mamba", "jamba") else None)
             mamba1 = Mamba1Weights(
                 block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.x_proj,
                 MatrixView(block.dt_proj.weight), block.dt_proj.bias, block.A_log, block.D, block.out_proj,
@@ -1681,8 +1694,8 @@ class LayeredModel:
         if model_type in GRANITE_MOE_TYPES:  # the softmax of the float32 top-k logits
             route = functools.partial(routing.topk_softmax, top_k=top_k, in_float32=True)
         else:  # Mixtral always renormalises and multiplies by the float32 weights
-            route = functools.partial(routing.softmax_topk, top_k=top_k,
-                                      normalize=bool(getattr(router, "norm_topk_prob", True)),
+            route = functools.partial(routing.softmax_topk, top_k=top_k,  # Jamba: never renormalised
+                                      normalize=model_type != "jamba" and bool(getattr(router, "norm_topk_prob", True)),
                                       round_weights=model_type != "mixtral")
         # Qwen2-MoE's gated shared expert; HunYuan-MoE's ungated shared MLP in the block
         shared = block.shared_mlp if model_type == "hunyuan_v1_moe" else getattr(block, "shared_expert", None)
