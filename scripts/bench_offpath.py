@@ -293,6 +293,13 @@ RANDOM_SHAPES = {
         vocab_size=50288, hidden_size=2560, num_hidden_layers=64, num_heads=80, head_dim=64, n_groups=1,
         state_size=128, conv_kernel=4, tie_word_embeddings=True),
         "mamba2-2.7b's shape (no attention: a Mamba2 mixer in each of 64 layers)"),
+    "jamba_v0_1": ("JambaConfig", "JambaForCausalLM", dict(
+        vocab_size=65536, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, attn_layer_offset=4, attn_layer_period=8, expert_layer_offset=1, expert_layer_period=2,
+        num_experts=16, num_experts_per_tok=2, mamba_d_state=16, mamba_dt_rank=256, mamba_expand=2,
+        max_position_embeddings=262144, tie_word_embeddings=False),
+        "Jamba-v0.1's shape (208 GB in fp32: --layers 5 --dtype bfloat16; Mamba mixers with normed dt / B / C, "
+        "NoPE attention in 1 of 8 layers, 16 experts in every other layer, 2 per token)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
