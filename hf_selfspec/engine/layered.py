@@ -66,13 +66,13 @@ MAMBA2_TYPES = ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "mamba2"
 # models whose every layer runs a Mamba2 mixer and attention side by side on its normed input,
 # their outputs summed (Falcon-H1, with muP multipliers on both and on the MLP)
 PARALLEL_MIXER_TYPES = ("falcon_h1",)
-# models whose decoder layers hold ONE block each (`mixer`, after the layer's `norm`): a Mamba2
-# mixer, attention, an MLP or an MoE block (Nemotron-H); a Mamba2 mixer (Mamba2); the
-# engine's layer then has no token mixer or no MLP
 # the first Mamba (Mamba1Weights): a state [I, N] per layer, a decay per channel and state
 # dimension; Falcon Mamba and Jamba norm its dt, B and C; Jamba's between attention layers,
 # held by the layer as `mamba`, each layer with its MLP or MoE block
 MAMBA1_TYPES = ("mamba", "falcon_mamba", "jamba")
+# models whose decoder layers hold ONE block each (`mixer`, after the layer's `norm`): a Mamba2
+# mixer, attention, an MLP or an MoE block (Nemotron-H); a Mamba2 or Mamba mixer (Mamba2,
+# Mamba, Falcon Mamba); the engine's layer then has no token mixer or no MLP
 ONE_BLOCK_LAYER_TYPES = ("nemotron_h", "mamba2", "mamba", "falcon_mamba")
 # models without attention: no KV cache to speak of (one head of 8 dimensions, never written)
 ATTENTION_FREE_TYPES = ("mamba2", "mamba", "falcon_mamba")
@@ -308,7 +308,7 @@ class GatedDeltaNetWeights:
 
 @dataclass
 class Mamba2Weights:
-    """A Mamba2 mixer (Granite 4.0-H's), HF's single-token decode maths
+    """A Mamba2 mixer (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1, Mamba2), HF's single-token decode maths
     (mamba2_selective_state_update): z, xBC, dt = in_proj(h)'s column blocks; xBC goes into
     the layer's conv cache at the row's slot and is convolved over the row's last K
     positions (with the conv's bias), SiLU, then split into x [Hm, dh] and B, C [G, N] (head
@@ -355,10 +355,10 @@ class Mamba2Weights:
 
 @dataclass
 class Mamba1Weights:
-    """The first Mamba's mixer (Mamba, Falcon Mamba), HF's single-token decode maths
+    """The first Mamba's mixer (Mamba, Falcon Mamba, Jamba), HF's single-token decode maths
     (mamba_selective_state_update): x, z = in_proj(h)'s halves; x goes into the layer's conv
     cache and is convolved over the row's last K positions (with the conv's bias), SiLU;
-    dt_rank, B, C = x_proj(x) (Falcon Mamba: each RMS-normed by its module); dt =
+    dt_rank, B, C = x_proj(x) (Falcon Mamba, Jamba: each RMS-normed by its module); dt =
     softplus(dt_proj.weight dt_rank + dt_proj.bias); a float32 state [I, N] per row, from
     its predecessor's: state * exp(dt A) + (dt B) x in float32, A = -exp(A_log) [I, N]; the
     output state . C (in the model's dtype) + D x, times silu(z), then out_proj."""
@@ -374,7 +374,8 @@ class Mamba1Weights:
     out_proj: torch.nn.Linear  # [H, I]
     rank: int
     state_size: int
-    # Falcon Mamba's weightless RMS norms of dt's input, B and C (HF's own modules), or None
+    # Falcon Mamba's (weightless) or Jamba's RMS norms of dt's input, B and C (HF's own
+    # modules), or None
     norms: tuple | None = None
 
     @property
@@ -428,9 +429,10 @@ class LayerWeights:
     conv: ShortConvWeights | None = None
     # Qwen 3.5's DeltaNet layers: this block in place of the attention (q, k, v, o None)
     delta: GatedDeltaNetWeights | None = None
-    # Granite 4.0-H's Mamba2 layers: this block in place of the attention (q, k, v, o None)
+    # the Mamba2 layers (Granite 4.0-H, Bamba, Nemotron-H, Mamba2): this block in place of the
+    # attention (q, k, v, o None); Falcon-H1's: beside its attention
     mamba: Mamba2Weights | None = None
-    # the first Mamba's layers (Mamba, Falcon Mamba): this block alone
+    # the first Mamba's layers: this block alone (Mamba, Falcon Mamba), or before an MLP (Jamba)
     mamba1: Mamba1Weights | None = None
     # LFM3's attention gate [Hq, H]: each head's output times sigmoid(its row . x)
     head_gate: torch.nn.Linear | None = None
@@ -438,7 +440,7 @@ class LayerWeights:
     @property
     def linears(self) -> tuple:
         """The layer's projections (a plain MLP has no gate; an MoE block's router and every
-        expert's matrices; a convolution, DeltaNet or Mamba2 layer's projections)."""
+        expert's matrices; a convolution, DeltaNet or Mamba layer's projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
             + tuple(lin for block in (self.conv, self.delta, self.mamba, self.mamba1) if block is not None
@@ -447,13 +449,14 @@ class LayerWeights:
 
     @property
     def has_mixer(self) -> bool:
-        """Whether the layer mixes tokens (attention, a convolution, a DeltaNet or Mamba2): all
+        """Whether the layer mixes tokens (attention, a convolution, a DeltaNet or a Mamba): all
         but a Nemotron-H MLP layer do."""
         return self.o is not None or any(block is not None for block in (self.conv, self.delta, self.mamba, self.mamba1))
 
     @property
     def has_mlp(self) -> bool:
-        """Whether the layer has an MLP or MoE block: all but Nemotron-H's token-mixer layers do."""
+        """Whether the layer has an MLP or MoE block: all but Nemotron-H's token-mixer layers and
+        the attention-free Mambas' do."""
         return self.up is not None or self.moe is not None
 
     @property
@@ -498,10 +501,11 @@ def _projection_names(module, options) -> tuple[str, ...]:
 
 def _one_block(layer) -> str | None:
     """A Nemotron-H layer's one block's type ("linear_attention", "full_attention", "mlp",
-    "moe"; its `mixer`); None for a layer of a token mixer and an MLP."""
+    "moe"; its `mixer`), or "linear_attention" for a Mamba2 / Mamba block (a `mixer` with
+    A_log, no block_type); None for a layer of a token mixer and an MLP."""
     kind = getattr(layer, "block_type", None)
     if hasattr(layer, "mixer") and not isinstance(kind, str) and hasattr(layer.mixer, "A_log"):
-        return "linear_attention"  # Mamba2's blocks: a Mamba2 mixer each
+        return "linear_attention"
     return kind if hasattr(layer, "mixer") and isinstance(kind, str) else None
 
 
