@@ -983,7 +983,8 @@ def test_qwen3_5_image_text_class_decodes_its_text():
 def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     """A decoder used directly measures the engine's step costs after its prefill: those
     timing steps write their rows to rings of their own (MixerCache.scratch), so the
-    convolution inputs and states of the sequence stay as they were: the engine's AR output."""
+    convolution inputs and states of the sequence stay as they were (the engine's AR output)
+    and the sequences' rings do not grow by a region for them."""
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
     from hf_selfspec.engine.programs import Engine
 
@@ -992,10 +993,12 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     engine = Engine(model, EngineConfig(width=8, capacity=400, row_layout="kernel"))
     prompt = prompts(40)[0]
     expected = engine.generate_ar(prompt, 24)
+    rings = engine.mixer_cache.conv.shape
     assert engine._step_costs is None
     result = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 24)
     assert engine._step_costs is not None  # measured mid-request
     assert result.tokens == expected
+    assert engine.mixer_cache.conv.shape == rings  # the measurement's rings were its own, dropped after
 
 
 @pytest.mark.parametrize("case,path", [("lfm2", "layers.0.conv.in_proj"), ("lfm3", "layers.1.self_attn.g_proj"),

@@ -225,18 +225,20 @@ class MixerCache:
         # the PyTorch ops (HF's own, row by row)
         self.kernels = load_rows_states() if engine.layout.kernel_layers is not None else None
         self._regions: dict[int, int] = {}  # first slot -> region index
-        self._first_region = 0  # scratch(): after the sequences' regions
         self.conv = self.states = None
         self._zero_state = None if v.state_shape is None else torch.zeros(v.state_shape, device=self.device)
         self._allocate(1)
 
     def _allocate(self, regions: int) -> None:
-        """Room for `regions` sequences, the rings already in use copied."""
+        """Room for `regions` sequences, the rings already in use copied. Zeroed lazily
+        (programs.zeroed): a region's pages take memory when a sequence first writes them
+        (Granite-4.0-H-1B's states are 540 MB a region)."""
+        from .programs import zeroed  # (programs imports this module)
+
         layers, channels = self._conv_shape
-        conv = torch.zeros(layers, 2 + regions * self.ring, channels, dtype=self.dtype, device=self.device)
-        states = None if self._state_shape is None else torch.zeros(
-            self._state_shape[0], regions * self.state_ring, *self._state_shape[1:], dtype=torch.float32,
-            device=self.device)
+        conv = zeroed((layers, 2 + regions * self.ring, channels), self.dtype, self.device)
+        states = None if self._state_shape is None else zeroed(
+            (self._state_shape[0], regions * self.state_ring, *self._state_shape[1:]), torch.float32, self.device)
         if self.conv is not None:
             conv[:, :self.conv.shape[1]] = self.conv
             if states is not None:
@@ -250,22 +252,24 @@ class MixerCache:
     def _region(self, base: int) -> int:
         region = self._regions.get(base)
         if region is None:
-            region = self._regions[base] = self._first_region + len(self._regions)
+            region = self._regions[base] = len(self._regions)
             if 2 + (region + 1) * self.ring > self.conv.shape[1]:
                 self._allocate(2 * (region + 1))
         return region
 
     @contextlib.contextmanager
     def scratch(self) -> Iterator[None]:
-        """Steps that only time the engine (costs.py) map their rows to regions after the
-        sequences' own, so a measurement mid-request leaves every sequence's rows as they were."""
-        saved = self._regions, self._first_region
-        self._first_region = self._first_region + len(self._regions)
-        self._regions = {}
+        """Steps that only time the engine (costs.py) write to rings of their own, made for
+        them and dropped after, so a measurement mid-request leaves every sequence's rows as
+        they were and its memory is given back (growing the sequences' rings by a region for
+        it kept a region of states, up to gigabytes, for the engine's life)."""
+        saved = self._regions, self.conv, self.states
+        self._regions, self.conv, self.states = {}, None, None
+        self._allocate(1)
         try:
             yield
         finally:
-            self._regions, self._first_region = saved
+            self._regions, self.conv, self.states = saved
 
     def row(self, base: int, slot: int) -> int:
         """The conv row of `slot` of the sequence whose KV region starts at `base`."""
