@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from hf_selfspec.kernels.cpu_rows import load_rows_states
 
+from .memory import zeroed
+
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
     from .layered import GatedDeltaNetWeights, Mamba1Weights, Mamba2Weights, ShortConvWeights
     from .meta import StepMeta
@@ -233,8 +235,6 @@ class MixerCache:
         """Room for `regions` sequences, the rings already in use copied. Zeroed lazily
         (programs.zeroed): a region's pages take memory when a sequence first writes them
         (Granite-4.0-H-1B's states are 540 MB a region)."""
-        from .programs import zeroed  # (programs imports this module)
-
         layers, channels = self._conv_shape
         conv = zeroed((layers, 2 + regions * self.ring, channels), self.dtype, self.device)
         states = None if self._state_shape is None else zeroed(

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -49,6 +47,7 @@ from .cache import MeasurementCache, machine_key
 from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
                       text_decoder)
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
+from .memory import zeroed
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
 
@@ -130,21 +129,6 @@ def weight_signature(model: torch.nn.Module) -> tuple:
 
 def _whole_blocks(slots: int) -> int:
     return -(-slots // KEY_BLOCK) * KEY_BLOCK
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros(shape, dtype, device); on the CPU in an anonymous memory map, whose pages
-    the OS maps as zeros on first touch: nothing is written up front, and the slots a
-    request never reaches take no resident memory. Writing zeros into a fresh cache faults
-    in every page at once, and right after a model of gigabytes was built each fault can be
-    slow; numpy.zeros (calloc) asks for huge pages, whose faults then wait for memory
-    compaction (docs/benchmarks_2026-12-05.md, session 4). The map is page-aligned and
-    lives as long as the tensor."""
-    count = math.prod(shape)
-    if device.type != "cpu" or count == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    item = torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, count * item), dtype=dtype).view(shape)
 
 
 class Engine:
