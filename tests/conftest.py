@@ -32,7 +32,8 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     "lfm2" (LFM2: gated short convolutions in alternate layers, from the first), "qwen3_5"
     (Qwen 3.5: gated DeltaNets in alternate layers, from the first), "granite4h" (Granite
     4.0-H: Mamba2 mixers in alternate layers, from the first; NoPE attention, Granite's
-    multipliers, the dense shared MLP).
+    multipliers, the dense shared MLP), "deepseek_v3" (DeepSeek-V3: latent attention with a
+    query LoRA, values narrower than q.k, a dense first layer, then MoE blocks).
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
@@ -151,6 +152,23 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                     p.normal_(0.0, 1.0)
                 elif "norm" in name:
                     p.uniform_(0.5, 1.5)
+    elif kind == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        common["num_key_value_heads"] = common["num_attention_heads"]  # every head its own keys
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(
+            q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=hidden // 8, qk_rope_head_dim=hidden // 16,
+            v_head_dim=hidden // 8 - 4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            moe_intermediate_size=hidden // 2, n_group=2, topk_group=1, first_k_dense_replace=1, **common))
+        with torch.no_grad():  # decisive routers and correction biases; the latents' norms random
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 4.0 * p.shape[-1] ** -0.5)
+                elif "norm" in name:
+                    p.uniform_(0.5, 1.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.2)
     else:
         raise ValueError(kind)
     with torch.no_grad():

@@ -455,6 +455,43 @@ SUPPORTED = {
     "jamba-dense": dict(arch="Jamba", num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=2,
                         expert_layer_period=4, expert_layer_offset=3, num_experts=1, mamba_d_state=8, mamba_dt_rank=4,
                         mamba_conv_bias=False),
+    # DeepSeek-V3's latent attention: a query LoRA, the latents RMS-normed, RoPE on each head's
+    # last columns (its interleaved pairs), values narrower than q.k; a dense first layer, then
+    # MoE blocks routed by sigmoid scores within groups
+    "deepseek_v3": dict(arch="DeepseekV3", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
+                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, random_norms=True),
+    # without a query LoRA, values wider than q.k, rotate_half, biases, YaRN (its mscale in
+    # the attention's scale)
+    "deepseek_v3-yarn-wide-v": dict(arch="DeepseekV3", num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None,
+                                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=24,
+                                    n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                    rope_interleave=False, attention_bias=True, random_norms=True,
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                     "original_max_position_embeddings": 128, "mscale": 1.0,
+                                                     "mscale_all_dim": 1.0}),
+    # DeepSeek-V2: its RoPE as float32 complex products, a softmax router's group-limited top-k
+    "deepseek_v2": dict(arch="DeepseekV2", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
+                        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=1,
+                        topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=1.5,
+                        random_norms=True, router_scale=1.0),
+    # Youtu-LLM: DeepSeek-V3's attention in dense layers, tied embeddings
+    "youtu": dict(arch="Youtu", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                  qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=True, random_norms=True),
+    # GLM-4.7-Flash: the same attention, MoE layers after a dense one (mlp_layer_types)
+    "glm4_moe_lite": dict(arch="Glm4MoeLite", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                          n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                          mlp_layer_types=["dense", "sparse", "sparse"], random_norms=True),
+    # MiniCPM3: the latent attention (rotate_half) in dense layers, its scaled embedding rows,
+    # residual branches scaled by scale_depth / sqrt(layers), the final hidden state divided
+    # before the (tied) LM head
+    "minicpm3": dict(arch="MiniCPM3", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, scale_emb=3.0, scale_depth=1.4,
+                     dim_model_base=16, random_norms=True),
     # Sarvam-M MoE: GLM-4.5's classes under its own model_type, RoPE over the whole head
     "sarvam_moe": dict(arch="SarvamMoE", model_class="Glm4MoeForCausalLM", head_dim=16, num_hidden_layers=3,
                        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
@@ -524,7 +561,8 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "granitemoeshared", "nanochat", "lfm2", "lfm2-conv-bias", "lfm2_moe", "qwen3_5",
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
-                                  "mamba", "falcon_mamba", "jamba"])
+                                  "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
+                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -633,10 +671,8 @@ def test_a_sliding_window_applies_past_it(arch, overrides, layout):
 
 
 @pytest.mark.parametrize("arch,overrides,name", [pytest.param(*case, id=case[2]) for case in [
-    # a window shorter than the context: the architecture is named, not the window
-    # latent attention: k and v of other widths than the cache's heads
-    ("DeepseekV3", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                        n_routed_experts=4, moe_intermediate_size=32), "deepseek_v3"),
+    # differential attention: two softmaxes per head, their difference normed
+    ("DiffLlama", dict(), "diffllama"),
 ]])
 def test_unsupported_architecture_refused_and_untouched(arch, overrides, name):
     model = build(arch, **overrides)
@@ -745,7 +781,7 @@ def test_gemma3_image_inputs_refused(media):
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
                                        ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True),
                                        ("qwen3_5", True), ("granitemoehybrid", True),
-                                       ("mamba", True), ("mamba2", True)])
+                                       ("mamba", True), ("mamba2", True), ("deepseek_v3", True), ("youtu", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""
@@ -929,12 +965,13 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
 @pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h",
-                                  "falcon_h1", "mamba2", "mamba", "jamba"])
+                                  "falcon_h1", "mamba2", "mamba", "jamba", "deepseek_v3", "deepseek_v2"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
-    and the accepted rows' convolution inputs and states move with their KV: the engine's
-    AR output, with the accepted path off the first branch."""
+    and the accepted rows' convolution inputs and states move with their KV (DeepSeek's
+    latent attention: each head's keys and values): the engine's AR output, with the
+    accepted path off the first branch."""
     from test_trees import OracleTrees
 
     from hf_selfspec.engine.programs import Engine
@@ -1008,7 +1045,10 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("granitemoehybrid", "layers.2.mamba.conv1d"),
                                        ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj"),
                                        ("falcon_h1", "layers.1.mamba.out_proj"), ("mamba", "layers.1.mixer.x_proj"),
-                                       ("jamba", "layers.2.mamba.dt_proj")])
+                                       ("jamba", "layers.2.mamba.dt_proj"), ("deepseek_v3", "layers.1.self_attn.q_a_proj"),
+                                       ("deepseek_v3", "layers.0.self_attn.kv_b_proj"),
+                                       ("deepseek_v3-yarn-wide-v", "layers.1.self_attn.q_proj"),
+                                       ("minicpm3", "layers.2.self_attn.kv_a_proj_with_mqa")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at
@@ -1028,6 +1068,23 @@ def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     setattr(parent, name, Wrapped(getattr(parent, name)))
     with pytest.raises(UnsupportedModelError, match=f"{path}.*plain model.generate"):
         attach_heads(model, heads=False)
+    assert "_selfspec" not in model.__dict__
+
+
+@pytest.mark.parametrize("change", ["kv_heads", "latent_norm"])
+def test_latent_attention_it_cannot_run_is_refused(change):
+    """A latent attention block outside what LatentAttentionWeights reads is refused at
+    attach_heads with the reason, the model untouched: fewer KV heads than heads (HF's own
+    attention fails on it), a latent norm that is not an RMSNorm."""
+    overrides = dict(SUPPORTED["deepseek_v3"])
+    if change == "kv_heads":
+        overrides["num_key_value_heads"] = 2
+    model = build(overrides.pop("arch"), **overrides)
+    if change == "latent_norm":
+        model.model.layers[1].self_attn.kv_a_layernorm = torch.nn.LayerNorm(16)
+    with pytest.raises(UnsupportedModelError, match="model.layers.0.self_attn|model.layers.1.self_attn") as error:
+        attach_heads(model, heads=False)
+    assert "num_key_value_heads" in str(error.value) and "plain model.generate" in str(error.value)
     assert "_selfspec" not in model.__dict__
 
 

@@ -161,19 +161,18 @@ def test_draft_model_with_other_token_ids_is_refused(models):
 
 
 def test_draft_model_of_an_unsupported_architecture_is_refused(models):
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
 
     from hf_selfspec.engine.layered import UnsupportedModelError
 
     main, _, _ = models
     attach_heads(main, False)
-    latent = DeepseekV3ForCausalLM(DeepseekV3Config(  # latent attention: k and v of other widths
+    differential = DiffLlamaForCausalLM(DiffLlamaConfig(  # differential attention: two softmaxes per head
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-        n_routed_experts=4, moe_intermediate_size=16)).eval()
+        num_key_value_heads=2)).eval()
     ids = torch.tensor([prompt(7, 10)])
-    with pytest.raises(UnsupportedModelError, match="deepseek_v3"):
-        main.generate(ids, assistant="self", assistant_model=latent, max_new_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="diffllama"):
+        main.generate(ids, assistant="self", assistant_model=differential, max_new_tokens=4)
 
 
 def test_a_draft_model_without_attention_drafts_exactly(models):

@@ -38,14 +38,15 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
 
 @pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
 @pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2", "gemma3", "olmo3",
-                                  "lfm2", "qwen3_5", "granite4h"])
+                                  "lfm2", "qwen3_5", "granite4h", "deepseek_v3"])
 def test_engine_ar_matches_hf_greedy_on_llama_variants(kind, layout, prefill):
     """SmolLM3 leaves layers 1 and 3 here unrotated (no_rope_layers; the C++ layers run in
     one call per run of layers with or without RoPE); Phi-3 fuses q/k/v and gate/up into
     one weight each (read as row ranges of it), phi3_partial rotates half of each head's
     dimensions; Granite scales the embedding rows, the
     attention scores, each block's output and the logits; LFM2 convolves in alternate layers,
-    Qwen 3.5 runs gated DeltaNets there, Granite 4.0-H Mamba2 mixers (and rotates none)."""
+    Qwen 3.5 runs gated DeltaNets there, Granite 4.0-H Mamba2 mixers (and rotates none);
+    DeepSeek-V3 makes each head's keys and values from latents (HF's prefill caches those)."""
     model = tiny_model(kind, seed=4)
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=512, row_layout=layout, prefill=prefill))
     # SmolLM3's layers 1 and 3 unrotated; LFM2's and Qwen 3.5's layers 0 and 2 have no attention

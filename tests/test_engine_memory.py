@@ -96,7 +96,7 @@ def _weights_the_engine_reads(engine):
 @pytest.mark.parametrize("layout", KEPT)
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("phi3", False), ("smollm3", True),
                                       ("olmo2", False), ("gemma2", False), ("gemma3", False), ("lfm2", True),
-                                      ("qwen3_5", False), ("granite4h", True)])
+                                      ("qwen3_5", False), ("granite4h", True), ("deepseek_v3", False)])
 def test_every_weight_the_engine_reads_is_the_models_own_storage(layout, kind, tie):
     """Per layout kept: every tensor the engine (its view, layout, attention, fused-layer
     lists) holds, other than its KV cache and small buffers, lives in the storage of one of
@@ -164,7 +164,7 @@ def test_a_fresh_cache_is_zeros_that_take_no_memory_until_written(dtype):
 
 
 @pytest.mark.parametrize("layout,kind", [("micro", "llama"), ("kernel", "llama"), ("kernel", "lfm2"), ("kernel", "qwen3_5"),
-                                        ("kernel", "granite4h")])
+                                        ("kernel", "granite4h"), ("kernel", "deepseek_v3")])
 def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch, layout, kind):
     """A cache too short for the rest of a generation grows mid-way (the used prefix
     copied, LFM2's convolution inputs with the KV): the continued AR tokens equal a fresh,

@@ -187,7 +187,22 @@ ARCHS = {
     # Jamba: those mixers (dt, B, C normed) between NoPE attention layers, MoE in every other layer
     "Jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8),
+    # DeepSeek's latent attention (a query LoRA or not; values narrower or wider than q.k):
+    # V3's interleaved RoPE and sigmoid routing in groups, V2's complex RoPE and group-limited
+    # softmax routing, Youtu-LLM's dense layers, GLM-4.7-Flash's rotate_half MoE
+    "DeepseekV3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                       n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
+    "DeepseekV2": dict(q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=24,
+                       n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                       n_group=4, topk_group=1, topk_method="group_limited_greedy", first_k_dense_replace=1),
+    "Youtu": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "Glm4MoeLite": dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                        rope_interleave=False, mlp_layer_types=["dense", "sparse", "sparse"]),
 }
+# latent attention: every head its own keys and values (HF's fails otherwise)
+LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite")
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
@@ -213,6 +228,10 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
                 "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Lfm3", "NemotronH"):
         config["head_dim"] = hidden // heads
+    if arch in LATENT_ARCHS:
+        config["num_key_value_heads"] = heads
+    if arch == "Glm4MoeLite":  # its layer list sets the depth
+        config["num_hidden_layers"] = 3
     if arch == "Mamba2":  # its heads fill the mixer's width, expand (2) x hidden
         config["num_heads"] = 2 * hidden // 32
     if arch == "Llama" and rng.random() < 0.3:

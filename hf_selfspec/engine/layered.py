@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +49,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "hunyuan_v1_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe",
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
-                         "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba")
+                         "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
+                         "youtu", "glm4_moe_lite", "minicpm3")
+# multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash
+# too), DeepSeek-V2's (its RoPE in complex numbers), MiniCPM3's (rotate_half)
+LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
@@ -97,11 +102,11 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-             "jamba")
+             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe")
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe", "deepseek_v3", "glm4_moe_lite")
 # Granite MoE and its kin: the softmax of the top-k router logits; GraniteMoeShared and
 # Granite-MoE-SWA add the layer's ungated shared MLP (`shared_mlp`, gate and up rows fused)
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
@@ -141,7 +146,8 @@ CPU_ONLY_REFUSAL = (
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan), short convolutions "
-    "(LFM2), gated DeltaNets (Qwen 3.5) or Mamba mixers (Granite 4.0-H, Falcon-H1, Mamba), which the engine's "
+    "(LFM2), gated DeltaNets (Qwen 3.5), Mamba mixers (Granite 4.0-H, Falcon-H1, Mamba) or latent attention "
+    "(DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -388,6 +394,44 @@ class Mamba1Weights:
 
 
 @dataclass
+class LatentAttentionWeights:
+    """Multi-head latent attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash), HF's maths:
+    q = q_b(norm(q_a(h))) (or q_proj(h) without a query LoRA), each head's [nope | rope]
+    columns; kv_a(h) = [latent | k_rope]; k_nope and v of each head = kv_b(norm(latent));
+    k_rope, one for all heads, and each head's q_rope are rotated; k = [k_nope | k_rope].
+
+    The engine keeps each position's keys and values per head (HF keeps the normed latent
+    and k_rope and multiplies every cached position by kv_b at every step): in a head of
+    the KV cache's width (the wider of the q/k and v dims) with zeros in the columns a head
+    does not fill, which add nothing to a score and are dropped from the output."""
+
+    q: torch.nn.Linear | None  # [Hq*(nope+rope), H]; None: q_a, q_a_norm, q_b
+    q_a: torch.nn.Linear | None  # [q_rank, H]
+    q_a_norm: torch.Tensor | None  # [q_rank]
+    q_b: torch.nn.Linear | None  # [Hq*(nope+rope), q_rank]
+    kv_a: torch.nn.Linear  # [kv_rank + rope, H]: kv_a_proj_with_mqa
+    kv_a_norm: torch.Tensor  # [kv_rank]
+    kv_b: torch.nn.Linear  # [Hq*(nope+v), kv_rank]
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    kv_rank: int
+    norm_eps: float  # the latent norms' own (HF builds them with its default, 1e-6)
+    # how HF rotates the rope columns: "half" (rotate_half), "pairs_to_half" (DeepSeek-V3's
+    # rope_interleave: the even and odd columns rotated as pairs, written as halves),
+    # "complex" (DeepSeek-V2: pairs in float32 complex numbers, written as pairs)
+    rope_form: str
+
+    @property
+    def linears(self) -> tuple:
+        return tuple(lin for lin in (self.q, self.q_a, self.q_b, self.kv_a, self.kv_b) if lin is not None)
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclass
 class LayerWeights:
     """Parameters of one decoder layer, shared with the HF module (no copies).
 
@@ -436,6 +480,8 @@ class LayerWeights:
     mamba1: Mamba1Weights | None = None
     # LFM3's attention gate [Hq, H]: each head's output times sigmoid(its row . x)
     head_gate: torch.nn.Linear | None = None
+    # DeepSeek's latent attention in place of q, k and v (o its o_proj)
+    latent: LatentAttentionWeights | None = None
 
     @property
     def linears(self) -> tuple:
@@ -443,7 +489,7 @@ class LayerWeights:
         expert's matrices; a convolution, DeltaNet or Mamba layer's projections)."""
         return tuple(lin for lin in (self.q, self.k, self.v, self.qkv, self.o, self.gate, self.up, self.down)
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
-            + tuple(lin for block in (self.conv, self.delta, self.mamba, self.mamba1) if block is not None
+            + tuple(lin for block in (self.conv, self.delta, self.mamba, self.mamba1, self.latent) if block is not None
                     for lin in block.linears) \
             + (() if self.head_gate is None else (self.head_gate,))
 
@@ -482,7 +528,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("qkv_proj", "o_proj"),
                          ("q_proj", "k_proj", "v_proj", "dense"), ("query_key_value", "dense"),
                          ("c_attn", "c_proj"), ("q_proj", "k_proj", "v_proj", "out_proj"), ("qkv_proj", "out_proj"),
-                         ("Wqkv", "out_proj"))
+                         ("Wqkv", "out_proj"), ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+                         ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
 # and an MLP: gated (separate or Phi-3's fused gate/up), or plain (Phi, StarCoder 2, GPT-NeoX,
 # Arcee, Apertus)
 MLP_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("fc1", "fc2"),
@@ -494,7 +541,7 @@ def _projection_names(module, options) -> tuple[str, ...]:
     """The first of `options` (names of projections) the block holds all of; the first
     option where none fits (its missing projection is then refused by name)."""
     for names in options:
-        if all(hasattr(module, name) for name in names):
+        if all(getattr(module, name, None) is not None for name in names):
             return names
     return options[0]
 
@@ -713,6 +760,35 @@ def _check_mamba2(name: str, block) -> None:
             "whole groups and a gated RMSNorm over whole groups only; use plain model.generate()")
 
 
+def _check_latent(name: str, attn, num_heads: int) -> None:
+    """A latent attention block as LatentAttentionWeights reads it: its dims, projections of
+    the widths they imply, RMSNorms (float weights, one eps) of the query and KV latents, an
+    even number of rotated columns."""
+    dims = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "scaling")
+    if attn is None or not all(isinstance(getattr(attn, a, None), (int, float)) for a in dims):
+        raise UnsupportedModelError(f"{name} is not a latent attention block the engine knows; "
+                                    "use plain model.generate()")
+    nope, rope, v, rank = (int(getattr(attn, a)) for a in dims[:4])
+    lora = getattr(attn, "q_a_proj", None) is not None
+    norms = [getattr(attn, "kv_a_layernorm", None)] + ([getattr(attn, "q_a_layernorm", None)] if lora else [])
+    q_out = getattr(getattr(attn, "q_b_proj" if lora else "q_proj", None), "out_features", None)
+    kv_a, kv_b = getattr(attn, "kv_a_proj_with_mqa", None), getattr(attn, "kv_b_proj", None)
+    eps = getattr(norms[0], "variance_epsilon", None)
+    fits = (rope % 2 == 0 and q_out == num_heads * (nope + rope) and isinstance(eps, float)
+            and getattr(attn, "num_key_value_groups", 1) == 1
+            and getattr(kv_a, "out_features", None) == rank + rope
+            and getattr(kv_b, "in_features", None) == rank and getattr(kv_b, "out_features", None) == num_heads * (nope + v)
+            and all(isinstance(getattr(n, "weight", None), torch.Tensor) and n.weight.dtype in FLOAT_DTYPES
+                    and n.weight.dim() == 1 and getattr(n, "variance_epsilon", None) == eps for n in norms)
+            and norms[0].weight.shape[0] == rank)
+    if not fits:
+        raise UnsupportedModelError(
+            f"{name}: the engine runs latent attention with q (or q_a / q_b) of heads x (nope + rope) rows, "
+            "kv_a_proj_with_mqa of kv_lora_rank + rope rows, kv_b_proj of heads x (nope + v) rows, RMSNorms of one "
+            "eps on the latents, an even rope width and num_key_value_heads == num_attention_heads (HF's own "
+            "latent attention fails otherwise) only; use plain model.generate()")
+
+
 def _first_held(module, names: tuple[str, ...]) -> str:
     """The first of `names` the module holds (the first where it holds none)."""
     return next((name for name in names if hasattr(module, name)), names[0])
@@ -734,7 +810,7 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     [E, H] and top_k, experts holding exactly gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     float weights (a quantized or biased expert, or another router, is refused by name)."""
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
-                  "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe,
+                  "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe, "deepseek_v2": _check_deepseek_v2_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
@@ -901,6 +977,26 @@ def _check_gpt_oss_moe(name: str, block) -> bool:
         and shapes["down_proj_bias"] == (E, H) and tuple(params["bias"].shape) == (E,)
 
 
+def _check_deepseek_v2_moe(name: str, block) -> None:
+    """DeepSeek-V2's MoE form (routing.softmax_group_limited): a router with a float weight
+    [E, H], top_k, routed_scaling_factor and its topk_method ("greedy", or
+    "group_limited_greedy" with num_group / topk_group); experts of gate_up_proj / down_proj;
+    a gated shared MLP (`shared_experts`)."""
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
+    weight = getattr(router, "weight", None)
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and all(hasattr(router, a) for a in ("top_k", "num_group", "topk_group", "routed_scaling_factor"))
+            and getattr(router, "topk_method", None) in ("greedy", "group_limited_greedy")
+            and (router.topk_method == "greedy" or weight.shape[0] % router.num_group == 0)
+            and _standard_experts(experts, weight.shape[0])
+            and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
+    if not fits:
+        raise _moe_refusal(
+            name, block, "for DeepSeek-V2 it runs a float softmax router (greedy or group-limited top-k), experts of "
+            "gate_up_proj / down_proj and a gated shared MLP only")
+    _check_gated_mlp(f"{name}.shared_experts", shared)
+
+
 def _check_sigmoid_router_moe(name: str, block) -> None:
     """DeepSeek-V3's MoE form (MoEWeights' correction_bias): a router with a float weight
     [E, H], e_score_correction_bias [E], n_group / topk_group / norm_topk_prob /
@@ -1059,11 +1155,11 @@ def cpu_only(config, inner) -> bool:
     gathers one table), RoPE pairs (the Triton RoPE turns halves), attention sinks (the
     Triton attention has none); LayerNorm and MoE models and HunYuan's q/k norms after RoPE
     have not run on a GPU yet, nor have the hybrids' convolutions and recurrent states (LFM2,
-    Qwen 3.5, the Mamba families): they stay on the CPU until they have."""
+    Qwen 3.5, the Mamba families) or latent attention: they stay on the CPU until they have."""
     softcap = config.model_type in GEMMA_LATER_TYPES and getattr(config, "attn_logit_softcapping", None) is not None
     return softcap or _rope_layer_types(inner, config) is not None or config.model_type in ROPE_PAIRS_TYPES \
         or config.model_type in LAYER_NORM_TYPES + MOE_TYPES + QK_NORM_AFTER_ROPE_TYPES + ATTENTION_SINK_TYPES \
-        + SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES + MAMBA1_TYPES
+        + SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES + MAMBA1_TYPES + LATENT_ATTENTION_TYPES
 
 
 def _rotates(attention, config) -> bool:
@@ -1214,6 +1310,10 @@ class LayeredModel:
             self.num_kv_heads = config.num_kv_heads if config.new_decoder_architecture or not config.multi_query \
                 else 1
         self.head_dim = 8 if attention_free else getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        latent = config.model_type in LATENT_ATTENTION_TYPES
+        if latent:  # every head its own keys and values, in a head as wide as the wider of q.k and v
+            self.num_kv_heads = self.num_heads
+            self.head_dim = max(config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
         if config.model_type in SHORT_CONV_TYPES:
@@ -1249,6 +1349,11 @@ class LayeredModel:
         self.logits_softcap = (getattr(config, "final_logit_softcapping", None)
                                if gemma2 or config.model_type == "nanochat" else None)
         self.residual_multiplier = float(config.residual_multiplier) if granite else 1.0
+        minicpm3 = config.model_type == "minicpm3"
+        if minicpm3:  # each block's output scaled before it joins h, as its layers compute it
+            self.residual_multiplier = config.scale_depth / math.sqrt(config.num_hidden_layers)
+        # MiniCPM3 divides the final hidden state before its LM head (1.0: every other model)
+        self.head_input_divisor = float(config.logits_scaling) if minicpm3 else 1.0
         self.logits_scaling = float(config.logits_scaling) if granite and config.model_type != "hyperclovax" else 1.0
         # Cohere multiplies its logits by logit_scale, HyperCLOVAX by logits_scaling
         self.logit_scale = (float(config.logit_scale) if config.model_type in ("cohere", "cohere2", "cohere2_moe")
@@ -1290,6 +1395,8 @@ class LayeredModel:
         self.alibi_slopes = _alibi_slopes(config) if config.model_type in ALIBI_TYPES else None
         if config.model_type == "mpt":  # its attention config's scale
             self.scaling = config.attn_config.softmax_scale or self.scaling
+        if latent:  # (q.k dims)^-0.5, times YaRN's mscale squared where it applies: the module's own
+            self.scaling = float(_attention(decoder_layers(inner)[0]).scaling)
         self.embedding_norm = getattr(inner, "word_embeddings_layernorm", None)
         if config.model_type == "nanochat":  # its (parameter-free) final norm also norms the embedding rows
             self.embedding_norm = inner.norm
@@ -1391,6 +1498,9 @@ class LayeredModel:
                                     for n in ("in_proj", "out_proj")]
         for name, module in projections:
             _check_plain_linear(name, module, model_type)
+        if model_type in LATENT_ATTENTION_TYPES:  # (its projections plain, checked above)
+            for i, layer in enumerate(layers):
+                _check_latent(f"model.layers.{i}.{_attention_name(layer)}", _attention(layer), config.num_attention_heads)
         _check_plain_linear("lm_head", model.lm_head)
         if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
             raise UnsupportedModelError(CPU_ONLY_REFUSAL)
@@ -1485,7 +1595,7 @@ class LayeredModel:
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
         qkv, qkv_layout, conv, delta, mamba, o = None, "per_head", None, None, None, None
-        mamba1 = None
+        mamba1 = latent = None
         if attn is None and _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
             q = k = v = None
         elif attn is None and self.config.model_type in MAMBA1_TYPES:  # Mamba, Falcon Mamba, Jamba
@@ -1547,6 +1657,9 @@ class LayeredModel:
         elif hasattr(attn, "c_attn"):  # GPT-BigCode's MHA form: per head, its q, k and v rows (GPT-NeoX's)
             q = k = v = None
             qkv = attn.c_attn
+        elif self.config.model_type in LATENT_ATTENTION_TYPES:  # DeepSeek's latent attention
+            q = k = v = None
+            latent = self._latent(attn)
         else:
             q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         if self.config.model_type in PARALLEL_MIXER_TYPES:  # Falcon-H1: its Mamba2 mixer beside the attention
@@ -1630,7 +1743,23 @@ class LayeredModel:
             mamba=mamba,
             mamba1=mamba1,
             head_gate=getattr(attn, "g_proj", None) if self.config.model_type == "lfm3" else None,
+            latent=latent,
         )
+
+    def _latent(self, attn) -> LatentAttentionWeights:
+        """A latent attention module's LatentAttentionWeights (_check_latent has passed)."""
+        config = self.config
+        lora = getattr(attn, "q_a_proj", None) is not None
+        if config.model_type == "deepseek_v2":
+            form = "complex"
+        else:
+            form = "pairs_to_half" if getattr(config, "rope_interleave", False) else "half"
+        return LatentAttentionWeights(
+            q=None if lora else attn.q_proj, q_a=attn.q_a_proj if lora else None,
+            q_a_norm=attn.q_a_layernorm.weight if lora else None, q_b=attn.q_b_proj if lora else None,
+            kv_a=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm.weight, kv_b=attn.kv_b_proj,
+            nope_dim=int(attn.qk_nope_head_dim), rope_dim=int(attn.qk_rope_head_dim), v_dim=int(attn.v_head_dim),
+            kv_rank=int(attn.kv_lora_rank), norm_eps=float(attn.kv_a_layernorm.variance_epsilon), rope_form=form)
 
     def _mamba2(self, block) -> Mamba2Weights:
         """A Mamba2 mixer's Mamba2Weights (Falcon-H1's: its norm optional, its muP scales)."""
@@ -1677,6 +1806,11 @@ class LayeredModel:
             # MiniMax-M2 computes its logits in its router weight's dtype
             widen = router_weight.dtype == torch.float32 if minimax else True
             return MoEWeights(**parts, route=route, router_input_float32=widen, shared=shared)
+        if model_type == "deepseek_v2":  # the float32 softmax's top-k (group-limited), scaled, not renormalised
+            return MoEWeights(**parts, route=functools.partial(
+                routing.softmax_group_limited, top_k=top_k, n_group=int(router.num_group),
+                topk_group=int(router.topk_group), limited=router.topk_method == "group_limited_greedy",
+                scaling=float(router.routed_scaling_factor)), router_input_float32=True, shared=shared)
         if model_type == "lfm2_moe":  # sigmoid scores in the model's dtype, chosen with the block's bias
             return MoEWeights(**parts, route=functools.partial(
                 routing.sigmoid_topk, top_k=top_k, expert_bias=block.expert_bias if block.use_expert_bias else None,
@@ -1752,7 +1886,10 @@ class LayeredModel:
         with torch.no_grad():
             if rope_type(self.config) == "dynamic":
                 rotary(probe, positions[:, :1], **kind)
-            cos, sin = rotary(probe, positions, **kind)
+            tables = rotary(probe, positions, **kind)
+            if isinstance(tables, torch.Tensor) and tables.is_complex():  # DeepSeek-V2: each angle once, complex
+                tables = (tables.real, tables.imag)
+            cos, sin = tables
             if self.config.model_type == "nanochat":  # its rotate_half is (x2, -x1): the turn by -angle
                 sin = -sin
             if self.config.model_type in HALF_WIDTH_ROPE_TYPES:  # the angles once: both halves turn by them
@@ -1769,8 +1906,10 @@ class LayeredModel:
         if self.config.model_type in HALF_TABLE_PAIRS_TYPES:  # as their apply_rotary_pos_emb
             cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
             sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-        # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model)
-        return cos.to(self.dtype).contiguous(), sin.to(self.dtype).contiguous()
+        # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model);
+        # DeepSeek-V2 rotates in float32 whatever the model's dtype
+        dtype = torch.float32 if self.config.model_type == "deepseek_v2" else self.dtype
+        return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
 
     def _identity_tables(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos = 1, sin = 0 at every position: a model without RoPE."""
@@ -1787,7 +1926,7 @@ class LayeredModel:
         return (not self.layer_norm and self.parallel is None and self.clip_qkv is None
                 and not self.qk_norm_after_rope and self.layer_sinks is None
                 and all(lw.gate is not None and lw.qkv is None and lw.conv is None and lw.delta is None
-                        and lw.mamba is None and lw.mamba1 is None
+                        and lw.mamba is None and lw.mamba1 is None and lw.latent is None
                         for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -1831,6 +1970,11 @@ class LayeredModel:
         """A block's output as it joins the residual stream (times residual_multiplier)."""
         return block_output if self.residual_multiplier == 1.0 else block_output * self.residual_multiplier
 
+    def head_input(self, final: torch.Tensor) -> torch.Tensor:
+        """The final hidden state as the LM head reads it (MiniCPM3: divided by its
+        logits_scaling; every other model: itself)."""
+        return final if self.head_input_divisor == 1.0 else final / self.head_input_divisor
+
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The LM head's output as HF's model returns it (divided by logits_scaling; Gemma 2's
         soft cap)."""
@@ -1847,4 +1991,4 @@ class LayeredModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [W, H] after the last layer -> logits [W, V]."""
-        return self.scale_logits(self.lm_head(self.norm(hidden, self.final_norm)))
+        return self.scale_logits(self.lm_head(self.head_input(self.norm(hidden, self.final_norm))))

@@ -40,7 +40,7 @@ import torch
 from hf_selfspec.kernels.cpu_rows import NO_BASE, NO_PATH
 
 from ..logs import logger
-from . import costs, mixers
+from . import costs, latent, mixers
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
@@ -563,18 +563,24 @@ class Engine:
         rows' KV at meta.slots."""
         v, lin, R = self.view, self.layout.linear, meta.rows
         cos, sin = self._rope_tables(meta, li, R)
-        cos, sin = cos[None], sin[None]  # [1, R, d]
-        q, k, val, gate = self._qkv(x, lw, R)
-        q = q.transpose(0, 1)  # [Hq, R, d]
-        k = k.transpose(0, 1)  # [Hkv, R, d]
-        q = apply_rope(q, cos, sin, v.rope_pairs)
-        k = apply_rope(k, cos, sin, v.rope_pairs)
-        if v.qk_norm_after_rope:  # HunYuan
-            q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
+        if lw.latent is not None:  # DeepSeek's latent attention: q, k (rotated) and v per head
+            q, k, val = latent.qkv(x, lw.latent, cos, sin, v.num_heads, v.head_dim, lin)
+            gate = None
+        else:
+            cos, sin = cos[None], sin[None]  # [1, R, d]
+            q, k, val, gate = self._qkv(x, lw, R)
+            q = q.transpose(0, 1)  # [Hq, R, d]
+            k = k.transpose(0, 1)  # [Hkv, R, d]
+            q = apply_rope(q, cos, sin, v.rope_pairs)
+            k = apply_rope(k, cos, sin, v.rope_pairs)
+            if v.qk_norm_after_rope:  # HunYuan
+                q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
         slots = meta.slots[:R]
         self.k_cache[li].index_copy_(1, slots, k)
         self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
         o = attend(q, li)  # attention [R, Hq*d] in x's dtype
+        if lw.latent is not None:
+            o = latent.heads_output(o, lw.latent, v.num_heads, v.head_dim)
         if lw.head_gate is not None:  # LFM3: each head's output scaled by its own gate
             o = (o.view(R, v.num_heads, v.head_dim) * torch.sigmoid(lin(x, lw.head_gate))[..., None]).view(R, -1)
         return lin(o if gate is None else o * torch.sigmoid(gate), lw.o)  # Qwen 3.5: gated per element
@@ -736,7 +742,7 @@ class Engine:
         v = self.view
         n = h.shape[0]
         x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
-        return v.scale_logits(self.layout.linear(x, v.lm_head)[:n]), x[:n]
+        return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """`logits` for a step that needs only each row's argmax: -> (None, argmax [n],
@@ -745,7 +751,7 @@ class Engine:
         if self.screen is not None:
             v = self.view
             final = v.norm(h, v.final_norm)
-            argmax = self.screen.argmax(final)
+            argmax = self.screen.argmax(v.head_input(final))
             if argmax is not None:
                 return None, argmax, final
         logits, final = self.logits(h)
@@ -910,6 +916,12 @@ class Engine:
                     mixer.states[self.view.state_index[li], row] = layer.recurrent_states[0][0].float()
             if getattr(layer, "keys", None) is None:  # a layer without attention (its mixer's states copied above)
                 continue
+            block = self.view.layers[li].latent
+            if block is not None:  # HF caches the latents: each head's keys and values made from them
+                k, v = latent.cached_keys_values(layer.keys[0, 0], layer.values[0, 0], block, self.view.num_heads,
+                                                 self.view.head_dim)
+                self.k_cache[li, :, base:base + n], self.v_cache[li, :, base:base + n] = k, v
+                continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
             # Falcon's new architecture caches each KV head repeated for its group of query heads
@@ -919,7 +931,7 @@ class Engine:
         # after the final norm (Mamba2 keeps a 16-bit model's residual stream in float32:
         # its LM head reads it in the weights' dtype)
         last = out.last_hidden_state[0, -1].to(self.view.dtype)
-        return self.view.scale_logits(self.view.lm_head(last[None]))[0], last
+        return self.view.scale_logits(self.view.lm_head(self.view.head_input(last[None])))[0], last
 
     def _prefill_engine(self, prompt_ids: Sequence[int], base: int = 0):
         n = len(prompt_ids)

@@ -55,6 +55,24 @@ def sigmoid_grouped(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, cor
     return top * scaling, chosen
 
 
+def softmax_group_limited(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, n_group: int, topk_group: int,
+                          limited: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing, HF's ops in HF's order: the softmax of the float32 logits; its
+    top_k, where `limited` ("group_limited_greedy") among the experts of the topk_group groups
+    of n_group with the highest best score (the others' scores zeroed); never renormalised,
+    times `scaling`, in float32."""
+    scores = logits.float().softmax(dim=-1, dtype=torch.float32)
+    if limited:
+        n, experts = scores.shape
+        group_scores = scores.view(n, n_group, experts // n_group).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
+        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+    top, chosen = torch.topk(scores, k=top_k, dim=-1, sorted=False)
+    return top * scaling, chosen
+
+
 def sigmoid_topk(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, expert_bias: torch.Tensor | None,
                  normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """LFM2-MoE: sigmoid scores in the logits' dtype; the choice by score + expert_bias [E]
