@@ -300,6 +300,35 @@ RANDOM_SHAPES = {
         max_position_embeddings=262144, tie_word_embeddings=False),
         "Jamba-v0.1's shape (208 GB in fp32: --layers 5 --dtype bfloat16; Mamba mixers with normed dt / B / C, "
         "NoPE attention in 1 of 8 layers, 16 experts in every other layer, 2 per token)"),
+    "youtu_llm_2b": ("YoutuConfig", "YoutuForCausalLM", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=6144, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, max_position_embeddings=131072, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1600000.0}),
+        "Youtu-LLM-2B's shape (latent attention, DeepSeek-V3's: a query LoRA, interleaved RoPE; dense layers)"),
+    "minicpm3_4b": ("MiniCPM3Config", "MiniCPM3ForCausalLM", dict(
+        vocab_size=73448, hidden_size=2560, intermediate_size=6400, num_hidden_layers=62, num_attention_heads=40,
+        num_key_value_heads=40, q_lora_rank=768, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, scale_emb=12, scale_depth=1.4, dim_model_base=256, max_position_embeddings=32768,
+        tie_word_embeddings=True),
+        "MiniCPM3-4B's shape (16 GB in fp32: --dtype bfloat16; latent attention with rotate_half, scaled "
+        "residual branches, the final hidden state divided before the LM head)"),
+    "deepseek_v2_lite": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+        first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707,
+                         "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1}),
+        "DeepSeek-V2-Lite's shape (63 GB in fp32: --layers 4; latent attention without a query LoRA, complex "
+        "RoPE, YaRN; 64 experts, 6 per token, 2 shared)"),
+    "glm_4_7_flash": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        vocab_size=154880, hidden_size=2048, intermediate_size=10240, num_hidden_layers=47, num_attention_heads=20,
+        num_key_value_heads=20, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256, n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=1536,
+        routed_scaling_factor=1.8, max_position_embeddings=202752, tie_word_embeddings=False),
+        "GLM-4.7-Flash's shape (120 GB in fp32: --layers 4; latent attention, 64 experts, 4 per token, a shared one)"),
     "gemma3_4b": ("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
         text_config=dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,

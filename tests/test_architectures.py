@@ -478,6 +478,11 @@ SUPPORTED = {
                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=1,
                         topk_method="group_limited_greedy", first_k_dense_replace=1, routed_scaling_factor=1.5,
                         random_norms=True, router_scale=1.0),
+    # DeepSeek-V2-Lite's form: no query LoRA, the plain top-k of the softmax (no groups)
+    "deepseek_v2-greedy": dict(arch="DeepseekV2", num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None,
+                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+                               n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, moe_intermediate_size=32,
+                               first_k_dense_replace=1, router_scale=1.0),
     # Youtu-LLM: DeepSeek-V3's attention in dense layers, tied embeddings
     "youtu": dict(arch="Youtu", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=True, random_norms=True),

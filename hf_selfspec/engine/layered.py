@@ -987,7 +987,8 @@ def _check_deepseek_v2_moe(name: str, block) -> None:
     fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
             and all(hasattr(router, a) for a in ("top_k", "num_group", "topk_group", "routed_scaling_factor"))
             and getattr(router, "topk_method", None) in ("greedy", "group_limited_greedy")
-            and (router.topk_method == "greedy" or weight.shape[0] % router.num_group == 0)
+            and (router.topk_method == "greedy" or (isinstance(router.num_group, int) and isinstance(router.topk_group, int)
+                                                    and router.num_group > 0 and weight.shape[0] % router.num_group == 0))
             and _standard_experts(experts, weight.shape[0])
             and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
     if not fits:
@@ -1808,8 +1809,8 @@ class LayeredModel:
             return MoEWeights(**parts, route=route, router_input_float32=widen, shared=shared)
         if model_type == "deepseek_v2":  # the float32 softmax's top-k (group-limited), scaled, not renormalised
             return MoEWeights(**parts, route=functools.partial(
-                routing.softmax_group_limited, top_k=top_k, n_group=int(router.num_group),
-                topk_group=int(router.topk_group), limited=router.topk_method == "group_limited_greedy",
+                routing.softmax_group_limited, top_k=top_k, n_group=int(router.num_group or 1),
+                topk_group=int(router.topk_group or 1), limited=router.topk_method == "group_limited_greedy",
                 scaling=float(router.routed_scaling_factor)), router_input_float32=True, shared=shared)
         if model_type == "lfm2_moe":  # sigmoid scores in the model's dtype, chosen with the block's bias
             return MoEWeights(**parts, route=functools.partial(
