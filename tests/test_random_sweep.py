@@ -189,7 +189,7 @@ ARCHS = {
                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_dt_rank=8),
     # DeepSeek's latent attention (a query LoRA or not; values narrower or wider than q.k):
     # V3's interleaved RoPE and sigmoid routing in groups, V2's complex RoPE and group-limited
-    # softmax routing, Youtu-LLM's dense layers, GLM-4.7-Flash's rotate_half MoE
+    # softmax routing, Youtu-LLM's dense layers, GLM-4.7-Flash's MoE with rotate_half
     "DeepseekV3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
                        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
@@ -200,9 +200,13 @@ ARCHS = {
     "Glm4MoeLite": dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
                         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
                         rope_interleave=False, mlp_layer_types=["dense", "sparse", "sparse"]),
+    # MiniCPM3: that attention (rotate_half), scaled embedding rows and residual branches, the
+    # final hidden state divided before the LM head
+    "MiniCPM3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
 }
 # latent attention: every head its own keys and values (HF's fails otherwise)
-LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite")
+LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite", "MiniCPM3")
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
