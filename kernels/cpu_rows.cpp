@@ -878,7 +878,8 @@ inline void weighted_sum_d(const float* p, const TC* v, int64_t d, int64_t j0, i
   else weighted_sum_any<TC>(p, v, d, j0, j1, acc);
 }
 
-constexpr int64_t kMaxHeadDim = 256;
+// (the stack buffers' size: DeepSeek's latent attention attends over 576-wide latent heads)
+constexpr int64_t kMaxHeadDim = 1024;
 
 // A 1-D int64 CPU tensor of n values (limit, slots), made contiguous.
 torch::Tensor index_vector(const torch::Tensor& t, int64_t n, const char* fn, const char* name) {
@@ -960,7 +961,7 @@ void check_cache(const torch::Tensor& k, const torch::Tensor& v, const char* fn)
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), fn, ": k and v caches must be contiguous");
   TORCH_CHECK(k.size(0) > 0 && k.size(1) > 0 && k.size(2) > 0, fn,
               ": empty cache (KV heads, slots and head_dim must be >= 1), got ", k.sizes());
-  TORCH_CHECK(k.size(2) <= kMaxHeadDim, fn, ": head_dim <= 256, got ", k.size(2));
+  TORCH_CHECK(k.size(2) <= kMaxHeadDim, fn, ": head_dim <= ", kMaxHeadDim, ", got ", k.size(2));
 }
 
 // Work items of `attention_rows`: the (row, head) pairs of one KV head g, rows [r0, r1) and
@@ -1486,7 +1487,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   TORCH_CHECK(R > 0 && H > 0, "rows_layer: empty h (rows and hidden size must be >= 1), got ", h.sizes());
   check_cache(k_cache, v_cache, fn);
   const int64_t Hkv = k_cache.size(0), S = k_cache.size(1), d = k_cache.size(2);
-  TORCH_CHECK(d % 2 == 0, "rows_layer: even head_dim <= 256 (RoPE halves), got ", d);
+  TORCH_CHECK(d % 2 == 0, "rows_layer: even head_dim (RoPE halves), got ", d);
   static const char* names[] = {"input norm", "q", "k", "v", "o", "post norm", "gate", "up", "down", "q norm",
                                 "k norm", "attention output norm", "MLP output norm", "q bias", "k bias",
                                 "v bias", "o bias", "gate bias", "up bias", "down bias"};

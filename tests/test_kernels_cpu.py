@@ -96,7 +96,7 @@ def _cache(gen, hkv, slots, d):
     return torch.randn(hkv, slots, d, generator=gen), torch.randn(hkv, slots, d, generator=gen)
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 16), (4, 2, 12), (2, 1, 128)])
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 16), (4, 2, 12), (2, 1, 128), (16, 1, 576)])  # 576: a latent head
 def test_attention_matches_float64_reference(attention, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * 100 + d)
     k, v = _cache(gen, hkv, 1100, d)
@@ -492,7 +492,7 @@ def test_attention_bad_arguments_are_refused(attention):
         ((q, k[..., :4].contiguous(), v[..., :4].contiguous(), lim, 1.0), "the same d"),
         ((q[:, :, :4], k[..., ::2], v[..., ::2], lim, 1.0), "caches must be contiguous"),
         ((q.transpose(0, 1), torch.randn(2, 16, 8), torch.randn(2, 16, 8), lim, 1.0), "q must be contiguous"),
-        ((torch.randn(2, 4, 264), torch.randn(2, 16, 264), torch.randn(2, 16, 264), lim, 1.0), "head_dim <= 256"),
+        ((torch.randn(2, 4, 1032), torch.randn(2, 16, 1032), torch.randn(2, 16, 1032), lim, 1.0), "head_dim <= 1024"),
         ((q, k, v, torch.tensor([3]), 1.0), "limit must be int64 \\[R\\] with R = 2"),
         ((q, k, v, lim[None], 1.0), "limit must be int64 \\[R\\]"),
         ((q, k, v, torch.tensor([-1, 4]), 1.0), "key limit is outside the cache"),

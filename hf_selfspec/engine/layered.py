@@ -395,15 +395,19 @@ class Mamba1Weights:
 
 @dataclass
 class LatentAttentionWeights:
-    """Multi-head latent attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash), HF's maths:
-    q = q_b(norm(q_a(h))) (or q_proj(h) without a query LoRA), each head's [nope | rope]
-    columns; kv_a(h) = [latent | k_rope]; k_nope and v of each head = kv_b(norm(latent));
-    k_rope, one for all heads, and each head's q_rope are rotated; k = [k_nope | k_rope].
+    """Multi-head latent attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3),
+    HF's maths: q = q_b(norm(q_a(h))) (or q_proj(h) without a query LoRA), each head's
+    [nope | rope] columns; kv_a(h) = [latent | k_rope]; k_nope and v of each head =
+    kv_b(norm(latent)); k_rope, one for all heads, and each head's q_rope are rotated;
+    k = [k_nope | k_rope].
 
-    The engine keeps each position's keys and values per head (HF keeps the normed latent
-    and k_rope and multiplies every cached position by kv_b at every step): in a head of
-    the KV cache's width (the wider of the q/k and v dims) with zeros in the columns a head
-    does not fill, which add nothing to a score and are dropped from the output."""
+    The engine keeps what HF's cache keeps, one [normed latent | turned k_rope] per position
+    (a single KV head, its values the same tensor as its keys), and moves kv_b to the
+    queries and outputs instead of to every cached position: each head's q_nope times its
+    key rows of kv_b (`k_up`) gives a query against the latents (q_nope . (W c) = (W^T
+    q_nope) . c), and each head's attention-weighted latent times its value rows (`v_up`)
+    its output. Both are products per head, so each is a row-invariant product of the
+    engine's (views of kv_b's weight, no copies)."""
 
     q: torch.nn.Linear | None  # [Hq*(nope+rope), H]; None: q_a, q_a_norm, q_b
     q_a: torch.nn.Linear | None  # [q_rank, H]
@@ -412,6 +416,8 @@ class LatentAttentionWeights:
     kv_a: torch.nn.Linear  # [kv_rank + rope, H]: kv_a_proj_with_mqa
     kv_a_norm: torch.Tensor  # [kv_rank]
     kv_b: torch.nn.Linear  # [Hq*(nope+v), kv_rank]
+    k_up: list  # per head, a MatrixView [kv_rank, nope]: its key rows of kv_b, transposed
+    v_up: list  # per head, a MatrixView [v, kv_rank]: its value rows of kv_b
     nope_dim: int
     rope_dim: int
     v_dim: int
@@ -424,7 +430,8 @@ class LatentAttentionWeights:
 
     @property
     def linears(self) -> tuple:
-        return tuple(lin for lin in (self.q, self.q_a, self.q_b, self.kv_a, self.kv_b) if lin is not None)
+        return tuple(lin for lin in (self.q, self.q_a, self.q_b, self.kv_a) if lin is not None) \
+            + tuple(self.k_up) + tuple(self.v_up)
 
     @property
     def qk_dim(self) -> int:
@@ -1312,9 +1319,12 @@ class LayeredModel:
                 else 1
         self.head_dim = 8 if attention_free else getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         latent = config.model_type in LATENT_ATTENTION_TYPES
-        if latent:  # every head its own keys and values, in a head as wide as the wider of q.k and v
-            self.num_kv_heads = self.num_heads
-            self.head_dim = max(config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+        # latent attention (LatentAttentionWeights): one KV head of [latent | k_rope], its
+        # values the keys' own tensor
+        self.values_are_keys = latent
+        if latent:
+            self.num_kv_heads = 1
+            self.head_dim = config.kv_lora_rank + config.qk_rope_head_dim
         self.layer_norm = config.model_type in LAYER_NORM_TYPES
         self.eps = float(getattr(config, "rms_norm_eps", 0.0) or 0.0)  # RMSNorm models'
         if config.model_type in SHORT_CONV_TYPES:
@@ -1751,6 +1761,10 @@ class LayeredModel:
         """A latent attention module's LatentAttentionWeights (_check_latent has passed)."""
         config = self.config
         lora = getattr(attn, "q_a_proj", None) is not None
+        nope, v_dim, rows = int(attn.qk_nope_head_dim), int(attn.v_head_dim), attn.kv_b_proj.weight
+        per_head = nope + v_dim  # kv_b's rows: per head, its k_nope rows then its v rows
+        k_up = [MatrixView(rows[h * per_head:h * per_head + nope].t()) for h in range(self.num_heads)]
+        v_up = [MatrixView(rows[h * per_head + nope:(h + 1) * per_head]) for h in range(self.num_heads)]
         if config.model_type == "deepseek_v2":
             form = "complex"
         else:
@@ -1758,7 +1772,7 @@ class LayeredModel:
         return LatentAttentionWeights(
             q=None if lora else attn.q_proj, q_a=attn.q_a_proj if lora else None,
             q_a_norm=attn.q_a_layernorm.weight if lora else None, q_b=attn.q_b_proj if lora else None,
-            kv_a=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm.weight, kv_b=attn.kv_b_proj,
+            kv_a=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm.weight, kv_b=attn.kv_b_proj, k_up=k_up, v_up=v_up,
             nope_dim=int(attn.qk_nope_head_dim), rope_dim=int(attn.qk_rope_head_dim), v_dim=int(attn.v_head_dim),
             kv_rank=int(attn.kv_lora_rank), norm_eps=float(attn.kv_a_layernorm.variance_epsilon), rope_form=form)
 

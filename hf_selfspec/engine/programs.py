@@ -284,10 +284,12 @@ class Engine:
         old_k, old_v = self.k_cache, self.v_cache
         self.k_cache = self.v_cache = None  # the caller's references keep the old ones alive
         k_cache = zeroed(shape, v.dtype, v.device)
-        v_cache = zeroed(shape, v.dtype, v.device)
+        # latent attention: the values are the keys' own tensor (LatentAttentionWeights)
+        v_cache = k_cache if v.values_are_keys else zeroed(shape, v.dtype, v.device)
         if keep and old_k is not None:
             k_cache[:, :, :keep] = old_k[:, :, :keep]
-            v_cache[:, :, :keep] = old_v[:, :, :keep]
+            if v_cache is not k_cache:
+                v_cache[:, :, :keep] = old_v[:, :, :keep]
         del old_k, old_v
         self.k_cache, self.v_cache = k_cache, v_cache
         self.capacity = capacity
@@ -478,7 +480,8 @@ class Engine:
         for src, dst in zip(sources, targets):
             if src != dst:
                 self.k_cache[:, :, dst] = self.k_cache[:, :, src]
-                self.v_cache[:, :, dst] = self.v_cache[:, :, src]
+                if self.v_cache is not self.k_cache:  # (latent attention: one tensor)
+                    self.v_cache[:, :, dst] = self.v_cache[:, :, src]
         if self.mixer_cache is not None:
             self.mixer_cache.move(sources, targets)
 
@@ -563,24 +566,22 @@ class Engine:
         rows' KV at meta.slots."""
         v, lin, R = self.view, self.layout.linear, meta.rows
         cos, sin = self._rope_tables(meta, li, R)
-        if lw.latent is not None:  # DeepSeek's latent attention: q, k (rotated) and v per head
-            q, k, val = latent.qkv(x, lw.latent, cos, sin, v.num_heads, v.head_dim, lin)
-            gate = None
-        else:
-            cos, sin = cos[None], sin[None]  # [1, R, d]
-            q, k, val, gate = self._qkv(x, lw, R)
-            q = q.transpose(0, 1)  # [Hq, R, d]
-            k = k.transpose(0, 1)  # [Hkv, R, d]
-            q = apply_rope(q, cos, sin, v.rope_pairs)
-            k = apply_rope(k, cos, sin, v.rope_pairs)
-            if v.qk_norm_after_rope:  # HunYuan
-                q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
+        if lw.latent is not None:  # DeepSeek's latent attention: one key (and value) per row
+            q, k = latent.query_and_key(x, lw.latent, cos, sin, lin)
+            self.k_cache[li].index_copy_(1, meta.slots[:R], k)
+            return lin(latent.heads_output(attend(q, li), lw.latent, lin), lw.o)
+        cos, sin = cos[None], sin[None]  # [1, R, d]
+        q, k, val, gate = self._qkv(x, lw, R)
+        q = q.transpose(0, 1)  # [Hq, R, d]
+        k = k.transpose(0, 1)  # [Hkv, R, d]
+        q = apply_rope(q, cos, sin, v.rope_pairs)
+        k = apply_rope(k, cos, sin, v.rope_pairs)
+        if v.qk_norm_after_rope:  # HunYuan
+            q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
         slots = meta.slots[:R]
         self.k_cache[li].index_copy_(1, slots, k)
         self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
         o = attend(q, li)  # attention [R, Hq*d] in x's dtype
-        if lw.latent is not None:
-            o = latent.heads_output(o, lw.latent, v.num_heads, v.head_dim)
         if lw.head_gate is not None:  # LFM3: each head's output scaled by its own gate
             o = (o.view(R, v.num_heads, v.head_dim) * torch.sigmoid(lin(x, lw.head_gate))[..., None]).view(R, -1)
         return lin(o if gate is None else o * torch.sigmoid(gate), lw.o)  # Qwen 3.5: gated per element
@@ -916,11 +917,8 @@ class Engine:
                     mixer.states[self.view.state_index[li], row] = layer.recurrent_states[0][0].float()
             if getattr(layer, "keys", None) is None:  # a layer without attention (its mixer's states copied above)
                 continue
-            block = self.view.layers[li].latent
-            if block is not None:  # HF caches the latents: each head's keys and values made from them
-                k, v = latent.cached_keys_values(layer.keys[0, 0], layer.values[0, 0], block, self.view.num_heads,
-                                                 self.view.head_dim)
-                self.k_cache[li, :, base:base + n], self.v_cache[li, :, base:base + n] = k, v
+            if self.view.layers[li].latent is not None:  # HF's cache: the latents and the turned k_rope
+                self.k_cache[li, :, base:base + n] = latent.cached_keys(layer.keys[0, 0], layer.values[0, 0])
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
