@@ -300,6 +300,15 @@ RANDOM_SHAPES = {
         max_position_embeddings=262144, tie_word_embeddings=False),
         "Jamba-v0.1's shape (208 GB in fp32: --layers 5 --dtype bfloat16; Mamba mixers with normed dt / B / C, "
         "NoPE attention in 1 of 8 layers, 16 experts in every other layer, 2 per token)"),
+    "qwen3_next_80b_a3b": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
+        "Qwen3-Next-80B-A3B's shape (318 GB in fp32: --layers 4 --dtype bfloat16; gated DeltaNets with fused "
+        "projections in 3 of 4 layers, gated attention, 512 experts, 10 per token, a gated shared one)"),
     "youtu_llm_2b": ("YoutuConfig", "YoutuForCausalLM", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=6144, num_hidden_layers=32, num_attention_heads=16,
         num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

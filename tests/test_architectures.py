@@ -395,6 +395,13 @@ SUPPORTED = {
                         linear_num_value_heads=4, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                         moe_intermediate_size=32, shared_expert_intermediate_size=48, random_norms=True,
                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # Qwen3-Next: Qwen 3.5 MoE's layers with the DeltaNet's projections fused per key head
+    # (q, k, v, z in one; b, a in another), a dense layer among the MoE ones
+    "qwen3_next": dict(arch="Qwen3Next", head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8,
+                       linear_num_key_heads=2, linear_num_value_heads=4, num_hidden_layers=4, num_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                       mlp_only_layers=[2], random_norms=True,
+                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
     # Granite 4.0-H: Mamba2 mixers (a SiLU convolution over 4 positions, a recurrent state per
     # head, B and C per group of heads, a gated RMSNorm per group) in most layers, attention
     # without RoPE, Granite's multipliers, the dense shared MLP; its MoE form with RoPE and
@@ -567,7 +574,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
-                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3"])
+                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -970,7 +977,7 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
 @pytest.mark.parametrize("case", ["lfm2", "qwen3_5", "qwen3_5-one-tap", "olmo_hybrid", "granitemoehybrid", "nemotron_h",
-                                  "falcon_h1", "mamba2", "mamba", "jamba", "deepseek_v3", "deepseek_v2"])
+                                  "falcon_h1", "mamba2", "mamba", "jamba", "deepseek_v3", "deepseek_v2", "qwen3_next"])
 def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shape):
     """A tree row's convolution (LFM2, Qwen 3.5, Granite 4.0-H) and recurrent state (the
     DeltaNet's, Mamba2's) come from its own path's rows (a sibling branch accepted, rows after gaps, a full tree),
@@ -1053,7 +1060,9 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("jamba", "layers.2.mamba.dt_proj"), ("deepseek_v3", "layers.1.self_attn.q_a_proj"),
                                        ("deepseek_v3", "layers.0.self_attn.kv_b_proj"),
                                        ("deepseek_v3-yarn-wide-v", "layers.1.self_attn.q_proj"),
-                                       ("minicpm3", "layers.2.self_attn.kv_a_proj_with_mqa")])
+                                       ("minicpm3", "layers.2.self_attn.kv_a_proj_with_mqa"),
+                                       ("qwen3_next", "layers.0.linear_attn.in_proj_qkvz"),
+                                       ("qwen3_next", "layers.2.linear_attn.in_proj_ba")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

@@ -164,6 +164,11 @@ ARCHS = {
                            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                            linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                            shared_expert_intermediate_size=64),
+    # Qwen3-Next: those layers with the DeltaNet's projections fused per key head
+    "Qwen3Next": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                      linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                      linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=64),
     # Granite 4.0-H: Mamba2 mixers (a recurrent state per head, B and C per group of heads)
     # between attention layers without RoPE, Granite's multipliers, the dense shared MLP
     "GraniteMoeHybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
@@ -230,7 +235,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Lfm3", "NemotronH"):
+                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH"):
         config["head_dim"] = hidden // heads
     if arch in LATENT_ARCHS:
         config["num_key_value_heads"] = heads

@@ -50,20 +50,22 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
-                         "youtu", "glm4_moe_lite", "minicpm3")
+                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash
 # too), DeepSeek-V2's (its RoPE in complex numbers), MiniCPM3's (rotate_half)
 LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
-# Qwen 3.5 (and its MoE): attention gating its output by a sigmoid of more rows of q_proj,
-# norms by 1 + w; with OLMo Hybrid, the hybrids whose other layers are gated DeltaNets
-# (GatedDeltaNetWeights)
-QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+# Qwen 3.5 (and its MoE) and Qwen3-Next: attention gating its output by a sigmoid of more rows
+# of q_proj, norms by 1 + w; with OLMo Hybrid, the hybrids whose other layers are gated
+# DeltaNets (GatedDeltaNetWeights)
+QWEN3_5_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
 DELTA_NET_TYPES = QWEN3_5_TYPES + ("olmo_hybrid",)
 # the DeltaNet's projections, as each family names them: q/k/v (one weight, or three), z
-# (the output gate), b (beta), a (the decay), the output
-DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj")}
+# (the output gate), b (beta), a (the decay), the output; Qwen3-Next's two fused ones hold
+# per key head its q, k, v and z rows, and its b and a rows (GatedDeltaNetWeights.grouped)
+DELTA_NET_PROJECTIONS = {"olmo_hybrid": (("q_proj", "k_proj", "v_proj"), "g_proj", "b_proj", "a_proj", "o_proj"),
+                         "qwen3_next": (("in_proj_qkvz",), None, "in_proj_ba", None, "out_proj")}
 QWEN3_5_DELTA_NET_PROJECTIONS = (("in_proj_qkv",), "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # hybrids whose other layers are Mamba2 mixers (Mamba2Weights), held by the layer as `mamba`
 # (Nemotron-H: as its one block, `mixer`)
@@ -102,7 +104,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -288,9 +290,9 @@ class GatedDeltaNetWeights:
     plain) and gated by silu(in_proj_z(h)); out_proj joins the residual stream."""
 
     in_qkv: tuple  # [2 Hk dk + Hv dv, H] in one linear (Qwen 3.5) or q, k, v in three (OLMo Hybrid)
-    in_z: torch.nn.Linear  # [Hv dv, H]
+    in_z: torch.nn.Linear | None  # [Hv dv, H] (None: `grouped`)
     in_b: torch.nn.Linear  # [Hv, H]
-    in_a: torch.nn.Linear  # [Hv, H]
+    in_a: torch.nn.Linear | None  # [Hv, H] (None: `grouped`)
     kernel: torch.Tensor  # [2 Hk dk + Hv dv, K], a view of the Conv1d's weight
     dt_bias: torch.Tensor  # [Hv]
     a_log: torch.Tensor  # [Hv]
@@ -302,10 +304,13 @@ class GatedDeltaNetWeights:
     k_dim: int
     v_dim: int
     beta_scale: float = 1.0  # OLMo Hybrid's allow_neg_eigval: beta in (0, 2)
+    # Qwen3-Next: in_qkv is one linear holding per key head its q, k, v and z rows (its
+    # value heads' v, then their z), in_b one holding per key head its value heads' b, then a
+    grouped: bool = False
 
     @property
     def linears(self) -> tuple:
-        return (*self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj)
+        return tuple(lin for lin in (*self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj) if lin is not None)
 
     @property
     def state_shape(self) -> tuple[int, int, int]:
@@ -680,7 +685,7 @@ def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, 
 def _delta_net_names(model_type: str) -> tuple[str, ...]:
     """The names of a DeltaNet's projections (DELTA_NET_PROJECTIONS), flat."""
     qkv, *rest = DELTA_NET_PROJECTIONS.get(model_type, QWEN3_5_DELTA_NET_PROJECTIONS)
-    return (*qkv, *rest)
+    return (*qkv, *(name for name in rest if name is not None))
 
 
 def _check_delta_net(name: str, block) -> None:
@@ -1628,10 +1633,11 @@ class LayeredModel:
             qkv_names, z, b, a, out = DELTA_NET_PROJECTIONS.get(self.config.model_type, QWEN3_5_DELTA_NET_PROJECTIONS)
             gated_norm = block.norm if hasattr(block, "norm") else block.o_norm
             delta = GatedDeltaNetWeights(
-                tuple(getattr(block, n) for n in qkv_names), getattr(block, z), getattr(block, b), getattr(block, a),
+                tuple(getattr(block, n) for n in qkv_names), z and getattr(block, z), getattr(block, b), a and getattr(block, a),
                 block.conv1d.weight[:, 0], block.dt_bias, block.A_log, gated_norm.weight,
                 float(gated_norm.variance_epsilon), getattr(block, out), int(block.num_k_heads), int(block.num_v_heads),
-                int(block.head_k_dim), int(block.head_v_dim), 2.0 if getattr(block, "allow_neg_eigval", False) else 1.0)
+                int(block.head_k_dim), int(block.head_v_dim), 2.0 if getattr(block, "allow_neg_eigval", False) else 1.0,
+                grouped=z is None)
         elif attn is None:  # LFM2's convolution layer
             q = k = v = None
             block = layer.conv

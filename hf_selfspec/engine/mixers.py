@@ -72,16 +72,28 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     R, dtype = x.shape[0], x.dtype
     hk, hv, dk, dv = net.num_k_heads, net.num_v_heads, net.k_dim, net.v_dim
     cache = engine.mixer_cache
-    qkv = torch.cat([lin(x, part) for part in net.in_qkv], dim=-1) if len(net.in_qkv) > 1 else lin(x, net.in_qkv[0])
+    if net.grouped:  # Qwen3-Next: regrouped as HF's fix_query_key_value_ordering does
+        share = hv // hk
+        fused = lin(x, net.in_qkv[0]).view(R, hk, 2 * dk + 2 * share * dv)
+        q, k, val, z = fused.split([dk, dk, share * dv, share * dv], dim=-1)
+        qkv = torch.cat((q.reshape(R, -1), k.reshape(R, -1), val.reshape(R, -1)), dim=-1)
+        z = z.reshape(R, hv * dv)
+        b_a = lin(x, net.in_b).view(R, hk, 2 * share)
+        b, a = b_a[..., :share].reshape(R, hv), b_a[..., share:].reshape(R, hv)
+    elif len(net.in_qkv) > 1:
+        qkv = torch.cat([lin(x, part) for part in net.in_qkv], dim=-1)
+    else:
+        qkv = lin(x, net.in_qkv[0])
     mixed = causal_conv(cache.conv[v.conv_index[layer]], qkv, net.kernel, None, meta)
     mixed = F.silu(mixed.to(dtype))  # HF: the convolution's output in the weights' dtype, then SiLU
     q = mixed[:, :hk * dk].reshape(R, hk, dk)
     k = mixed[:, hk * dk:2 * hk * dk].reshape(R, hk, dk)
     val = mixed[:, 2 * hk * dk:].reshape(R, hv, dv)
-    z = lin(x, net.in_z)
-    beta = torch.sigmoid(lin(x, net.in_b))
+    if not net.grouped:
+        z, b, a = lin(x, net.in_z), lin(x, net.in_b), lin(x, net.in_a)
+    beta = torch.sigmoid(b)
     beta = (beta if net.beta_scale == 1.0 else beta * net.beta_scale).float()  # OLMo Hybrid: * 2 in the model's dtype
-    decay = (-net.a_log.float().exp() * F.softplus(lin(x, net.in_a).float() + net.dt_bias)).exp()  # [R, Hv]
+    decay = (-net.a_log.float().exp() * F.softplus(a.float() + net.dt_bias)).exp()  # [R, Hv]
     if hv != hk:  # each key head serves hv / hk consecutive value heads
         q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
     q = _l2norm(q.float())
