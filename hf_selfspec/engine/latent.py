@@ -14,11 +14,14 @@ row alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .layered import LatentAttentionWeights, apply_rope, rms_norm
+
+if TYPE_CHECKING:
+    from .layouts import RowLayout
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> torch.Tensor:
@@ -39,12 +42,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, form: str) -> 
 
 
 def query_and_key(x: torch.Tensor, block: LatentAttentionWeights, cos: torch.Tensor, sin: torch.Tensor,
-                  linear: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                  layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Normed rows x [R, H] -> (q [heads, R, kv_rank + rope]: each head's query against the
     latents, then its turned q_rope; k [1, R, kv_rank + rope]: the row's normed latent, then
-    its turned k_rope). `linear(x, module)` is the layout's product; cos / sin [R, ...] the
-    rows' RoPE tables."""
-    rows, nope, rank = x.shape[0], block.nope_dim, block.kv_rank
+    its turned k_rope). `layout` makes the products; cos / sin [R, ...] the rows' RoPE tables."""
+    linear, rows, nope, rank = layout.linear, x.shape[0], block.nope_dim, block.kv_rank
     if block.q is not None:
         q = linear(x, block.q)
     else:
@@ -53,17 +55,17 @@ def query_and_key(x: torch.Tensor, block: LatentAttentionWeights, cos: torch.Ten
     compressed = linear(x, block.kv_a)  # [R, kv_rank + rope]
     latent = rms_norm(compressed[:, :rank], block.kv_a_norm, block.norm_eps)
     k = torch.cat((latent[:, None], rotate(compressed[:, None, rank:], cos, sin, block.rope_form)), dim=-1)
-    absorbed = torch.stack([linear(q[:, h, :nope], up) for h, up in enumerate(block.k_up)], dim=1)
-    q = torch.cat((absorbed, rotate(q[..., nope:], cos, sin, block.rope_form)), dim=-1)
-    return q.transpose(0, 1), k.transpose(0, 1)
+    absorbed = layout.linear_heads(q[..., :nope].transpose(0, 1), block.k_up)  # [heads, R, kv_rank]
+    q = torch.cat((absorbed, rotate(q[..., nope:], cos, sin, block.rope_form).transpose(0, 1)), dim=-1)
+    return q, k.transpose(0, 1)
 
 
-def heads_output(o: torch.Tensor, block: LatentAttentionWeights, linear: Callable) -> torch.Tensor:
+def heads_output(o: torch.Tensor, block: LatentAttentionWeights, layout: RowLayout) -> torch.Tensor:
     """The attention's output [R, heads*(kv_rank + rope)] (each head's weighted sum of the
     cached [latent | k_rope]) -> [R, heads*v]: each head's latent part times its v_up."""
-    heads = len(block.v_up)
-    latent = o.view(o.shape[0], heads, -1)[..., :block.kv_rank]
-    return torch.cat([linear(latent[:, h], up) for h, up in enumerate(block.v_up)], dim=-1)
+    rows, heads = o.shape[0], len(block.v_up)
+    latent = o.view(rows, heads, -1)[..., :block.kv_rank].transpose(0, 1)  # [heads, R, kv_rank]
+    return layout.linear_heads(latent, block.v_up).transpose(0, 1).reshape(rows, -1)
 
 
 def cached_keys(latent: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:

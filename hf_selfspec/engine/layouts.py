@@ -107,6 +107,11 @@ class RowLayout:
         """x [rows, in] -> [rows, out], the layer's bias included."""
         raise NotImplementedError
 
+    def linear_heads(self, x: torch.Tensor, layers: Sequence[Linear]) -> torch.Tensor:
+        """x [heads, rows, in] -> [heads, rows, out]: head h's rows times layers[h] (bias-free
+        views of one weight: latent attention's per-head products), each as `linear`."""
+        return torch.stack([self.linear(x[h], layer) for h, layer in enumerate(layers)])
+
     # ---- start-up self-test ---------------------------------------------------------------
 
     @classmethod
@@ -228,6 +233,15 @@ class KernelLayout(RowLayout):
         if layer.bias is not None:
             y = y + layer.bias
         return y.to(x.dtype)
+
+    def linear_heads(self, x: torch.Tensor, layers: Sequence[Linear]) -> torch.Tensor:
+        """`linear` per head with the per-call work done once for all heads: x made
+        contiguous once, the float32 products rounded to x's dtype together (the same bits:
+        each head's product is rounded once either way)."""
+        x = x.contiguous()
+        out = [self._product(x[h], w) if w.is_contiguous() else self._product_t(x[h], w.t())
+               for h, w in enumerate(layer.weight for layer in layers)]
+        return torch.stack(out).to(x.dtype)
 
     @classmethod
     def self_test(cls, linears: Sequence[Linear]) -> bool:

@@ -567,9 +567,9 @@ class Engine:
         v, lin, R = self.view, self.layout.linear, meta.rows
         cos, sin = self._rope_tables(meta, li, R)
         if lw.latent is not None:  # DeepSeek's latent attention: one key (and value) per row
-            q, k = latent.query_and_key(x, lw.latent, cos, sin, lin)
+            q, k = latent.query_and_key(x, lw.latent, cos, sin, self.layout)
             self.k_cache[li].index_copy_(1, meta.slots[:R], k)
-            return lin(latent.heads_output(attend(q, li), lw.latent, lin), lw.o)
+            return lin(latent.heads_output(attend(q, li), lw.latent, self.layout), lw.o)
         cos, sin = cos[None], sin[None]  # [1, R, d]
         q, k, val, gate = self._qkv(x, lw, R)
         q = q.transpose(0, 1)  # [Hq, R, d]
