@@ -16,9 +16,11 @@ attention sinks (GPT-OSS, Granite-SWA: a RoPE base per layer), and sparse MoE mo
 (Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo, Mixtral, the Granite MoEs, HunYuan-MoE, PhiMoE's
 sparsemixer, Cohere 2 MoE, GPT-OSS; DeepSeek-V3's sigmoid routing: GLM-4.5, dots.llm1, Solar
 Open, K-EXAONE, MiniMax-M2; ERNIE 4.5 MoE), and hybrids whose other layers mix tokens
-without attention (LFM2, LFM2-MoE and LFM3: gated short convolutions; Qwen 3.5, its MoE and
-OLMo Hybrid: gated DeltaNets;
-their maths in mixers.py); GQA, MQA and MHA; tied or untied LM head;
+without attention (LFM2, LFM2-MoE and LFM3: gated short convolutions; Qwen 3.5, its MoE,
+Qwen3-Next and OLMo Hybrid: gated DeltaNets; Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1,
+Jamba and the Mambas: Mamba mixers; their maths in mixers.py), and the models with latent
+attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3: latent.py; DeepSeek-V2's
+softmax routing); GQA, MQA and MHA; tied or untied LM head;
 linear biases; any head_dim; every RoPE type of these models' HF rotary module (default,
 linear, dynamic, yarn, llama3, longrope), whose own tables the engine takes. Each type is listed only after its modeling code was read against Llama's:
 a model of another type is refused, never run on a guess.
@@ -148,8 +150,8 @@ CPU_ONLY_REFUSAL = (
     "LayerNorms (StableLM, OLMo 1, Phi, StarCoder 2, GPT-NeoX, GPT-2, OPT, GPT-Neo, GPT-BigCode, "
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan), short convolutions "
-    "(LFM2), gated DeltaNets (Qwen 3.5), Mamba mixers (Granite 4.0-H, Falcon-H1, Mamba) or latent attention "
-    "(DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash), which the engine's "
+    "(LFM2), gated DeltaNets (Qwen 3.5, Qwen3-Next), Mamba mixers (Granite 4.0-H, Falcon-H1, Mamba) or latent "
+    "attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -420,7 +422,6 @@ class LatentAttentionWeights:
     q_b: torch.nn.Linear | None  # [Hq*(nope+rope), q_rank]
     kv_a: torch.nn.Linear  # [kv_rank + rope, H]: kv_a_proj_with_mqa
     kv_a_norm: torch.Tensor  # [kv_rank]
-    kv_b: torch.nn.Linear  # [Hq*(nope+v), kv_rank]
     k_up: list  # per head, a MatrixView [kv_rank, nope]: its key rows of kv_b, transposed
     v_up: list  # per head, a MatrixView [v, kv_rank]: its value rows of kv_b
     nope_dim: int
@@ -437,10 +438,6 @@ class LatentAttentionWeights:
     def linears(self) -> tuple:
         return tuple(lin for lin in (self.q, self.q_a, self.q_b, self.kv_a) if lin is not None) \
             + tuple(self.k_up) + tuple(self.v_up)
-
-    @property
-    def qk_dim(self) -> int:
-        return self.nope_dim + self.rope_dim
 
 
 @dataclass
@@ -1778,7 +1775,7 @@ class LayeredModel:
         return LatentAttentionWeights(
             q=None if lora else attn.q_proj, q_a=attn.q_a_proj if lora else None,
             q_a_norm=attn.q_a_layernorm.weight if lora else None, q_b=attn.q_b_proj if lora else None,
-            kv_a=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm.weight, kv_b=attn.kv_b_proj, k_up=k_up, v_up=v_up,
+            kv_a=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm.weight, k_up=k_up, v_up=v_up,
             nope_dim=int(attn.qk_nope_head_dim), rope_dim=int(attn.qk_rope_head_dim), v_dim=int(attn.v_head_dim),
             kv_rank=int(attn.kv_lora_rank), norm_eps=float(attn.kv_a_layernorm.variance_epsilon), rope_form=form)
 

@@ -65,9 +65,10 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta) -> torch.Tensor:
-    """Qwen 3.5's gated DeltaNet (GatedDeltaNetWeights) of the normed rows x [R, H], with HF's
-    single-token decode arithmetic per row (torch_recurrent_gated_delta_rule), each row's
-    state from its parent's (meta.recurrent_rows), written at its own ring row."""
+    """Qwen 3.5's (Qwen3-Next's, OLMo Hybrid's) gated DeltaNet (GatedDeltaNetWeights) of the
+    normed rows x [R, H], with HF's single-token decode arithmetic per row
+    (torch_recurrent_gated_delta_rule), each row's state from its parent's
+    (meta.recurrent_rows), written at its own ring row."""
     v, lin = engine.view, engine.layout.linear
     R, dtype = x.shape[0], x.dtype
     hk, hv, dk, dv = net.num_k_heads, net.num_v_heads, net.k_dim, net.v_dim
