@@ -705,6 +705,55 @@ torch::Tensor rows_linear_t(torch::Tensor x, torch::Tensor wt) {
   });
 }
 
+// Per-head products in one call (latent attention's k_up / v_up: views of one weight):
+// x [H, R, K] (float32; bf16 / fp16 widened exactly first, contiguous), ws H weights of one
+// dtype, each [O, K] contiguous (transposed false: rows_linear's) or each wt [K, O] with unit
+// column stride and a row stride >= O (transposed true: rows_linear_t's) -> y [H, R, O]
+// float32, y[h] = rows_linear(x[h], ws[h]) (or rows_linear_t) bit for bit: the heads are
+// shared among the threads, each head's product run whole by one thread (an output's
+// arithmetic never depends on how the outputs are split).
+torch::Tensor rows_linear_heads(torch::Tensor x, std::vector<torch::Tensor> ws, bool transposed);
+torch::Tensor rows_linear_heads(torch::Tensor x, std::vector<torch::Tensor> ws, bool transposed) {
+  TORCH_CHECK(x.defined() && x.device().is_cpu() && float_kind(x) && x.dim() == 3 && x.is_contiguous(),
+              "rows_linear_heads: x must be a contiguous float32/bfloat16/float16 CPU tensor [H, R, K], got ",
+              x.defined() ? x.sizes() : at::IntArrayRef{});
+  const int64_t H = x.size(0), R = x.size(1), K = x.size(2);
+  TORCH_CHECK(H > 0 && R > 0 && K > 0, "rows_linear_heads: empty x (H, R and K must be >= 1), got ", x.sizes());
+  TORCH_CHECK(static_cast<int64_t>(ws.size()) == H, "rows_linear_heads: one weight per head: ", H,
+              " heads, got ", ws.size(), " weights");
+  const int64_t O = transposed ? ws[0].size(1) : ws[0].size(0);
+  for (const auto& w : ws) {
+    TORCH_CHECK(w.defined() && w.device().is_cpu() && float_kind(w) && w.dim() == 2 &&
+                    w.scalar_type() == ws[0].scalar_type(),
+                "rows_linear_heads: the weights must be 2-D CPU tensors of one float dtype, got ",
+                w.defined() ? w.sizes() : at::IntArrayRef{});
+    TORCH_CHECK(transposed ? (w.size(0) == K && w.size(1) == O && w.stride(1) == 1 && w.stride(0) >= O)
+                           : (w.size(0) == O && w.size(1) == K && w.is_contiguous()),
+                "rows_linear_heads: each weight must be ", transposed ? "wt [K, O] with unit column stride" :
+                "w [O, K] contiguous", " with K = ", K, " and the first's O = ", O, ", got ", w.sizes(),
+                " with strides ", w.strides());
+  }
+  if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
+  auto y = torch::empty({H, R, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  auto heads = [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
+      by_dtype(ws[h].scalar_type(), [&](auto tag) {
+        using T = decltype(tag);
+        const T* wp = static_cast<const T*>(ws[h].data_ptr());
+        if (transposed) linear_cols(wp, ws[h].stride(0), xp + h * R * K, yp + h * R * O, R, K, O);
+        else linear_rows(wp, xp + h * R * K, yp + h * R * O, R, K, O);
+      });
+    }
+  };
+  // torch's team: the inner products' own parallel_for runs inline in each worker; the pool
+  // takes one call at a time, so there the heads go in turn, each product split as usual
+  if (use_pool()) heads(0, H);
+  else at::parallel_for(0, H, 1, heads);
+  return y;
+}
+
 // mode 1: the AVX-512 paired-row tiles where the CPU has them (the default), 0: the 8-lane
 // tiles everywhere, -1: no change; returns 1 if paired tiles are in use (after the change).
 // Results are bit-identical either way.

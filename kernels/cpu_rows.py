@@ -144,7 +144,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text(), STATES_SOURCE.read_text()],
-                functions=["rows_linear", "rows_linear_t", "rows_attention", "rows_attention_alibi",
+                functions=["rows_linear", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
                            "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
@@ -201,6 +201,14 @@ def load_rows_linear():
     float32 / bfloat16 / float16; contiguous CPU tensors), or None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_linear
+
+
+def load_rows_linear_heads():
+    """The compiled `rows_linear_heads(x [H, R, K], ws, transposed) -> y [H, R, O] float32`:
+    y[h] = rows_linear(x[h], ws[h]) (rows_linear_t where `transposed`) bit for bit, the heads
+    shared among the threads; or None when this machine cannot build or run it."""
+    module = _load_module()
+    return None if module is None else module.rows_linear_heads
 
 
 def load_rows_linear_t():

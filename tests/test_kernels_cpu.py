@@ -27,6 +27,7 @@ from hf_selfspec.kernels.cpu_rows import (
     load_rows_layer,
     load_rows_layers,
     load_rows_linear,
+    load_rows_linear_heads,
     load_rows_linear_t,
     NO_BASE,
     NO_PATH,
@@ -448,6 +449,38 @@ def test_transposed_product_bad_arguments_are_refused(kernel_t):
     ]
     for args, words in cases:
         _bad(kernel_t, args, words)
+
+
+@pytest.mark.parametrize("pool", [False, True], ids=["openmp", "pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_head_products_equal_each_heads_product(kernel, kernel_t, dtype, pool):
+    """rows_linear_heads (latent attention's per-head products, views of one weight): head
+    h's rows == rows_linear / rows_linear_t of them alone, bit for bit, for 1 to 33 rows (the
+    16-bit paired-row tiles from 32), in torch's team and in the work pool; bad arguments
+    refused with the reason."""
+    heads = load_rows_linear_heads()
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(7 * 40, 20, generator=gen).to(dtype)  # per head 40 rows: 16 "key", 24 "value"
+    up = [weight[h * 40 + 16:(h + 1) * 40] for h in range(7)]  # [24, 20] each, contiguous
+    down = [weight[h * 40:h * 40 + 16] for h in range(7)]  # wt [K=16, O=20] each
+    try:
+        use_work_pool(pool)
+        for rows in (1, 3, 33):
+            x = torch.randn(7, rows, 20, generator=gen).to(dtype)
+            expected = torch.stack([kernel(x[h], up[h]) for h in range(7)])
+            assert torch.equal(heads(x, up, False), expected), rows
+            xt = torch.randn(7, rows, 16, generator=gen)
+            expected = torch.stack([kernel_t(xt[h], down[h]) for h in range(7)])
+            assert torch.equal(heads(xt, down, True), expected), rows
+    finally:
+        use_work_pool(False)
+    x = torch.randn(7, 2, 20)
+    cases = [((x[:, :, :8], up, False), "contiguous"), ((x, up[:6], False), "one weight per head"),
+             ((x, [w.float() for w in up[:6]] + [up[6].double()], False), "one float dtype"),
+             ((x, [w.t() for w in up], False), "w \\[O, K\\] contiguous"),
+             ((x, up, True), "wt \\[K, O\\] with unit column stride"), ((x[:0], up, False), "empty x")]
+    for args, words in cases:
+        _bad(heads, args, words)
 
 
 def _bad(fn, args, words):

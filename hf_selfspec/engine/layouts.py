@@ -208,12 +208,17 @@ class KernelLayout(RowLayout):
             load_rows_layer,
             load_rows_layers,
             load_rows_linear,
+            load_rows_linear_heads,
             load_rows_linear_t,
         )
 
         super().__init__(width)
         self._product = load_rows_linear()
         self._product_t = load_rows_linear_t()
+        self._heads = load_rows_linear_heads()
+        # per list of per-head layers (id -> (the list, its weights as rows_linear_heads
+        # takes them, transposed)): made at a block's first product
+        self._head_weights: dict[int, tuple] = {}
         self.kernel_attention = load_rows_attention()
         self.kernel_attention_alibi = load_rows_attention_alibi()
         self.kernel_attention_sinks = load_rows_attention_sinks()
@@ -235,13 +240,22 @@ class KernelLayout(RowLayout):
         return y.to(x.dtype)
 
     def linear_heads(self, x: torch.Tensor, layers: Sequence[Linear]) -> torch.Tensor:
-        """`linear` per head with the per-call work done once for all heads: x made
-        contiguous once, the float32 products rounded to x's dtype together (the same bits:
-        each head's product is rounded once either way)."""
-        x = x.contiguous()
-        out = [self._product(x[h], w) if w.is_contiguous() else self._product_t(x[h], w.t())
-               for h, w in enumerate(layer.weight for layer in layers)]
-        return torch.stack(out).to(x.dtype)
+        """`linear` per head in one C++ call (rows_linear_heads: the heads shared among the
+        threads, each head's product rows_linear's or rows_linear_t's bit for bit), the
+        float32 products rounded to x's dtype together (each is rounded once either way)."""
+        weights = self._head_weights.get(id(layers))
+        if weights is None or weights[0] is not layers:  # once per list (a block's k_up / v_up)
+            stored = [layer.weight for layer in layers]
+            if all(w.is_contiguous() for w in stored):
+                weights = (layers, stored, False)
+            elif all(_transposed_rows(w) for w in stored):
+                weights = (layers, [w.t() for w in stored], True)
+            else:  # (no such model: the heads' weights are of one kind)
+                weights = (layers, None, False)
+            self._head_weights[id(layers)] = weights
+        if weights[1] is None or self._heads is None:
+            return super().linear_heads(x, layers)
+        return self._heads(x.contiguous(), weights[1], weights[2]).to(x.dtype)
 
     @classmethod
     def self_test(cls, linears: Sequence[Linear]) -> bool:
