@@ -309,6 +309,16 @@ RANDOM_SHAPES = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
         "Qwen3-Next-80B-A3B's shape (318 GB in fp32: --layers 4 --dtype bfloat16; gated DeltaNets with fused "
         "projections in 3 of 4 layers, gated attention, 512 experts, 10 per token, a gated shared one)"),
+    "mistral_small_4": ("Mistral4Config", "Mistral4ForCausalLM", dict(
+        vocab_size=131072, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=32, q_lora_rank=1024, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=4, moe_intermediate_size=2048,
+        first_k_dense_replace=0, max_position_embeddings=1048576, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0,
+                         "original_max_position_embeddings": 8192, "llama_4_scaling_beta": 0.1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+        "Mistral-Small-4-119B's shape (476 GB in fp32: --layers 1 --dtype bfloat16; latent attention, 128 "
+        "experts, 4 per token, a shared one; served below its query scaling, 8,192 positions)"),
     "youtu_llm_2b": ("YoutuConfig", "YoutuForCausalLM", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=6144, num_hidden_layers=32, num_attention_heads=16,
         num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

@@ -490,6 +490,15 @@ SUPPORTED = {
                                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
                                n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, moe_intermediate_size=32,
                                first_k_dense_replace=1, router_scale=1.0),
+    # Mistral 4: DeepSeek-V3's attention (served below its Llama-4 query scaling), a softmax
+    # router in the rows' dtype choosing within groups, renormalised
+    "mistral4": dict(arch="Mistral4", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                     qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=1, first_k_dense_replace=1,
+                     routed_scaling_factor=1.5, random_norms=True, router_scale=1.0,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 128, "llama_4_scaling_beta": 0.1,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0}),
     # Youtu-LLM: DeepSeek-V3's attention in dense layers, tied embeddings
     "youtu": dict(arch="Youtu", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=True, random_norms=True),
@@ -574,7 +583,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
-                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next"])
+                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -841,14 +850,15 @@ def test_gpt2_weights_are_read_in_place():
             assert lin.weight.untyped_storage().data_ptr() in storages and not lin.weight.is_contiguous()
 
 
-def test_ministral3_served_below_its_query_scaling():
-    """Ministral 3 scales its queries from original_max_position_embeddings on: a request
-    ending there is HF's greedy output; one reaching past it is refused before any work,
-    naming why."""
-    overrides = dict(SUPPORTED["ministral3"])
+@pytest.mark.parametrize("case,start", [("ministral3", 512), ("mistral4", 128)])
+def test_served_below_the_query_scaling(case, start):
+    """Ministral 3 and Mistral 4 scale their queries from original_max_position_embeddings
+    on: a request ending there is HF's greedy output; one reaching past it is refused before
+    any work, naming why."""
+    overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
     attach_heads(model, heads=False)
-    below = prompts(512 - NEW)[0]
+    below = prompts(start - NEW)[0]
     assert self_greedy(model, [below])[0] == hf_greedy(model, below)
     with pytest.raises(ValueError, match="original_max_position_embeddings.*llama_4_scaling_beta"):
         self_greedy(model, [below + [5]])

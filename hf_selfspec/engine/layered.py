@@ -52,10 +52,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
-                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next")
+                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash
-# too), DeepSeek-V2's (its RoPE in complex numbers), MiniCPM3's (rotate_half)
-LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3")
+# too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
+# MiniCPM3's (rotate_half)
+LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "mistral4")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE) and Qwen3-Next: attention gating its output by a sigmoid of more rows
@@ -106,7 +107,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next")
+             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -820,6 +821,7 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     float weights (a quantized or biased expert, or another router, is refused by name)."""
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
                   "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe, "deepseek_v2": _check_deepseek_v2_moe,
+                  "mistral4": _check_mistral4_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
@@ -1007,6 +1009,26 @@ def _check_deepseek_v2_moe(name: str, block) -> None:
     _check_gated_mlp(f"{name}.shared_experts", shared)
 
 
+def _check_mistral4_moe(name: str, block) -> None:
+    """Mistral 4's MoE form (routing.softmax_grouped): a router with a float weight [E, H],
+    top_k, num_group / topk_group, norm_topk_prob and routed_scaling_factor; experts of
+    gate_up_proj / down_proj; a gated shared MLP (`shared_experts`)."""
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
+    weight = getattr(router, "weight", None)
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
+            and isinstance(getattr(router, "num_group", None), int) and isinstance(getattr(router, "topk_group", None), int)
+            and router.num_group > 0 and weight.shape[0] % router.num_group == 0
+            and weight.shape[0] // router.num_group >= 2
+            and _standard_experts(experts, weight.shape[0])
+            and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
+    if not fits:
+        raise _moe_refusal(
+            name, block, "for Mistral 4 it runs a float softmax router with groups, experts of gate_up_proj / "
+            "down_proj and a gated shared MLP only")
+    _check_gated_mlp(f"{name}.shared_experts", shared)
+
+
 def _check_sigmoid_router_moe(name: str, block) -> None:
     """DeepSeek-V3's MoE form (MoEWeights' correction_bias): a router with a float weight
     [E, H], e_score_correction_bias [E], n_group / topk_group / norm_topk_prob /
@@ -1068,11 +1090,11 @@ def served_positions(config, windowed: bool = False) -> int | None:
 
 
 def query_scaling_positions(config) -> int | None:
-    """Where Ministral 3 starts scaling its queries by position (Llama 4's attention
-    temperature, 1 + beta * log(1 + floor(p / original_max_position_embeddings)), after RoPE):
-    below original_max_position_embeddings the factor is exactly 1, which the engine serves;
-    None where no query is scaled (every other model, or a beta of 0)."""
-    if config.model_type != "ministral3":
+    """Where Ministral 3 and Mistral 4 start scaling their queries by position (Llama 4's
+    attention temperature, 1 + beta * log(1 + floor(p / original_max_position_embeddings)),
+    after RoPE): below original_max_position_embeddings the factor is exactly 1, which the
+    engine serves; None where no query is scaled (every other model, or a beta of 0)."""
+    if config.model_type not in ("ministral3", "mistral4"):
         return None
     params = getattr(config, "rope_parameters", None) or {}
     if not params.get("llama_4_scaling_beta"):
@@ -1829,6 +1851,11 @@ class LayeredModel:
                 routing.softmax_group_limited, top_k=top_k, n_group=int(router.num_group or 1),
                 topk_group=int(router.topk_group or 1), limited=router.topk_method == "group_limited_greedy",
                 scaling=float(router.routed_scaling_factor)), router_input_float32=True, shared=shared)
+        if model_type == "mistral4":  # the softmax (the rows' dtype) within the best groups, renormalised
+            return MoEWeights(**parts, route=functools.partial(
+                routing.softmax_grouped, top_k=top_k, n_group=int(router.num_group),
+                topk_group=int(router.topk_group), normalize=bool(router.norm_topk_prob),
+                scaling=float(router.routed_scaling_factor)), shared=shared)
         if model_type == "lfm2_moe":  # sigmoid scores in the model's dtype, chosen with the block's bias
             return MoEWeights(**parts, route=functools.partial(
                 routing.sigmoid_topk, top_k=top_k, expert_bias=block.expert_bias if block.use_expert_bias else None,

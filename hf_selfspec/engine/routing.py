@@ -73,6 +73,25 @@ def softmax_group_limited(logits: torch.Tensor, dtype: torch.dtype, *, top_k: in
     return top * scaling, chosen
 
 
+def softmax_grouped(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, n_group: int, topk_group: int,
+                    normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mistral 4's routing, HF's ops in HF's order, in the logits' dtype: the softmax; the
+    choice among the experts of the topk_group best of n_group groups (a group's worth: its
+    two best scores; the others' scores zeroed); the chosen scores, renormalised where
+    `normalize` (their sum + 1e-20), times `scaling`."""
+    scores = logits.softmax(-1)
+    n, experts = scores.shape
+    group_scores = scores.view(n, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
+    chosen = torch.topk(scores.masked_fill(~score_mask.bool(), 0.0), k=top_k, dim=-1, sorted=False)[1]
+    top = scores.gather(1, chosen)
+    if normalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * scaling, chosen
+
+
 def sigmoid_topk(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, expert_bias: torch.Tensor | None,
                  normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """LFM2-MoE: sigmoid scores in the logits' dtype; the choice by score + expert_bias [E]
