@@ -988,66 +988,57 @@ def _check_gpt_oss_moe(name: str, block) -> bool:
         and shapes["down_proj_bias"] == (E, H) and tuple(params["bias"].shape) == (E,)
 
 
-def _check_deepseek_v2_moe(name: str, block) -> None:
-    """DeepSeek-V2's MoE form (routing.softmax_group_limited): a router with a float weight
-    [E, H], top_k, routed_scaling_factor and its topk_method ("greedy", or
-    "group_limited_greedy" with num_group / topk_group); experts of gate_up_proj / down_proj;
-    a gated shared MLP (`shared_experts`)."""
+def _check_shared_expert_moe(name: str, block, router_fits: Callable, form: str) -> None:
+    """The DeepSeek-style MoE forms: a router with a float weight [E, H] that
+    `router_fits(router, weight)`, experts of gate_up_proj [E, 2I, H] / down_proj [E, H, I]
+    and a plain gated shared MLP (`shared_experts`); anything else is refused by name, `form`
+    saying what runs."""
     router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
     weight = getattr(router, "weight", None)
     fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and all(hasattr(router, a) for a in ("top_k", "num_group", "topk_group", "routed_scaling_factor"))
-            and getattr(router, "topk_method", None) in ("greedy", "group_limited_greedy")
-            and (router.topk_method == "greedy" or (isinstance(router.num_group, int) and isinstance(router.topk_group, int)
-                                                    and router.num_group > 0 and weight.shape[0] % router.num_group == 0))
-            and _standard_experts(experts, weight.shape[0])
+            and router_fits(router, weight) and _standard_experts(experts, weight.shape[0])
             and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
     if not fits:
-        raise _moe_refusal(
-            name, block, "for DeepSeek-V2 it runs a float softmax router (greedy or group-limited top-k), experts of "
-            "gate_up_proj / down_proj and a gated shared MLP only")
+        raise _moe_refusal(name, block, f"{form}, experts of gate_up_proj / down_proj and a gated shared MLP only")
     _check_gated_mlp(f"{name}.shared_experts", shared)
+
+
+def _groups_fit(router, weight: torch.Tensor) -> bool:
+    """num_group int groups of at least 2 experts each, topk_group an int."""
+    groups = getattr(router, "num_group", None)
+    return (isinstance(groups, int) and isinstance(getattr(router, "topk_group", None), int) and groups > 0
+            and weight.shape[0] % groups == 0 and weight.shape[0] // groups >= 2)
+
+
+def _check_deepseek_v2_moe(name: str, block) -> None:
+    """DeepSeek-V2's MoE form (routing.softmax_group_limited): top_k, routed_scaling_factor
+    and its topk_method ("greedy", or "group_limited_greedy" with num_group / topk_group)."""
+    _check_shared_expert_moe(name, block, lambda router, weight: (
+        all(hasattr(router, a) for a in ("top_k", "routed_scaling_factor"))
+        and getattr(router, "topk_method", None) in ("greedy", "group_limited_greedy")
+        and (router.topk_method == "greedy" or _groups_fit(router, weight))),
+        "for DeepSeek-V2 it runs a float softmax router (greedy or group-limited top-k)")
 
 
 def _check_mistral4_moe(name: str, block) -> None:
-    """Mistral 4's MoE form (routing.softmax_grouped): a router with a float weight [E, H],
-    top_k, num_group / topk_group, norm_topk_prob and routed_scaling_factor; experts of
-    gate_up_proj / down_proj; a gated shared MLP (`shared_experts`)."""
-    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
-    weight = getattr(router, "weight", None)
-    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
-            and isinstance(getattr(router, "num_group", None), int) and isinstance(getattr(router, "topk_group", None), int)
-            and router.num_group > 0 and weight.shape[0] % router.num_group == 0
-            and weight.shape[0] // router.num_group >= 2
-            and _standard_experts(experts, weight.shape[0])
-            and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
-    if not fits:
-        raise _moe_refusal(
-            name, block, "for Mistral 4 it runs a float softmax router with groups, experts of gate_up_proj / "
-            "down_proj and a gated shared MLP only")
-    _check_gated_mlp(f"{name}.shared_experts", shared)
+    """Mistral 4's MoE form (routing.softmax_grouped): top_k, num_group / topk_group,
+    norm_topk_prob and routed_scaling_factor."""
+    _check_shared_expert_moe(name, block, lambda router, weight: (
+        all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
+        and _groups_fit(router, weight)), "for Mistral 4 it runs a float softmax router with groups")
 
 
 def _check_sigmoid_router_moe(name: str, block) -> None:
-    """DeepSeek-V3's MoE form (MoEWeights' correction_bias): a router with a float weight
-    [E, H], e_score_correction_bias [E], n_group / topk_group / norm_topk_prob /
-    routed_scaling_factor / top_k; experts of gate_up_proj [E, 2I, H] / down_proj [E, H, I];
-    a plain gated shared MLP (`shared_experts`). Anything else is refused by name."""
-    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
-    weight, bias = getattr(router, "weight", None), getattr(router, "e_score_correction_bias", None)
-    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
-            and all(hasattr(router, a) for a in ("top_k", "num_group", "topk_group", "norm_topk_prob",
-                                                  "routed_scaling_factor"))
-            and weight.shape[0] % router.num_group == 0 and weight.shape[0] // router.num_group >= 2
-            and _standard_experts(experts, weight.shape[0])
-            and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
-    if not fits:
-        raise _moe_refusal(
-            name, block, "for this model type it runs DeepSeek-V3's sigmoid router with a correction bias, experts of "
-            "gate_up_proj / down_proj and a gated shared MLP only")
-    _check_gated_mlp(f"{name}.shared_experts", shared)
+    """DeepSeek-V3's MoE form (routing.sigmoid_grouped): e_score_correction_bias [E],
+    n_group / topk_group / norm_topk_prob / routed_scaling_factor / top_k."""
+    def router_fits(router, weight):
+        bias = getattr(router, "e_score_correction_bias", None)
+        return (isinstance(bias, torch.Tensor) and bias.shape == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+                and all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
+                and _groups_fit(router, weight))
+
+    _check_shared_expert_moe(name, block, router_fits,
+                             "for this model type it runs DeepSeek-V3's sigmoid router with a correction bias")
 
 
 def attention_window(config) -> int | None:
