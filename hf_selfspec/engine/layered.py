@@ -19,8 +19,8 @@ Open, K-EXAONE, MiniMax-M2; ERNIE 4.5 MoE), and hybrids whose other layers mix t
 without attention (LFM2, LFM2-MoE and LFM3: gated short convolutions; Qwen 3.5, its MoE,
 Qwen3-Next and OLMo Hybrid: gated DeltaNets; Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1,
 Jamba and the Mambas: Mamba mixers; their maths in mixers.py), and the models with latent
-attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3: latent.py; DeepSeek-V2's
-softmax routing); GQA, MQA and MHA; tied or untied LM head;
+attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3, Mistral 4: latent.py; the
+softmax routings of DeepSeek-V2 and Mistral 4); GQA, MQA and MHA; tied or untied LM head;
 linear biases; any head_dim; every RoPE type of these models' HF rotary module (default,
 linear, dynamic, yarn, llama3, longrope), whose own tables the engine takes. Each type is listed only after its modeling code was read against Llama's:
 a model of another type is refused, never run on a guess.
@@ -152,7 +152,7 @@ CPU_ONLY_REFUSAL = (
     "GPT-J, CodeGen, Falcon, Nemotron, Bloom, MPT, Jais 2, Cohere 2, PhiMoE, NanoChat), MoE blocks, "
     "attention sinks (GPT-OSS, Granite-SWA), q/k norms after RoPE (HunYuan), short convolutions "
     "(LFM2), gated DeltaNets (Qwen 3.5, Qwen3-Next), Mamba mixers (Granite 4.0-H, Falcon-H1, Mamba) or latent "
-    "attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3), which the engine's "
+    "attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3, Mistral 4), which the engine's "
     "CUDA programs do not serve yet: use it on the CPU, or plain "
     "model.generate()")
 # models whose RMSNorm scales by (1 + w), in float32, then rounds to the input's dtype
@@ -403,9 +403,9 @@ class Mamba1Weights:
 
 @dataclass
 class LatentAttentionWeights:
-    """Multi-head latent attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3),
-    HF's maths: q = q_b(norm(q_a(h))) (or q_proj(h) without a query LoRA), each head's
-    [nope | rope] columns; kv_a(h) = [latent | k_rope]; k_nope and v of each head =
+    """Multi-head latent attention (DeepSeek-V2 / V3, Youtu-LLM, GLM-4.7-Flash, MiniCPM3,
+    Mistral 4), HF's maths: q = q_b(norm(q_a(h))) (or q_proj(h) without a query LoRA), each
+    head's [nope | rope] columns; kv_a(h) = [latent | k_rope]; k_nope and v of each head =
     kv_b(norm(latent)); k_rope, one for all heads, and each head's q_rope are rotated;
     k = [k_nope | k_rope].
 
