@@ -499,6 +499,11 @@ SUPPORTED = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 128, "llama_4_scaling_beta": 0.1,
                                       "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # A.X-K1: DeepSeek-V3's attention and MoE, its MoE blocks' output RMS-normed
+    "axk1": dict(arch="AXK1", num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
+                 num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+                 routed_scaling_factor=2.5, random_norms=True),
     # Youtu-LLM: DeepSeek-V3's attention in dense layers, tied embeddings
     "youtu": dict(arch="Youtu", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=True, random_norms=True),
@@ -583,7 +588,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
-                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4"])
+                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

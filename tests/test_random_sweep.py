@@ -211,13 +211,17 @@ ARCHS = {
                      n_group=4, topk_group=2, first_k_dense_replace=1,
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
                                       "original_max_position_embeddings": 1024, "llama_4_scaling_beta": 0.1}),
+    # A.X-K1: DeepSeek-V3's attention and MoE, the MoE blocks' output normed
+    "AXK1": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                 n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                 n_group=2, topk_group=1, first_k_dense_replace=1),
     # MiniCPM3: that attention (rotate_half), scaled embedding rows and residual branches, the
     # final hidden state divided before the LM head
     "MiniCPM3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                      scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
 }
 # latent attention: every head its own keys and values (HF's fails otherwise)
-LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite", "MiniCPM3", "Mistral4")
+LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite", "MiniCPM3", "Mistral4", "AXK1")
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
                  "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part

@@ -52,11 +52,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
-                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4")
+                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash
 # too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
 # MiniCPM3's (rotate_half)
-LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "mistral4")
+LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "mistral4", "axk1")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE) and Qwen3-Next: attention gating its output by a sigmoid of more rows
@@ -107,11 +107,12 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4")
+             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe", "deepseek_v3", "glm4_moe_lite")
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe", "deepseek_v3", "glm4_moe_lite",
+                        "axk1")
 # Granite MoE and its kin: the softmax of the top-k router logits; GraniteMoeShared and
 # Granite-MoE-SWA add the layer's ungated shared MLP (`shared_mlp`, gate and up rows fused)
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
@@ -1759,8 +1760,10 @@ class LayeredModel:
             # HyperCLOVAX post_norm1 / post_norm2 (its Peri-LN)
             attn_out_norm=norm("post_attention_layernorm") if out_norms
             else norm(_first_held(layer, ("post_self_attn_layernorm", "post_norm1", "post_operator_norm"))),
+            # (A.X-K1's MoE blocks norm their own output: post_mlp_layernorm in the block)
             mlp_out_norm=norm(_first_held(layer, ("post_feedforward_layernorm", "post_mlp_layernorm", "post_norm2",
-                                                  "post_ffn_norm"))),
+                                                  "post_ffn_norm")))
+            if getattr(mlp, "post_mlp_layernorm", None) is None else held(mlp.post_mlp_layernorm),
             act=act,
             qkv=qkv,
             qkv_layout=qkv_layout,
