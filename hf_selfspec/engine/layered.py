@@ -428,7 +428,6 @@ class LatentAttentionWeights:
     v_up: list  # per head, a MatrixView [v, kv_rank]: its value rows of kv_b
     nope_dim: int
     rope_dim: int
-    v_dim: int
     kv_rank: int
     norm_eps: float  # the latent norms' own (HF builds them with its default, 1e-6)
     # how HF rotates the rope columns: "half" (rotate_half), "pairs_to_half" (DeepSeek-V3's
@@ -1792,7 +1791,7 @@ class LayeredModel:
             q=None if lora else attn.q_proj, q_a=attn.q_a_proj if lora else None,
             q_a_norm=attn.q_a_layernorm.weight if lora else None, q_b=attn.q_b_proj if lora else None,
             kv_a=attn.kv_a_proj_with_mqa, kv_a_norm=attn.kv_a_layernorm.weight, k_up=k_up, v_up=v_up,
-            nope_dim=int(attn.qk_nope_head_dim), rope_dim=int(attn.qk_rope_head_dim), v_dim=int(attn.v_head_dim),
+            nope_dim=nope, rope_dim=int(attn.qk_rope_head_dim),
             kv_rank=int(attn.kv_lora_rank), norm_eps=float(attn.kv_a_layernorm.variance_epsilon), rope_form=form)
 
     def _mamba2(self, block) -> Mamba2Weights:

@@ -31,6 +31,19 @@ def topk_softmax(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int,
     return torch.softmax(top, dim=-1).to(logits.dtype), chosen
 
 
+def within_best_groups(values: torch.Tensor, group_scores: torch.Tensor, topk_group: int,
+                       fill: float) -> torch.Tensor:
+    """values [n, E] with every expert outside the topk_group best of the groups (by
+    group_scores [n, n_group], each group E / n_group consecutive experts) set to `fill`:
+    the group-limited choice of DeepSeek-V2 / V3 and Mistral 4, HF's ops in HF's order."""
+    n, experts = values.shape
+    n_group = group_scores.shape[1]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
+    return values.masked_fill(~score_mask.bool(), fill)
+
+
 def sigmoid_grouped(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, correction_bias: torch.Tensor,
                     n_group: int, topk_group: int, normalize: bool, norm_eps: float,
                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +57,7 @@ def sigmoid_grouped(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, cor
     choice = scores + correction_bias
     n, experts = choice.shape
     group_scores = choice.view(n, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
-    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    choice = within_best_groups(choice, group_scores, topk_group, float("-inf"))
     chosen = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     top = scores.gather(1, chosen)
     if normalize:
@@ -65,10 +75,7 @@ def softmax_group_limited(logits: torch.Tensor, dtype: torch.dtype, *, top_k: in
     if limited:
         n, experts = scores.shape
         group_scores = scores.view(n, n_group, experts // n_group).max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
-        scores = scores.masked_fill(~score_mask.bool(), 0.0)
+        scores = within_best_groups(scores, group_scores, topk_group, 0.0)
     top, chosen = torch.topk(scores, k=top_k, dim=-1, sorted=False)
     return top * scaling, chosen
 
@@ -82,10 +89,7 @@ def softmax_grouped(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, n_g
     scores = logits.softmax(-1)
     n, experts = scores.shape
     group_scores = scores.view(n, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-    score_mask = group_mask.unsqueeze(-1).expand(n, n_group, experts // n_group).reshape(n, experts)
-    chosen = torch.topk(scores.masked_fill(~score_mask.bool(), 0.0), k=top_k, dim=-1, sorted=False)[1]
+    chosen = torch.topk(within_best_groups(scores, group_scores, topk_group, 0.0), k=top_k, dim=-1, sorted=False)[1]
     top = scores.gather(1, chosen)
     if normalize:
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
