@@ -315,11 +315,14 @@ def _windowed(model) -> bool:
 def _check_positions(model, need: int, whose: str) -> None:
     scaled_from = query_scaling_positions(text_config(model))
     if scaled_from is not None and need > scaled_from:
+        what = ("scales its NoPE layers' queries by position (attn_temperature_tuning, floor_scale) or "
+                "attends within chunks (attention_chunk_size)"
+                if text_config(model).model_type == "llama4_text" else
+                "scales its queries by position (from original_max_position_embeddings: llama_4_scaling_beta)")
         raise ValueError(
             f"this request needs {need} positions (prompt + max_new_tokens); from position "
-            f"{scaled_from} (original_max_position_embeddings) {whose} attention scales its queries by "
-            "position (llama_4_scaling_beta), which hf_selfspec's engine does not: shorten the prompt "
-            "or lower max_new_tokens, or run this request with plain model.generate()")
+            f"{scaled_from} {whose} attention {what}, which hf_selfspec's engine does not: shorten the "
+            "prompt or lower max_new_tokens, or run this request with plain model.generate()")
     limit = getattr(text_config(model), "max_position_embeddings", None) or need
     if need > limit:
         raise ValueError(

@@ -319,6 +319,14 @@ RANDOM_SHAPES = {
                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
         "Mistral-Small-4-119B's shape (476 GB in fp32: --layers 1 --dtype bfloat16; latent attention, 128 "
         "experts, 4 per token, a shared one; served below its query scaling, 8,192 positions)"),
+    "llama4_scout": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=10485760, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
+        "Llama-4-Scout-17B-16E's text shape (436 GB in fp32: --layers 1 --dtype bfloat16; 16 experts, 1 per "
+        "token, a shared one; NoPE every 4th layer; served below its chunks and query temperature, 8,191 positions)"),
     "youtu_llm_2b": ("YoutuConfig", "YoutuForCausalLM", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=6144, num_hidden_layers=32, num_attention_heads=16,
         num_key_value_heads=16, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,

@@ -504,6 +504,19 @@ SUPPORTED = {
                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
                  num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
                  routed_scaling_factor=2.5, random_norms=True),
+    # Llama 4 (Scout's form): RoPE on adjacent pairs as complex products in float32 (llama3
+    # scaling), each head's q and k L2-normed after it on the RoPE layers, NoPE layers between;
+    # dense MLPs and MoE blocks interleaved, the top-1 expert's input scaled by its sigmoid
+    # weight, a shared expert added
+    "llama4": dict(arch="Llama4Text", model_class="Llama4ForCausalLM", num_hidden_layers=4, num_local_experts=4,
+                   num_experts_per_tok=1, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+                   no_rope_layer_interval=2, random_norms=True,
+                   **rope("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64)),
+    # Maverick's form without q/k norms, every layer MoE; here two experts per row and biases
+    "llama4-top2-no-qk-norm": dict(arch="Llama4Text", model_class="Llama4ForCausalLM", num_hidden_layers=3,
+                                   num_local_experts=4, num_experts_per_tok=2, use_qk_norm=False,
+                                   attention_bias=True, no_rope_layer_interval=3),
     # Youtu-LLM: DeepSeek-V3's attention in dense layers, tied embeddings
     "youtu": dict(arch="Youtu", num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
                   qk_rope_head_dim=8, v_head_dim=16, tie_word_embeddings=True, random_norms=True),
@@ -588,7 +601,8 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "granitemoehybrid-moe-rope",
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
-                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1"])
+                                  "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1",
+                                  "llama4"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -807,7 +821,8 @@ def test_gemma3_image_inputs_refused(media):
                                        ("ernie4_5-rope-pairs", True), ("phi", True), ("olmoe-clip-qkv", True),
                                        ("hunyuan-qk-norm-after-rope", True), ("gpt2", True), ("lfm2", True),
                                        ("qwen3_5", True), ("granitemoehybrid", True),
-                                       ("mamba", True), ("mamba2", True), ("deepseek_v3", True), ("youtu", True)])
+                                       ("mamba", True), ("mamba2", True), ("deepseek_v3", True), ("youtu", True),
+                                       ("llama4", True)])
 def test_what_only_the_cpu_programs_serve(case, cuda):
     """The models attach_heads refuses on CUDA (layered.cpu_only: soft caps, a RoPE per layer
     type, RoPE pairs), decided from the model alone."""
@@ -855,17 +870,24 @@ def test_gpt2_weights_are_read_in_place():
             assert lin.weight.untyped_storage().data_ptr() in storages and not lin.weight.is_contiguous()
 
 
-@pytest.mark.parametrize("case,start", [("ministral3", 512), ("mistral4", 128)])
-def test_served_below_the_query_scaling(case, start):
+SCALED_QUERIES = "original_max_position_embeddings.*llama_4_scaling_beta"
+LLAMA4_LIMITS = "attn_temperature_tuning, floor_scale.*attention_chunk_size"
+
+
+@pytest.mark.parametrize("case,extra,start,why", [
+    ("ministral3", {}, 512, SCALED_QUERIES), ("mistral4", {}, 128, SCALED_QUERIES),
+    ("llama4", {"floor_scale": 64}, 63, LLAMA4_LIMITS), ("llama4", {"attention_chunk_size": 48}, 48, LLAMA4_LIMITS)])
+def test_served_below_the_query_scaling(case, extra, start, why):
     """Ministral 3 and Mistral 4 scale their queries from original_max_position_embeddings
-    on: a request ending there is HF's greedy output; one reaching past it is refused before
-    any work, naming why."""
-    overrides = dict(SUPPORTED[case])
+    on; Llama 4 its NoPE layers' queries from floor_scale - 1, and its chunked layers attend
+    within chunks: a request ending there is HF's greedy output; one reaching past it is
+    refused before any work, naming why."""
+    overrides = dict(SUPPORTED[case], **extra)
     model = build(overrides.pop("arch"), **overrides)
     attach_heads(model, heads=False)
     below = prompts(start - NEW)[0]
     assert self_greedy(model, [below])[0] == hf_greedy(model, below)
-    with pytest.raises(ValueError, match="original_max_position_embeddings.*llama_4_scaling_beta"):
+    with pytest.raises(ValueError, match=why):
         self_greedy(model, [below + [5]])
 
 
@@ -1077,7 +1099,8 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("deepseek_v3-yarn-wide-v", "layers.1.self_attn.q_proj"),
                                        ("minicpm3", "layers.2.self_attn.kv_a_proj_with_mqa"),
                                        ("qwen3_next", "layers.0.linear_attn.in_proj_qkvz"),
-                                       ("qwen3_next", "layers.2.linear_attn.in_proj_ba")])
+                                       ("qwen3_next", "layers.2.linear_attn.in_proj_ba"),
+                                       ("llama4", "layers.1.feed_forward.shared_expert.up_proj")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

@@ -219,11 +219,16 @@ ARCHS = {
     # final hidden state divided before the LM head
     "MiniCPM3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                      scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
+    # Llama 4: RoPE pairs in float32, L2 q/k norms after it, a NoPE layer; dense and MoE layers
+    # (the top-1 expert's input scaled by its sigmoid weight, a shared expert)
+    "Llama4Text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
+                       interleave_moe_layer_step=2, no_rope_layer_interval=2),
 }
 # latent attention: every head its own keys and values (HF's fails otherwise)
 LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite", "MiniCPM3", "Mistral4", "AXK1")
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
-                 "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM"}
+                 "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM",
+                 "Llama4Text": "Llama4ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
 
 
@@ -245,7 +250,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH"):
+                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH", "Llama4Text"):
         config["head_dim"] = hidden // heads
     if arch in LATENT_ARCHS:
         config["num_key_value_heads"] = heads

@@ -52,7 +52,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
-                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1")
+                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1", "llama4_text")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash
 # too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
 # MiniCPM3's (rotate_half)
@@ -104,7 +104,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
                     "gpt_bigcode", "gptj", "falcon", "nemotron", "codegen", "bloom", "mpt", "jais2", "cohere2",
                     "phimoe", "cohere2_moe", "nanochat")
 # sparse MoE models (MoEWeights): their layers run as PyTorch ops around the engine's products
-MOE_TYPES = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
+MOE_TYPES = ("llama4_text", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
              "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1")
@@ -160,12 +160,12 @@ CPU_ONLY_REFUSAL = (
 NORM_PLUS_ONE_TYPES = ("gemma", "gemma2", "gemma3_text", "vaultgemma") + QWEN3_5_TYPES
 # models whose RoPE turns adjacent pairs of a head's dimensions, not its two halves
 ROPE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "cohere", "helium", "gptj", "codegen", "cohere2", "ernie4_5_moe",
-                    "cohere2_moe")
+                    "cohere2_moe", "llama4_text")
 # of them, those whose rotary module gives the halves' tables, interleaved by their
 # apply_rotary_pos_emb (Cohere's module interleaves its own)
 HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen", "ernie4_5_moe")
 # models whose per-head q/k norms come after RoPE
-QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe", "nanochat")
+QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe", "nanochat", "llama4_text")
 # models whose full-attention layers go unrotated when the model has a sliding window
 GLOBAL_NOPE_TYPES = ("exaone4", "exaone_moe")
 # models that rotate q and k in their sliding layers only (Cohere 2: its full-attention
@@ -258,6 +258,9 @@ class MoEWeights:
     shared_gate: torch.nn.Linear | None = None
     # Cohere 2 MoE's "average": (experts + shared) / 2 (else their sum)
     shared_average: bool = False
+    # Llama 4: a row's weight scales its rows into the expert (act(gate(w x)) * up(w x) ->
+    # down), not the expert's output
+    weights_scale_inputs: bool = False
 
     @property
     def linears(self) -> tuple:
@@ -826,6 +829,12 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
         return
+    if model_type == "llama4_text":
+        if _check_llama4_moe(name, block):
+            return
+        raise _moe_refusal(
+            name, block, "for Llama 4 it runs a float top-k router without a bias, experts of gate_up_proj / "
+            "down_proj stored [in, out] and a gated shared expert only")
     if model_type == "gpt_oss":
         if _check_gpt_oss_moe(name, block):
             return
@@ -988,6 +997,31 @@ def _check_gpt_oss_moe(name: str, block) -> bool:
         and shapes["down_proj_bias"] == (E, H) and tuple(params["bias"].shape) == (E,)
 
 
+def _check_llama4_moe(name: str, block) -> bool:
+    """Whether an MoE block is Llama 4's form (routing.topk_then_sigmoid, the weights scaling the
+    experts' inputs): a router holding exactly a float weight [E, H] (no bias) and top_k,
+    experts holding exactly gate_up_proj [E, H, 2I] and down_proj [E, I, H] (stored [in, out])
+    and their activation, and a shared expert of plain gate / up / down projections."""
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_expert", None)
+    params = dict(router.named_parameters(recurse=False)) if isinstance(router, torch.nn.Module) else {}
+    weights = dict(experts.named_parameters(recurse=False))
+    gate_up, down = weights.get("gate_up_proj"), weights.get("down_proj")
+    if set(params) != {"weight"} or params["weight"].dim() != 2 or params["weight"].dtype not in FLOAT_DTYPES \
+            or not isinstance(getattr(router, "top_k", None), int) or list(router.children()) \
+            or set(weights) != {"gate_up_proj", "down_proj"} or not hasattr(experts, "act_fn") \
+            or any(child is not experts.act_fn for child in experts.children()) \
+            or not _gated_or_none(shared) or shared is None:
+        return False
+    E, H = params["weight"].shape
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.dtype not in FLOAT_DTYPES or down.dtype not in FLOAT_DTYPES:
+        return False
+    two_i = gate_up.shape[2]
+    if tuple(gate_up.shape[:2]) != (E, H) or two_i % 2 or tuple(down.shape) != (E, two_i // 2, H):
+        return False
+    _check_gated_mlp(f"{name}.shared_expert", shared)
+    return True
+
+
 def _check_shared_expert_moe(name: str, block, router_fits: Callable, form: str) -> None:
     """The DeepSeek-style MoE forms: a router with a float weight [E, H] that
     `router_fits(router, weight)`, experts of gate_up_proj [E, 2I, H] / down_proj [E, H, I]
@@ -1084,7 +1118,17 @@ def query_scaling_positions(config) -> int | None:
     """Where Ministral 3 and Mistral 4 start scaling their queries by position (Llama 4's
     attention temperature, 1 + beta * log(1 + floor(p / original_max_position_embeddings)),
     after RoPE): below original_max_position_embeddings the factor is exactly 1, which the
-    engine serves; None where no query is scaled (every other model, or a beta of 0)."""
+    engine serves; None where no query is scaled (every other model, or a beta of 0).
+    Llama 4 itself: its NoPE layers' queries times 1 + attn_scale * log1p(floor((p + 1) /
+    floor_scale)), exactly 1 while p + 1 < floor_scale; and its chunked layers attend within
+    chunks of attention_chunk_size positions, all one chunk (causal attention) below it."""
+    if config.model_type == "llama4_text":
+        limits = []
+        if config.attn_temperature_tuning and not all(config.no_rope_layers):
+            limits.append(int(config.floor_scale) - 1)
+        if config.attention_chunk_size and "chunked_attention" in (config.layer_types or ()):
+            limits.append(int(config.attention_chunk_size))
+        return min(limits, default=None)
     if config.model_type not in ("ministral3", "mistral4"):
         return None
     params = getattr(config, "rope_parameters", None) or {}
@@ -1503,7 +1547,7 @@ class LayeredModel:
                        for name in names]
         for i, layer in enumerate(layers):
             if hasattr(_mlp_block(layer), "experts"):
-                _check_moe(f"model.layers.{i}.mlp", _mlp_block(layer), model_type)
+                _check_moe(f"model.layers.{i}.{_mlp_path(layer)[:-1] or 'mlp'}", _mlp_block(layer), model_type)
             shared_mlp = getattr(layer, "shared_mlp", None)
             if shared_mlp is not None:  # GraniteMoeShared's: a gated MLP, gate and up rows fused
                 projections += [(f"model.layers.{i}.shared_mlp.{name}", getattr(shared_mlp, name, None))
@@ -1620,6 +1664,8 @@ class LayeredModel:
             if hasattr(attn, q_name):
                 q_norm, k_norm = getattr(attn, q_name), getattr(attn, k_name)
                 break
+        if getattr(attn, "qk_norm", None) is not None:  # Llama 4: one weightless L2 norm for q and k (HF's module)
+            q_norm = k_norm = attn.qk_norm
         qkv, qkv_layout, conv, delta, mamba, o = None, "per_head", None, None, None, None
         mamba1 = latent = None
         if attn is None and _one_block(layer) in ("mlp", "moe"):  # a Nemotron-H layer without a token mixer
@@ -1727,7 +1773,8 @@ class LayeredModel:
         def held(module):  # an RMSNorm's weight, a LayerNorm model's module (Cohere's q/k too)
             if module is None or isinstance(module, torch.nn.Identity):  # HyperCLOVAX without post norms
                 return None
-            return module if self.layer_norm else module.weight
+            # a norm without a weight (Llama 4's q/k L2 norm): HF's module itself, called as HF calls it
+            return module if self.layer_norm or getattr(module, "weight", None) is None else module.weight
 
         def norm(name):
             return held(getattr(layer, name, None))
@@ -1815,6 +1862,13 @@ class LayeredModel:
         """The MoE block's MoEWeights (shared_mlp: GraniteMoeShared's, held by the layer)."""
         experts, router, model_type = block.experts, _router(block), self.config.model_type
         top_k = int(router.top_k)
+        if model_type == "llama4_text":  # experts stored [in, out] (transposed views); the weights scale inputs
+            shared = block.shared_expert
+            return MoEWeights(
+                router=MatrixView(router.weight), gate_up=[MatrixView(w.t()) for w in experts.gate_up_proj],
+                down=[MatrixView(w.t()) for w in experts.down_proj], act=experts.act_fn,
+                route=functools.partial(routing.topk_then_sigmoid, top_k=top_k),
+                shared=(shared.gate_proj, shared.up_proj, shared.down_proj), weights_scale_inputs=True)
         if model_type == "gpt_oss":  # experts stored [in, out]: transposed views, with biases
             return MoEWeights(
                 router=MatrixView(router.weight, router.bias),
@@ -1925,8 +1979,10 @@ class LayeredModel:
             if rope_type(self.config) == "dynamic":
                 rotary(probe, positions[:, :1], **kind)
             tables = rotary(probe, positions, **kind)
-            if isinstance(tables, torch.Tensor) and tables.is_complex():  # DeepSeek-V2: each angle once, complex
+            if isinstance(tables, torch.Tensor) and tables.is_complex():  # DeepSeek-V2, Llama 4: each angle once, complex
                 tables = (tables.real, tables.imag)
+                if self.config.model_type == "llama4_text":  # its complex product turns adjacent pairs
+                    tables = tuple(t.repeat_interleave(2, dim=-1) for t in tables)
             cos, sin = tables
             if self.config.model_type == "nanochat":  # its rotate_half is (x2, -x1): the turn by -angle
                 sin = -sin
@@ -1945,8 +2001,8 @@ class LayeredModel:
             cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
             sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
         # in the model's dtype (OLMo 2's rotary module returns float32 tables for any model);
-        # DeepSeek-V2 rotates in float32 whatever the model's dtype
-        dtype = torch.float32 if self.config.model_type == "deepseek_v2" else self.dtype
+        # DeepSeek-V2 and Llama 4 rotate in float32 whatever the model's dtype
+        dtype = torch.float32 if self.config.model_type in ("deepseek_v2", "llama4_text") else self.dtype
         return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
 
     def _identity_tables(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -574,9 +574,12 @@ class Engine:
         q, k, val, gate = self._qkv(x, lw, R)
         q = q.transpose(0, 1)  # [Hq, R, d]
         k = k.transpose(0, 1)  # [Hkv, R, d]
-        q = apply_rope(q, cos, sin, v.rope_pairs)
-        k = apply_rope(k, cos, sin, v.rope_pairs)
-        if v.qk_norm_after_rope:  # HunYuan
+        if cos.dtype == q.dtype:
+            q, k = apply_rope(q, cos, sin, v.rope_pairs), apply_rope(k, cos, sin, v.rope_pairs)
+        else:  # Llama 4's float32 tables: a 16-bit model's q and k turned in float32, rounded after
+            q = apply_rope(q.float(), cos, sin, v.rope_pairs).to(q.dtype)
+            k = apply_rope(k.float(), cos, sin, v.rope_pairs).to(k.dtype)
+        if v.qk_norm_after_rope and lw.q_norm is not None:  # HunYuan; Llama 4's RoPE layers
             q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
         slots = meta.slots[:R]
         self.k_cache[li].index_copy_(1, slots, k)
@@ -699,13 +702,20 @@ class Engine:
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():  # ascending, as HF's loop
             rows, slot = torch.where(chosen == expert)
-            gate_up = lin(x, moe.gate_up[expert])
+            inputs = x
+            if moe.weights_scale_inputs:  # Llama 4: each row enters the expert times its weight
+                scale = torch.zeros(x.shape[0], 1, dtype=x.dtype, device=x.device)
+                scale[rows, 0] = top[rows, slot].to(x.dtype)
+                inputs = x * scale
+            gate_up = lin(inputs, moe.gate_up[expert])
             if moe.gate_fn is not None:  # GPT-OSS: HF's own clamped SwiGLU of its interleaved gate/up
                 hidden = moe.gate_fn(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 hidden = moe.act(gate) * up
-            y = lin(hidden, moe.down[expert])[rows] * top[rows, slot, None]
+            y = lin(hidden, moe.down[expert])[rows]
+            if not moe.weights_scale_inputs:
+                y = y * top[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         if moe.shared is not None:  # Qwen2-MoE: its shared expert, sigmoid-gated, added last
             gate, up, down = moe.shared

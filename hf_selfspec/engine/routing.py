@@ -142,3 +142,11 @@ def sparsemixer(logits: torch.Tensor, dtype: torch.dtype, *, hf_sparsemixer, top
                 jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """PhiMoE: HF's own sparsemixer (the function of its modeling module), in evaluation mode."""
     return hf_sparsemixer(logits, jitter_eps=jitter_eps, training=False, top_k=top_k)
+
+
+def topk_then_sigmoid(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4: the top_k logits' sigmoid in float32, rounded to the logits' dtype (HF's
+    sigmoid over the scattered scores gives the others 0: they add nothing). These weights
+    scale the expert's input rows, not its output (MoEWeights.weights_scale_inputs)."""
+    top, chosen = torch.topk(logits, top_k, dim=1)
+    return torch.sigmoid(top.float()).to(logits.dtype), chosen
