@@ -1008,8 +1008,11 @@ def _greedy_and_logits_in_one_attention(case: str, layout: str) -> None:
         assert self_greedy(model, rows) == expected
     got = model.generate(ids, assistant="self", **kw)
     assert torch.equal(got.sequences, reference.sequences)
+    # after a 300-token prompt float32 rounding alone moves HF's own logits up to ~1.2e-4 from
+    # a float64 forward, the engine's up to ~2e-4 (granitemoe_swa on an AMD EPYC): 3e-4 still
+    # fails a sink or slope left out, or a window misplaced, by orders of magnitude
     for a, b in zip(reference.logits, got.logits):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b, a, rtol=3e-4, atol=3e-4)
 
 
 @pytest.mark.parametrize("shape", ["sibling", "deep_gap", "full"])
