@@ -277,6 +277,14 @@ RANDOM_SHAPES = {
         hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
         "NVIDIA-Nemotron-Nano-9B-v2's shape (36 GB in fp32: --layers 15, its first attention layer the 15th; "
         "Mamba2, NoPE attention and ReLU² MLP layers of one block each)"),
+    "nemotron_3_nano_30b_a3b": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=131072, hidden_size=2688, num_hidden_layers=52, num_attention_heads=32, num_key_value_heads=2,
+        head_dim=128, mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128, n_routed_experts=128,
+        num_experts_per_tok=6, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=262144, tie_word_embeddings=False,
+        hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
+        "NVIDIA-Nemotron-3-Nano-30B-A3B's shape (126 GB in fp32: --layers 6, its first attention layer the 6th; "
+        "Mamba2, NoPE attention and MoE layers of one block each: 128 ungated ReLU² experts, 6 per token, a shared one)"),
     "falcon_h1_0_5b": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         vocab_size=32784, hidden_size=1024, intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,

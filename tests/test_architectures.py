@@ -53,7 +53,8 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
             if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
-                                                  "feed_forward.gate.weight", "feed_forward.router.weight")):  # routers: decisive
+                                                  "feed_forward.gate.weight", "feed_forward.router.weight",
+                                              "mixer.gate.weight")):  # routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else router_scale) * param.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 param.normal_(0.0, 0.5)
@@ -429,6 +430,15 @@ SUPPORTED = {
     "nemotron_h": dict(arch="NemotronH", num_hidden_layers=6, head_dim=16, random_norms=True,
                        layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
                        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16),
+    # Nemotron 3 Nano's form: MoE blocks of ungated ReLU² experts routed as DeepSeek-V3 (sigmoid
+    # scores, a correction bias on the choice, groups, renormalised and scaled weights), an
+    # ungated shared MLP added; an MLP block too
+    "nemotron_h-moe": dict(arch="NemotronH", num_hidden_layers=6, head_dim=16, random_norms=True,
+                           layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                                              "moe"],
+                           mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, n_routed_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.5),
     # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, their outputs summed,
     # muP multipliers on the embedding, both mixers' inputs and outputs, in_proj's columns, k,
     # the MLP's gate and output and the logits; without the mixer's norm (the gate in the
@@ -602,7 +612,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
                                   "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1",
-                                  "llama4"])
+                                  "llama4", "nemotron_h-moe"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -1143,15 +1153,12 @@ def test_latent_attention_it_cannot_run_is_refused(change):
     assert "_selfspec" not in model.__dict__
 
 
-def test_nemotron_h_moe_blocks_refused_by_name():
-    """Nemotron 3 Nano's form (MoE blocks of ungated experts): refused at attach_heads with
-    what it is and what runs, the model left as it was."""
-    overrides = dict(SUPPORTED["nemotron_h"])
-    overrides.update(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "mlp"],
-                     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                     moe_shared_expert_intermediate_size=32)
+def test_nemotron_h_latent_moe_refused_by_name():
+    """Nemotron-H MoE blocks whose experts run in a latent space (moe_latent_size, Nemotron 3
+    Super's form): refused at attach_heads with what it is, the model left as it was."""
+    overrides = dict(SUPPORTED["nemotron_h-moe"], moe_latent_size=32)
     model = build(overrides.pop("arch"), **overrides)
-    with pytest.raises(UnsupportedModelError, match="Nemotron-H model has MoE blocks.*plain model.generate"):
+    with pytest.raises(UnsupportedModelError, match="layers.1.mixer.fc1_latent_proj.*latent.*plain model.generate"):
         attach_heads(model, heads=False)
     assert "_selfspec" not in model.__dict__
 

@@ -177,8 +177,9 @@ ARCHS = {
     # Bamba: the same mixers between attention layers rotating half of each head
     "Bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16),
     # Nemotron-H: one block per layer (a Mamba2 mixer, attention without RoPE, a ReLU² MLP)
-    "NemotronH": dict(layer_types=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
-                      mamba_head_dim=16, n_groups=2, ssm_state_size=16),
+    "NemotronH": dict(layer_types=["linear_attention", "mlp", "full_attention", "moe"], mamba_num_heads=4,
+                      mamba_head_dim=16, n_groups=2, ssm_state_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1),
     # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, muP multipliers
     "FalconH1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=3.0,
                      lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8, attention_in_multiplier=0.9,
@@ -276,7 +277,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
             if "norm" in name or ".ln_" in name or "layer_norm" in name:  # Gemma's norms scale by 1 + w
                 p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
             if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
-                                              "feed_forward.gate.weight", "feed_forward.router.weight")):  # routers: decisive
+                                              "feed_forward.gate.weight", "feed_forward.router.weight",
+                                              "mixer.gate.weight")):  # routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 p.normal_(0.0, 0.5)

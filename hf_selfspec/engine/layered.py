@@ -107,7 +107,7 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 MOE_TYPES = ("llama4_text", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1")
+             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1", "nemotron_h")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -261,6 +261,9 @@ class MoEWeights:
     # Llama 4: a row's weight scales its rows into the expert (act(gate(w x)) * up(w x) ->
     # down), not the expert's output
     weights_scale_inputs: bool = False
+    # False: Nemotron-H's ungated experts, act(up x) -> down (gate_up then holds each expert's
+    # up matrix), and its shared MLP likewise (shared = (None, up, down))
+    gated: bool = True
 
     @property
     def linears(self) -> tuple:
@@ -829,6 +832,9 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
         return
+    if model_type == "nemotron_h":
+        _check_nemotron_h_moe(name, block)
+        return
     if model_type == "llama4_text":
         if _check_llama4_moe(name, block):
             return
@@ -995,6 +1001,38 @@ def _check_gpt_oss_moe(name: str, block) -> bool:
     two_i = shapes["gate_up_proj"][2]
     return two_i % 2 == 0 and shapes["gate_up_proj_bias"] == (E, two_i) and shapes["down_proj"] == (E, two_i // 2, H) \
         and shapes["down_proj_bias"] == (E, H) and tuple(params["bias"].shape) == (E,)
+
+
+def _check_nemotron_h_moe(name: str, block) -> None:
+    """Nemotron 3 Nano's MoE form: DeepSeek-V3's sigmoid router (a float weight [E, H],
+    e_score_correction_bias [E], groups), experts holding exactly up_proj [E, I, H] and
+    down_proj [E, H, I] and their activation (ungated: act(up x) -> down), an ungated shared
+    MLP (up_proj, down_proj) and no latent projection; anything else is refused by name."""
+    for part in ("fc1_latent_proj", "fc2_latent_proj"):
+        if not isinstance(getattr(block, part, None), torch.nn.Identity):
+            raise UnsupportedModelError(
+                f"{name}.{part}: this Nemotron-H model's experts run in a latent space (moe_latent_size), "
+                "which the engine does not implement; use plain model.generate() for this model")
+    router, experts, shared = _router(block), block.experts, getattr(block, "shared_experts", None)
+    weight, bias = getattr(router, "weight", None), getattr(router, "e_score_correction_bias", None)
+    weights = dict(experts.named_parameters(recurse=False))
+    up, down = weights.get("up_proj"), weights.get("down_proj")
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
+            and _groups_fit(router, weight)
+            and set(weights) == {"up_proj", "down_proj"} and hasattr(experts, "act_fn")
+            and all(child is experts.act_fn for child in experts.children())
+            and up.dim() == 3 and down.dim() == 3 and up.dtype in FLOAT_DTYPES and down.dtype in FLOAT_DTYPES
+            and tuple(up.shape[:2]) == (weight.shape[0], down.shape[2])
+            and tuple(down.shape[:2]) == (weight.shape[0], weight.shape[1]) and up.shape[2] == weight.shape[1]
+            and shared is not None and all(hasattr(shared, n) for n in ("up_proj", "down_proj"))
+            and not hasattr(shared, "gate_proj"))
+    if not fits:
+        raise _moe_refusal(name, block, "for Nemotron-H it runs DeepSeek-V3's sigmoid router, ungated experts "
+                                        "of up_proj / down_proj and an ungated shared MLP only")
+    for part in ("up_proj", "down_proj"):
+        _check_plain_linear(f"{name}.shared_experts.{part}", getattr(shared, part))
 
 
 def _check_llama4_moe(name: str, block) -> bool:
@@ -1634,11 +1672,6 @@ class LayeredModel:
             raise UnsupportedModelError(
                 "partial_rotary_factor below 1 (mellum): HF's Mellum attention rotates whole heads and "
                 "cannot run these tables; the engine does not guess: use a full rotary configuration")
-        if config.model_type == "nemotron_h" and "moe" in (config.layers_block_type or ()):
-            raise UnsupportedModelError(
-                "this Nemotron-H model has MoE blocks (Nemotron 3 Nano's form: ungated ReLU² experts, "
-                "a sigmoid router with a correction bias), which the engine does not implement; the dense "
-                "Nemotron-H models (Mamba2, attention and MLP layers) run: use plain model.generate() for this one")
         if getattr(config, "use_bidirectional_attention", False):
             raise UnsupportedModelError(
                 "use_bidirectional_attention=True: the engine decodes causally only; use plain "
@@ -1862,6 +1895,17 @@ class LayeredModel:
         """The MoE block's MoEWeights (shared_mlp: GraniteMoeShared's, held by the layer)."""
         experts, router, model_type = block.experts, _router(block), self.config.model_type
         top_k = int(router.top_k)
+        if model_type == "nemotron_h":  # DeepSeek-V3's routing; ungated experts and shared MLP
+            shared = block.shared_experts
+            return MoEWeights(
+                router=MatrixView(router.weight), gate_up=[MatrixView(w) for w in experts.up_proj],
+                down=[MatrixView(w) for w in experts.down_proj], act=experts.act_fn,
+                route=functools.partial(
+                    routing.sigmoid_grouped, top_k=top_k, correction_bias=router.e_score_correction_bias,
+                    n_group=int(router.num_group), topk_group=int(router.topk_group),
+                    normalize=bool(router.norm_topk_prob), norm_eps=1e-20,
+                    scaling=float(router.routed_scaling_factor)),
+                router_input_float32=True, shared=(None, shared.up_proj, shared.down_proj), gated=False)
         if model_type == "llama4_text":  # experts stored [in, out] (transposed views); the weights scale inputs
             shared = block.shared_expert
             return MoEWeights(

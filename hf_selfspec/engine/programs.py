@@ -710,6 +710,8 @@ class Engine:
             gate_up = lin(inputs, moe.gate_up[expert])
             if moe.gate_fn is not None:  # GPT-OSS: HF's own clamped SwiGLU of its interleaved gate/up
                 hidden = moe.gate_fn(gate_up)
+            elif not moe.gated:  # Nemotron-H: act(up x)
+                hidden = moe.act(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 hidden = moe.act(gate) * up
@@ -719,7 +721,8 @@ class Engine:
             out.index_add_(0, rows, y.to(out.dtype))
         if moe.shared is not None:  # Qwen2-MoE: its shared expert, sigmoid-gated, added last
             gate, up, down = moe.shared
-            shared = lin(self.view.act_mul(lin(x, gate), lin(x, up)), down)
+            shared = (lin(moe.act(lin(x, up)), down) if gate is None  # Nemotron-H's: ungated
+                      else lin(self.view.act_mul(lin(x, gate), lin(x, up)), down))
             out = out + (shared if moe.shared_gate is None else torch.sigmoid(lin(x, moe.shared_gate)) * shared)
             if moe.shared_average:  # Cohere 2 MoE's "average"
                 out = out / 2
