@@ -1153,6 +1153,19 @@ def test_latent_attention_it_cannot_run_is_refused(change):
     assert "_selfspec" not in model.__dict__
 
 
+def test_llama4_image_text_class_points_to_its_text_model():
+    """Llama4ForConditionalGeneration is refused at attach_heads, naming the class that runs
+    (what AutoModelForCausalLM loads from the same checkpoint), the model left as it was."""
+    text = dict(hidden_size=64, intermediate_size=128, intermediate_size_mlp=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, num_local_experts=4)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                  vision_output_dim=32, projector_input_dim=32, projector_output_dim=64, image_size=28, patch_size=14)
+    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision))
+    with pytest.raises(UnsupportedModelError, match="Llama 4's image-text model.*AutoModelForCausalLM.*Llama4ForCausalLM"):
+        attach_heads(model, heads=False)
+    assert "_selfspec" not in model.__dict__
+
+
 def test_nemotron_h_latent_moe_refused_by_name():
     """Nemotron-H MoE blocks whose experts run in a latent space (moe_latent_size, Nemotron 3
     Super's form): refused at attach_heads with what it is, the model left as it was."""

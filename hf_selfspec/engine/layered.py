@@ -1384,6 +1384,11 @@ def check_model_type(model: torch.nn.Module) -> str:
     """The model's model_type, where it is one the engine implements; else
     UnsupportedModelError naming it."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "llama4":  # the image-text class: its text model is served as its own class
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type 'llama4') is Llama 4's image-text model; hf_selfspec "
+            "serves its text model: load the checkpoint with AutoModelForCausalLM.from_pretrained(name) "
+            "(Llama4ForCausalLM), or use plain model.generate() for this one")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
