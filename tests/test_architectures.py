@@ -479,6 +479,12 @@ SUPPORTED = {
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, random_norms=True),
+    # Sarvam-105B's config (sarvam_mla), which AutoModelForCausalLM builds as DeepseekV3ForCausalLM:
+    # no query LoRA, interleaved RoPE, one group
+    "sarvam_mla": dict(arch="SarvamMLA", model_class="DeepseekV3ForCausalLM", num_hidden_layers=3,
+                       num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+                       qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                       num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=2.5, random_norms=True),
     # without a query LoRA, values wider than q.k, rotate_half, biases, YaRN (its mscale in
     # the attention's scale)
     "deepseek_v3-yarn-wide-v": dict(arch="DeepseekV3", num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None,

@@ -52,11 +52,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "mellum", "apertus1p5_text", "nanochat", "lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5",
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
-                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1", "llama4_text")
-# multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash
-# too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
+                         "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1", "llama4_text",
+                         "sarvam_mla")
+# multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash,
+# Sarvam-105B's sarvam_mla too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
 # MiniCPM3's (rotate_half)
-LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "mistral4", "axk1")
+LATENT_ATTENTION_TYPES = ("deepseek_v3", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "mistral4", "axk1",
+                          "sarvam_mla")
 # hybrids whose non-attention layers are gated short convolutions (LFM2: ShortConvWeights)
 SHORT_CONV_TYPES = ("lfm2", "lfm2_moe", "lfm3")
 # Qwen 3.5 (and its MoE) and Qwen3-Next: attention gating its output by a sigmoid of more rows
@@ -107,12 +109,13 @@ LAYER_NORM_TYPES = ("stablelm", "olmo", "phi", "starcoder2", "cohere", "gpt_neox
 MOE_TYPES = ("llama4_text", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "granitemoe", "gpt_oss", "granitemoeshared",
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
-             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1", "nemotron_h")
+             "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1", "nemotron_h",
+             "sarvam_mla")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe", "deepseek_v3", "glm4_moe_lite",
-                        "axk1")
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "dots1", "solar_open", "exaone_moe", "sarvam_moe", "deepseek_v3", "sarvam_mla",
+                        "glm4_moe_lite", "axk1")
 # Granite MoE and its kin: the softmax of the top-k router logits; GraniteMoeShared and
 # Granite-MoE-SWA add the layer's ungated shared MLP (`shared_mlp`, gate and up rows fused)
 GRANITE_MOE_TYPES = ("granitemoe", "granitemoeshared", "granitemoe_swa", "granitemoehybrid")
