@@ -327,6 +327,13 @@ RANDOM_SHAPES = {
                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
         "Mistral-Small-4-119B's shape (476 GB in fp32: --layers 1 --dtype bfloat16; latent attention, 128 "
         "experts, 4 per token, a shared one; served below its query scaling, 8,192 positions)"),
+    "kolibri_1": ("Kolibri1Config", "Kolibri1ForCausalLM", dict(
+        vocab_size=128000, hidden_size=2560, num_hidden_layers=50, num_attention_heads=48, num_key_value_heads=4,
+        head_dim=128, num_experts=384, num_experts_per_tok=6, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, sliding_window=513, max_position_embeddings=262144,
+        tie_word_embeddings=False),
+        "Kolibri-1's shape (Aleph Alpha; 289 GB in fp32: --layers 2; 384 experts, 6 per token, a shared MLP; "
+        "windows of 513 in 4 of 5 layers)"),
     "llama4_scout": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
         vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,
         num_attention_heads=40, num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,

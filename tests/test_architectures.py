@@ -479,6 +479,12 @@ SUPPORTED = {
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, random_norms=True),
+    # Kolibri-1: EXAONE 4's attention (per-head q/k norms, windows in 4 of 5 layers, the full
+    # ones NoPE), GLM-4's norms on both sides of each block, MoE blocks chosen by logit + a
+    # correction bias, weighted by the chosen logits' sigmoid, renormalised; a gated shared MLP
+    "kolibri1": dict(arch="Kolibri1", num_hidden_layers=5, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=48, sliding_window=16,
+                     norm_topk_prob=True, max_position_embeddings=1024, random_norms=True),
     # Sarvam-105B's config (sarvam_mla), which AutoModelForCausalLM builds as DeepseekV3ForCausalLM:
     # no query LoRA, interleaved RoPE, one group
     "sarvam_mla": dict(arch="SarvamMLA", model_class="DeepseekV3ForCausalLM", num_hidden_layers=3,
@@ -618,7 +624,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
                                   "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1",
-                                  "llama4", "nemotron_h-moe"])
+                                  "llama4", "nemotron_h-moe", "kolibri1"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

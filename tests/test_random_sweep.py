@@ -220,6 +220,11 @@ ARCHS = {
     # final hidden state divided before the LM head
     "MiniCPM3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                      scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
+    # Kolibri-1: EXAONE 4's attention (windows, NoPE full layers), GLM-4's sandwich norms, MoE
+    # chosen by logit + bias, weighted by sigmoid
+    "Kolibri1": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                     sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                     "full_attention"]),
     # Llama 4: RoPE pairs in float32, L2 q/k norms after it, a NoPE layer; dense and MoE layers
     # (the top-1 expert's input scaled by its sigmoid weight, a shared expert)
     "Llama4Text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96,
@@ -251,7 +256,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
     if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH", "Llama4Text"):
+                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH", "Llama4Text",
+                "Kolibri1"):
         config["head_dim"] = hidden // heads
     if arch in LATENT_ARCHS:
         config["num_key_value_heads"] = heads

@@ -53,7 +53,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
                          "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1", "llama4_text",
-                         "sarvam_mla")
+                         "sarvam_mla", "kolibri1")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash,
 # Sarvam-105B's sarvam_mla too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
 # MiniCPM3's (rotate_half)
@@ -110,7 +110,7 @@ MOE_TYPES = ("llama4_text", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "grani
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
              "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1", "nemotron_h",
-             "sarvam_mla")
+             "sarvam_mla", "kolibri1")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -170,7 +170,7 @@ HALF_TABLE_PAIRS_TYPES = ("glm", "glm4", "ernie4_5", "helium", "gptj", "codegen"
 # models whose per-head q/k norms come after RoPE
 QK_NORM_AFTER_ROPE_TYPES = ("hunyuan_v1_dense", "hunyuan_v1_moe", "nanochat", "llama4_text")
 # models whose full-attention layers go unrotated when the model has a sliding window
-GLOBAL_NOPE_TYPES = ("exaone4", "exaone_moe")
+GLOBAL_NOPE_TYPES = ("exaone4", "exaone_moe", "kolibri1")
 # models that rotate q and k in their sliding layers only (Cohere 2: its full-attention
 # layers are NoPE whatever the window)
 SLIDING_ROPE_TYPES = ("cohere2", "cohere2_moe")
@@ -830,7 +830,7 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     float weights (a quantized or biased expert, or another router, is refused by name)."""
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
                   "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe, "deepseek_v2": _check_deepseek_v2_moe,
-                  "mistral4": _check_mistral4_moe,
+                  "mistral4": _check_mistral4_moe, "kolibri1": _check_kolibri1_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
@@ -1101,6 +1101,17 @@ def _check_mistral4_moe(name: str, block) -> None:
     _check_shared_expert_moe(name, block, lambda router, weight: (
         all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
         and _groups_fit(router, weight)), "for Mistral 4 it runs a float softmax router with groups")
+
+
+def _check_kolibri1_moe(name: str, block) -> None:
+    """Kolibri-1's MoE form (routing.biased_logits_sigmoid): top_k, norm_topk_prob and
+    e_score_correction_bias [E]."""
+    _check_shared_expert_moe(name, block, lambda router, weight: (
+        isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor)
+        and tuple(router.e_score_correction_bias.shape) == (weight.shape[0],)
+        and router.e_score_correction_bias.dtype in FLOAT_DTYPES
+        and all(hasattr(router, a) for a in ("top_k", "norm_topk_prob"))),
+        "for Kolibri-1 it runs a float32 router choosing by logit + correction bias, weighting by sigmoid")
 
 
 def _check_sigmoid_router_moe(name: str, block) -> None:
@@ -1950,6 +1961,10 @@ class LayeredModel:
                 routing.softmax_group_limited, top_k=top_k, n_group=int(router.num_group or 1),
                 topk_group=int(router.topk_group or 1), limited=router.topk_method == "group_limited_greedy",
                 scaling=float(router.routed_scaling_factor)), router_input_float32=True, shared=shared)
+        if model_type == "kolibri1":  # chosen by logit + bias, weighted by the chosen logits' sigmoid
+            return MoEWeights(**parts, route=functools.partial(
+                routing.biased_logits_sigmoid, top_k=top_k, correction_bias=router.e_score_correction_bias,
+                normalize=bool(router.norm_topk_prob)), router_input_float32=True, shared=shared)
         if model_type == "mistral4":  # the softmax (the rows' dtype) within the best groups, renormalised
             return MoEWeights(**parts, route=functools.partial(
                 routing.softmax_grouped, top_k=top_k, n_group=int(router.num_group),

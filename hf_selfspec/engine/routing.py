@@ -150,3 +150,14 @@ def topk_then_sigmoid(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int) -
     scale the expert's input rows, not its output (MoEWeights.weights_scale_inputs)."""
     top, chosen = torch.topk(logits, top_k, dim=1)
     return torch.sigmoid(top.float()).to(logits.dtype), chosen
+
+
+def biased_logits_sigmoid(logits: torch.Tensor, dtype: torch.dtype, *, top_k: int, correction_bias: torch.Tensor,
+                          normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kolibri-1, from float32 logits: the choice by logit + correction_bias [E]; the weights
+    the chosen logits' sigmoid, over their sum where `normalize`, in float32."""
+    chosen = torch.topk(logits + correction_bias, top_k, dim=-1)[1]
+    top = logits.gather(1, chosen).sigmoid()
+    if normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, chosen
