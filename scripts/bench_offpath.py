@@ -332,7 +332,7 @@ RANDOM_SHAPES = {
         head_dim=128, num_experts=384, num_experts_per_tok=6, moe_intermediate_size=512,
         shared_expert_intermediate_size=512, sliding_window=513, max_position_embeddings=262144,
         tie_word_embeddings=False),
-        "Kolibri-1's shape (Aleph Alpha; 289 GB in fp32: --layers 2; 384 experts, 6 per token, a shared MLP; "
+        "Kolibri-1's shape (Aleph Alpha; 312 GB in fp32: --layers 2; 384 experts, 6 per token, a shared MLP; "
         "windows of 513 in 4 of 5 layers)"),
     "llama4_scout": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
         vocab_size=202048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_hidden_layers=48,
