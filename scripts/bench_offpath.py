@@ -327,6 +327,14 @@ RANDOM_SHAPES = {
                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
         "Mistral-Small-4-119B's shape (476 GB in fp32: --layers 1 --dtype bfloat16; latent attention, 128 "
         "experts, 4 per token, a shared one; served below its query scaling, 8,192 positions)"),
+    "trinity_mini": ("AfmoeConfig", "AfmoeForCausalLM", dict(
+        vocab_size=200192, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=1408, num_hidden_layers=32,
+        num_attention_heads=16, num_key_value_heads=16, head_dim=128, num_experts=64, num_experts_per_tok=6,
+        num_shared_experts=2, num_dense_layers=1, route_scale=1.0, sliding_window=1024, global_attn_every_n_layers=4,
+        max_position_embeddings=16384, tie_word_embeddings=False),
+        "AfmoeConfig's defaults, the shape of its documented checkpoint arcee-ai/Trinity-Mini (78 GB in fp32: "
+        "--layers 4, a dense layer then MoE blocks of 64 experts, 6 per token, 2 shared; RoPE in 3 of 4 layers, "
+        "windows of 1,024)"),
     "kolibri_1": ("Kolibri1Config", "Kolibri1ForCausalLM", dict(
         vocab_size=128000, hidden_size=2560, num_hidden_layers=50, num_attention_heads=48, num_key_value_heads=4,
         head_dim=128, num_experts=384, num_experts_per_tok=6, moe_intermediate_size=512,

@@ -54,7 +54,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(0.0, 1.0)
             if param.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
                                                   "feed_forward.gate.weight", "feed_forward.router.weight",
-                                              "mixer.gate.weight")):  # routers: decisive
+                                              "mixer.gate.weight", "router.gate.weight")):  # routers: decisive
                 param.normal_(0.0, (1.0 if param.dim() == 3 else router_scale) * param.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 param.normal_(0.0, 0.5)
@@ -70,7 +70,7 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's: a bias that decides
                 buffer.normal_(0.0, 0.2)
         for name, param in model.named_parameters():
-            if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's, a parameter
+            if name.endswith(("moe_statics.e_score_correction_bias", "mlp.expert_bias")):  # ERNIE 4.5's, AFMoE's: parameters
                 param.normal_(0.0, 0.2)
     return model.to(dtype).eval()
 
@@ -479,6 +479,14 @@ SUPPORTED = {
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, random_norms=True),
+    # AFMoE (Arcee's Trinity): per-head q/k norms, RoPE in the sliding layers only, the attention's
+    # output gated per element, norms on both sides of each block, muP's sqrt(hidden) on the
+    # embedding; a dense layer, then MoE blocks routed by sigmoid scores chosen with the
+    # block's expert bias, renormalised and scaled; a gated shared MLP
+    "afmoe": dict(arch="Afmoe", num_hidden_layers=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, num_shared_experts=1, num_dense_layers=1, route_scale=2.5,
+                  sliding_window=16, global_attn_every_n_layers=2, mup_enabled=True, max_position_embeddings=1024,
+                  random_norms=True),
     # Kolibri-1: EXAONE 4's attention (per-head q/k norms, windows in 4 of 5 layers, the full
     # ones NoPE), GLM-4's norms on both sides of each block, MoE blocks chosen by logit + a
     # correction bias, weighted by the chosen logits' sigmoid, renormalised; a gated shared MLP
@@ -624,7 +632,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
                                   "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1",
-                                  "llama4", "nemotron_h-moe", "kolibri1"])
+                                  "llama4", "nemotron_h-moe", "kolibri1", "afmoe"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -1125,7 +1133,8 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("minicpm3", "layers.2.self_attn.kv_a_proj_with_mqa"),
                                        ("qwen3_next", "layers.0.linear_attn.in_proj_qkvz"),
                                        ("qwen3_next", "layers.2.linear_attn.in_proj_ba"),
-                                       ("llama4", "layers.1.feed_forward.shared_expert.up_proj")])
+                                       ("llama4", "layers.1.feed_forward.shared_expert.up_proj"),
+                                       ("afmoe", "layers.0.self_attn.gate_proj"), ("afmoe", "layers.2.mlp.router.gate")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

@@ -220,6 +220,11 @@ ARCHS = {
     # final hidden state divided before the LM head
     "MiniCPM3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                      scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
+    # AFMoE: q/k norms, RoPE in the sliding layers only, the attention's output gated, sandwich
+    # norms, muP's embedding scale; a dense layer, then sigmoid-routed experts with a bias
+    "Afmoe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                  num_dense_layers=1, route_scale=2.5, sliding_window=16, mup_enabled=True,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     # Kolibri-1: EXAONE 4's attention (windows, NoPE full layers), GLM-4's sandwich norms, MoE
     # chosen by logit + bias, weighted by sigmoid
     "Kolibri1": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -257,7 +262,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
                 "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH", "Llama4Text",
-                "Kolibri1"):
+                "Kolibri1", "Afmoe"):
         config["head_dim"] = hidden // heads
     if arch in LATENT_ARCHS:
         config["num_key_value_heads"] = heads
@@ -284,7 +289,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.uniform_(-0.5, 0.5) if "Gemma" in arch else p.uniform_(0.5, 1.5)
             if p.dim() == 3 or name.endswith(("mlp.gate.weight", "mlp.router.weight", "gate.wg.weight",
                                               "feed_forward.gate.weight", "feed_forward.router.weight",
-                                              "mixer.gate.weight")):  # routers: decisive
+                                              "mixer.gate.weight", "router.gate.weight")):  # routers: decisive
                 p.normal_(0.0, (1.0 if p.dim() == 3 else 4.0) * p.shape[-1] ** -0.5)
             if name.endswith(("_proj_bias", "router.bias")):  # GPT-OSS's experts' and router's biases
                 p.normal_(0.0, 0.5)
@@ -294,7 +299,7 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
             if name.endswith(("mamba.dt_bias", "mamba.D")):  # Mamba2's steps and skips (HF: ones)
                 p.normal_(0.0, 1.0)
-            if name.endswith("moe_statics.e_score_correction_bias"):  # ERNIE 4.5's routing
+            if name.endswith(("moe_statics.e_score_correction_bias", "mlp.expert_bias")):  # ERNIE 4.5's, AFMoE's routing
                 p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's routing

@@ -53,7 +53,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
                          "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1", "llama4_text",
-                         "sarvam_mla", "kolibri1")
+                         "sarvam_mla", "kolibri1", "afmoe")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash,
 # Sarvam-105B's sarvam_mla too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
 # MiniCPM3's (rotate_half)
@@ -110,7 +110,7 @@ MOE_TYPES = ("llama4_text", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "grani
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
              "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1", "nemotron_h",
-             "sarvam_mla", "kolibri1")
+             "sarvam_mla", "kolibri1", "afmoe")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -501,6 +501,8 @@ class LayerWeights:
     head_gate: torch.nn.Linear | None = None
     # DeepSeek's latent attention in place of q, k and v (o its o_proj)
     latent: LatentAttentionWeights | None = None
+    # AFMoE's attention gate [Hq*d, H]: the attention's output times sigmoid(its product), per element
+    out_gate: torch.nn.Linear | None = None
 
     @property
     def linears(self) -> tuple:
@@ -510,7 +512,7 @@ class LayerWeights:
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
             + tuple(lin for block in (self.conv, self.delta, self.mamba, self.mamba1, self.latent) if block is not None
                     for lin in block.linears) \
-            + (() if self.head_gate is None else (self.head_gate,))
+            + (() if self.head_gate is None else (self.head_gate,)) + (() if self.out_gate is None else (self.out_gate,))
 
     @property
     def has_mixer(self) -> bool:
@@ -670,13 +672,15 @@ def _check_short_conv(name: str, conv, channels: int) -> None:
 
 def _mixer_projections(layer, model_type: str) -> tuple[str, object, tuple[str, ...]]:
     """Where a decoder layer's token mixer sits (a module path prefix), the module, and the
-    names of its projections: its attention's (LFM3's head gate too), LFM2's convolution's,
+    names of its projections: its attention's (LFM3's head gate, AFMoE's output gate too), LFM2's convolution's,
     or a DeltaNet's."""
     attn = _attention(layer)
     if attn is not None or model_type not in SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES + MAMBA1_TYPES:
         names = _projection_names(attn, ATTENTION_PROJECTIONS)
         if model_type == "lfm3" and getattr(attn, "g_proj", None) is not None:
             names += ("g_proj",)
+        if model_type == "afmoe":  # its attention's output gate
+            names += ("gate_proj",)
         return _attention_name(layer) + ".", attn, names
     if model_type in SHORT_CONV_TYPES:
         return "conv.", getattr(layer, "conv", None), ("in_proj", "out_proj")
@@ -830,7 +834,7 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     float weights (a quantized or biased expert, or another router, is refused by name)."""
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
                   "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe, "deepseek_v2": _check_deepseek_v2_moe,
-                  "mistral4": _check_mistral4_moe, "kolibri1": _check_kolibri1_moe,
+                  "mistral4": _check_mistral4_moe, "kolibri1": _check_kolibri1_moe, "afmoe": _check_afmoe_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
@@ -965,6 +969,8 @@ def _router_linear(block, model_type: str | None):
     """The module holding an MoE block's router weight [E, H] (HunYuan-MoE's gate holds it in
     an nn.Linear `wg`; every other router holds it itself)."""
     router = _router(block)
+    if model_type == "afmoe" and isinstance(getattr(router, "gate", None), torch.nn.Linear):  # its router's `gate`
+        return router.gate
     return router.wg if model_type == "hunyuan_v1_moe" and isinstance(getattr(router, "wg", None),
                                                                       torch.nn.Linear) else router
 
@@ -1101,6 +1107,25 @@ def _check_mistral4_moe(name: str, block) -> None:
     _check_shared_expert_moe(name, block, lambda router, weight: (
         all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
         and _groups_fit(router, weight)), "for Mistral 4 it runs a float softmax router with groups")
+
+
+def _check_afmoe_moe(name: str, block) -> None:
+    """AFMoE's MoE form (routing.sigmoid_grouped in one group): a router holding a plain
+    linear `gate` [E, H], top_k and route_scale, the block's float expert_bias [E], experts of
+    gate_up_proj / down_proj and a gated shared MLP (`shared_experts`)."""
+    router, bias, shared = _router(block), getattr(block, "expert_bias", None), getattr(block, "shared_experts", None)
+    gate = getattr(router, "gate", None)
+    weight = getattr(gate, "weight", None)
+    fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
+            and all(hasattr(router, a) for a in ("top_k", "route_scale"))
+            and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and _standard_experts(block.experts, weight.shape[0])
+            and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
+    if not fits:
+        raise _moe_refusal(name, block, "for AFMoE it runs a sigmoid router with an expert bias, experts of "
+                                        "gate_up_proj / down_proj and a gated shared MLP only")
+    _check_plain_linear(f"{name}.router.gate", gate)
+    _check_gated_mlp(f"{name}.shared_experts", shared)
 
 
 def _check_kolibri1_moe(name: str, block) -> None:
@@ -1288,6 +1313,8 @@ def _rotates(attention, config) -> bool:
     without attention (LFM2's convolutions, Qwen 3.5's DeltaNets) rotates nothing."""
     if attention is None or config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES:
         return False
+    if config.model_type == "afmoe":  # its sliding (local) layers only
+        return bool(attention.is_local_attention)
     if hasattr(attention, "use_rope"):
         return bool(attention.use_rope)
     if config.model_type in GLOBAL_NOPE_TYPES:
@@ -1464,6 +1491,8 @@ class LayeredModel:
         granite = config.model_type in GRANITE_MULTIPLIER_TYPES
         falcon_h1 = config.model_type == "falcon_h1"
         self.embedding_multiplier = float(config.embedding_multiplier) if granite or falcon_h1 else 1.0
+        if config.model_type == "afmoe" and config.mup_enabled:  # muP: the embedding rows times sqrt(hidden)
+            self.embedding_multiplier = config.hidden_size**0.5
         # Gemma's embedding module scales its rows by sqrt(hidden), rounded to the weights'
         # dtype first (a buffer of the module: read when used, so a .to() is followed)
         self._embed_module = embedding
@@ -1820,7 +1849,8 @@ class LayeredModel:
         # a layer with a feed-forward norm of its own (OLMo 2: post_feedforward_layernorm)
         # norms the attention's output with post_attention_layernorm; otherwise (Llama)
         # that name is the MLP's input norm
-        out_norms = hasattr(layer, "post_feedforward_layernorm") or hasattr(layer, "pre_feedforward_layernorm")
+        out_norms = any(hasattr(layer, name) for name in ("post_feedforward_layernorm", "pre_feedforward_layernorm",
+                                                            "pre_mlp_layernorm"))  # (AFMoE: pre_ / post_mlp_layernorm)
 
         def held(module):  # an RMSNorm's weight, a LayerNorm model's module (Cohere's q/k too)
             if module is None or isinstance(module, torch.nn.Identity):  # HyperCLOVAX without post norms
@@ -1833,7 +1863,7 @@ class LayeredModel:
 
         input_norm = norm(_first_held(layer, ("input_layernorm", "attention_layernorm", "ln_1",
                                               "self_attn_layer_norm", "ln_attn", "norm_1", "operator_norm")))
-        post_norm = norm("pre_feedforward_layernorm") if out_norms else norm(
+        post_norm = norm(_first_held(layer, ("pre_feedforward_layernorm", "pre_mlp_layernorm"))) if out_norms else norm(
             _first_held(layer, ("post_attention_layernorm", "feedforward_layernorm", "ln_2", "final_layer_norm",
                                 "ln_mlp", "norm_2", "ffn_norm", "pre_ff_layernorm")))
         if _one_block(layer) is not None:  # Nemotron-H: its one norm is its one block's input norm
@@ -1872,6 +1902,7 @@ class LayeredModel:
             mamba1=mamba1,
             head_gate=getattr(attn, "g_proj", None) if self.config.model_type == "lfm3" else None,
             latent=latent,
+            out_gate=attn.gate_proj if self.config.model_type == "afmoe" else None,
         )
 
     def _latent(self, attn) -> LatentAttentionWeights:
@@ -1961,6 +1992,10 @@ class LayeredModel:
                 routing.softmax_group_limited, top_k=top_k, n_group=int(router.num_group or 1),
                 topk_group=int(router.topk_group or 1), limited=router.topk_method == "group_limited_greedy",
                 scaling=float(router.routed_scaling_factor)), router_input_float32=True, shared=shared)
+        if model_type == "afmoe":  # sigmoid scores (logits in the rows' dtype) chosen with the block's bias, one group
+            return MoEWeights(**parts, route=functools.partial(
+                routing.sigmoid_grouped, top_k=top_k, correction_bias=block.expert_bias, n_group=1, topk_group=1,
+                normalize=True, norm_eps=1e-20, scaling=float(router.route_scale)), shared=shared)
         if model_type == "kolibri1":  # chosen by logit + bias, weighted by the chosen logits' sigmoid
             return MoEWeights(**parts, route=functools.partial(
                 routing.biased_logits_sigmoid, top_k=top_k, correction_bias=router.e_score_correction_bias,
@@ -2088,7 +2123,7 @@ class LayeredModel:
                 and not self.qk_norm_after_rope and self.layer_sinks is None
                 and all(lw.gate is not None and lw.qkv is None and lw.conv is None and lw.delta is None
                         and lw.mamba is None and lw.mamba1 is None and lw.latent is None
-                        for lw in self.layers))
+                        and lw.head_gate is None and lw.out_gate is None for lw in self.layers))
 
     def first_layer_input(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The first layer's input from the token rows h [n, H] (positions: the step's, its

@@ -585,6 +585,8 @@ class Engine:
         self.k_cache[li].index_copy_(1, slots, k)
         self.v_cache[li].index_copy_(1, slots, val.transpose(0, 1))
         o = attend(q, li)  # attention [R, Hq*d] in x's dtype
+        if lw.out_gate is not None:  # AFMoE: gated per element
+            o = o * torch.sigmoid(lin(x, lw.out_gate))
         if lw.head_gate is not None:  # LFM3: each head's output scaled by its own gate
             o = (o.view(R, v.num_heads, v.head_dim) * torch.sigmoid(lin(x, lw.head_gate))[..., None]).view(R, -1)
         return lin(o if gate is None else o * torch.sigmoid(gate), lw.o)  # Qwen 3.5: gated per element
