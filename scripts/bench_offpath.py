@@ -327,6 +327,14 @@ RANDOM_SHAPES = {
                          "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
         "Mistral-Small-4-119B's shape (476 GB in fp32: --layers 1 --dtype bfloat16; latent attention, 128 "
         "experts, 4 per token, a shared one; served below its query scaling, 8,192 positions)"),
+    "hy3_preview": ("HYV3Config", "HYV3ForCausalLM", dict(
+        vocab_size=120832, hidden_size=4096, intermediate_size=13312, moe_intermediate_size=1536, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, num_local_experts=192, num_experts_per_tok=8,
+        num_shared_experts=1, router_scaling_factor=2.826, enable_moe_fp32_combine=True,
+        mlp_layer_types=["dense"] + ["sparse"] * 79, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 11158840.0}),
+        "HYV3Config's defaults, the shape of its documented checkpoint tencent/Hy3-preview (1.2 TB in fp32: "
+        "--layers 2 --dtype bfloat16, a dense layer and an MoE block of 192 experts, 8 per token, a shared one)"),
     "trinity_mini": ("AfmoeConfig", "AfmoeForCausalLM", dict(
         vocab_size=200192, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=1408, num_hidden_layers=32,
         num_attention_heads=16, num_key_value_heads=16, head_dim=128, num_experts=64, num_experts_per_tok=6,
@@ -403,8 +411,9 @@ def part_random_shape(name: str, args) -> None:
         text = config["text_config"] = dict(config["text_config"])
     key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in text)  # GPT-Neo, GPT-BigCode, MPT
     layers = args.layers or text[key]
-    if "layer_types" in text:  # the checkpoint's pattern, cut or repeated to `layers`
-        text["layer_types"] = (text["layer_types"] * layers)[:layers]
+    for kinds in ("layer_types", "mlp_layer_types"):  # the checkpoint's pattern, cut or repeated to `layers`
+        if kinds in text:
+            text[kinds] = (text[kinds] * layers)[:layers]
     if "hybrid_override_pattern" in text:  # Nemotron-H's pattern, likewise
         text["hybrid_override_pattern"] = (text["hybrid_override_pattern"] * layers)[:layers]
     if args.layers and "attention_types" in text:  # GPT-Neo: its layers' kinds, alternating

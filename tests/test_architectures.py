@@ -479,6 +479,11 @@ SUPPORTED = {
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, random_norms=True),
+    # Hy3 (Tencent): Apertus's attention (per-head q/k norms), a dense layer, then MoE blocks
+    # routed as MiniMax-M2 (the block's correction bias), renormalised and scaled; a gated shared MLP
+    "hy_v3": dict(arch="HYV3", num_hidden_layers=3, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                  moe_intermediate_size=32, num_shared_experts=1, router_scaling_factor=2.5,
+                  mlp_layer_types=["dense", "sparse", "sparse"], random_norms=True),
     # AFMoE (Arcee's Trinity): per-head q/k norms, RoPE in the sliding layers only, the attention's
     # output gated per element, norms on both sides of each block, muP's sqrt(hidden) on the
     # embedding; a dense layer, then MoE blocks routed by sigmoid scores chosen with the
@@ -632,7 +637,7 @@ def test_supported_variant_gives_hf_greedy(case):
                                   "bamba", "nemotron_h", "falcon_h1", "falcon_h1-norm-before-gate", "mamba2",
                                   "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v3-yarn-wide-v",
                                   "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1",
-                                  "llama4", "nemotron_h-moe", "kolibri1", "afmoe"])
+                                  "llama4", "nemotron_h-moe", "kolibri1", "afmoe", "hy_v3"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

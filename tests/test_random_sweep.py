@@ -220,6 +220,9 @@ ARCHS = {
     # final hidden state divided before the LM head
     "MiniCPM3": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                      scale_emb=3.0, scale_depth=1.4, dim_model_base=16),
+    # Hy3: q/k norms, MiniMax-M2's routing scaled, a shared MLP
+    "HYV3": dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                 router_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"]),
     # AFMoE: q/k norms, RoPE in the sliding layers only, the attention's output gated, sandwich
     # norms, muP's embedding scale; a dense layer, then sigmoid-routed experts with a bias
     "Afmoe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
@@ -262,11 +265,11 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
                 "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
                 "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH", "Llama4Text",
-                "Kolibri1", "Afmoe"):
+                "Kolibri1", "Afmoe", "HYV3"):
         config["head_dim"] = hidden // heads
     if arch in LATENT_ARCHS:
         config["num_key_value_heads"] = heads
-    if arch == "Glm4MoeLite":  # its layer list sets the depth
+    if arch in ("Glm4MoeLite", "HYV3"):  # its layer list sets the depth
         config["num_hidden_layers"] = 3
     if arch == "Mamba2":  # its heads fill the mixer's width, expand (2) x hidden
         config["num_heads"] = 2 * hidden // 32

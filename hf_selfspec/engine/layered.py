@@ -53,7 +53,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"
                          "qwen3_5_moe_text", "qwen3_5_moe", "lfm3", "olmo_hybrid", "granitemoehybrid", "bamba", "nemotron_h",
                          "falcon_h1", "mamba2", "mamba", "falcon_mamba", "jamba", "deepseek_v3", "deepseek_v2",
                          "youtu", "glm4_moe_lite", "minicpm3", "qwen3_next", "mistral4", "axk1", "llama4_text",
-                         "sarvam_mla", "kolibri1", "afmoe")
+                         "sarvam_mla", "kolibri1", "afmoe", "hy_v3")
 # multi-head latent attention (LatentAttentionWeights): DeepSeek-V3's (Youtu-LLM, GLM-4.7-Flash,
 # Sarvam-105B's sarvam_mla too, and Mistral 4 below its query scaling), DeepSeek-V2's (its RoPE in complex numbers),
 # MiniCPM3's (rotate_half)
@@ -110,7 +110,7 @@ MOE_TYPES = ("llama4_text", "qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "grani
              "granitemoe_swa", "glm4_moe", "dots1", "solar_open", "exaone_moe", "flex_olmo", "hunyuan_v1_moe",
              "ernie4_5_moe", "minimax_m2", "phimoe", "cohere2_moe", "sarvam_moe", "mellum", "lfm2_moe", "qwen3_5_moe_text", "qwen3_5_moe",
              "jamba", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "qwen3_next", "mistral4", "axk1", "nemotron_h",
-             "sarvam_mla", "kolibri1", "afmoe")
+             "sarvam_mla", "kolibri1", "afmoe", "hy_v3")
 # MoE models routing as DeepSeek-V3 (GLM-4.5, dots.llm1, Solar Open): sigmoid scores of
 # float32 router logits, experts chosen by score + e_score_correction_bias within the best
 # groups, and an ungated shared MLP (`shared_experts`)
@@ -835,6 +835,7 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
                   "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe, "deepseek_v2": _check_deepseek_v2_moe,
                   "mistral4": _check_mistral4_moe, "kolibri1": _check_kolibri1_moe, "afmoe": _check_afmoe_moe,
+                  "hy_v3": _check_hy_v3_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
@@ -1126,6 +1127,17 @@ def _check_afmoe_moe(name: str, block) -> None:
                                         "gate_up_proj / down_proj and a gated shared MLP only")
     _check_plain_linear(f"{name}.router.gate", gate)
     _check_gated_mlp(f"{name}.shared_experts", shared)
+
+
+def _check_hy_v3_moe(name: str, block) -> None:
+    """Hy3's MoE form (MiniMax-M2's routing, scaled): a router with a float weight [E, H],
+    top_k and router_scaling_factor, the block's e_score_correction_bias [E], experts of
+    gate_up_proj / down_proj and a gated shared MLP (`shared_experts`)."""
+    bias = getattr(block, "e_score_correction_bias", None)
+    _check_shared_expert_moe(name, block, lambda router, weight: (
+        isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+        and all(hasattr(router, a) for a in ("top_k", "router_scaling_factor"))),
+        "for Hy3 it runs MiniMax-M2's sigmoid router with the block's correction bias, scaled")
 
 
 def _check_kolibri1_moe(name: str, block) -> None:
@@ -1976,6 +1988,11 @@ class LayeredModel:
                      down=[MatrixView(w) for w in experts.down_proj], act=experts.act_fn)
         shared = getattr(block, "shared_experts", None)  # DeepSeek-V3's, ERNIE's, Cohere 2 MoE's
         shared = None if shared is None else (shared.gate_proj, shared.up_proj, shared.down_proj)
+        if model_type == "hy_v3":  # MiniMax-M2's routing (float32 logits), renormalised over sum + 1e-20, scaled
+            return MoEWeights(**parts, route=functools.partial(
+                routing.sigmoid_grouped, top_k=top_k, correction_bias=block.e_score_correction_bias, n_group=1,
+                topk_group=1, normalize=True, norm_eps=1e-20, scaling=float(router.router_scaling_factor)),
+                router_input_float32=True, shared=shared)
         if model_type in SIGMOID_ROUTER_TYPES or model_type == "minimax_m2":  # DeepSeek-V3's routing
             minimax = model_type == "minimax_m2"  # no groups or scaling, its bias on the block
             route = functools.partial(
