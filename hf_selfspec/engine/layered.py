@@ -835,26 +835,22 @@ def _check_moe(name: str, block, model_type: str | None = None) -> None:
     form_check = {"ernie4_5_moe": _check_ernie_moe, "minimax_m2": _check_minimax_moe,
                   "cohere2_moe": _check_cohere2_moe, "lfm2_moe": _check_lfm2_moe, "deepseek_v2": _check_deepseek_v2_moe,
                   "mistral4": _check_mistral4_moe, "kolibri1": _check_kolibri1_moe, "afmoe": _check_afmoe_moe,
-                  "hy_v3": _check_hy_v3_moe,
+                  "hy_v3": _check_hy_v3_moe, "nemotron_h": _check_nemotron_h_moe,
                   **dict.fromkeys(SIGMOID_ROUTER_TYPES, _check_sigmoid_router_moe)}.get(model_type)
     if form_check is not None:  # a router of its own form: checked by its own function
         form_check(name, block)
         return
-    if model_type == "nemotron_h":
-        _check_nemotron_h_moe(name, block)
-        return
-    if model_type == "llama4_text":
-        if _check_llama4_moe(name, block):
+    # the forms whose experts are stored [in, out]: (whether the block fits, what runs)
+    stored_in_out = {
+        "llama4_text": (_check_llama4_moe, "for Llama 4 it runs a float top-k router without a bias, experts of "
+                                           "gate_up_proj / down_proj stored [in, out] and a gated shared expert only"),
+        "gpt_oss": (_check_gpt_oss_moe, "for GPT-OSS it runs a float top-k router with a bias and experts of "
+                                        "gate_up_proj / down_proj with their biases only")}.get(model_type)
+    if stored_in_out is not None:
+        fits, form = stored_in_out
+        if fits(name, block):
             return
-        raise _moe_refusal(
-            name, block, "for Llama 4 it runs a float top-k router without a bias, experts of gate_up_proj / "
-            "down_proj stored [in, out] and a gated shared expert only")
-    if model_type == "gpt_oss":
-        if _check_gpt_oss_moe(name, block):
-            return
-        raise _moe_refusal(
-            name, block, "for GPT-OSS it runs a float top-k router with a bias and experts of gate_up_proj / down_proj "
-            "with their biases only")
+        raise _moe_refusal(name, block, form)
     router, experts = _router(block), block.experts
     weight = _router_linear(block, model_type).weight if router is not None else None
     fits = (isinstance(weight, torch.Tensor) and weight.dtype in FLOAT_DTYPES and weight.dim() == 2
