@@ -1286,7 +1286,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: boo
     """x * cos + rotate_half(x) * sin over x's last dimension, or where the tables are
     narrower (partial rotary: Phi-4-mini's partial_rotary_factor) over its first
     cos.shape[-1] dimensions, the rest unchanged, as HF's apply_rotary_pos_emb. pairs: the
-    rotation turns adjacent pairs (rotate_pairs; the tables hold each angle twice in a row)."""
+    rotation turns adjacent pairs (rotate_pairs; the tables hold each angle twice in a row).
+    Tables of another dtype than x (Llama 4's float32 ones for a 16-bit model) turn x in
+    their dtype, rounded to x's after, as HF's float32 complex product."""
+    if cos.dtype != x.dtype:
+        return apply_rope(x.to(cos.dtype), cos, sin, pairs).to(x.dtype)
     rotate = rotate_pairs if pairs else rotate_half
     rot = cos.shape[-1]
     if rot == x.shape[-1]:

@@ -574,11 +574,7 @@ class Engine:
         q, k, val, gate = self._qkv(x, lw, R)
         q = q.transpose(0, 1)  # [Hq, R, d]
         k = k.transpose(0, 1)  # [Hkv, R, d]
-        if cos.dtype == q.dtype:
-            q, k = apply_rope(q, cos, sin, v.rope_pairs), apply_rope(k, cos, sin, v.rope_pairs)
-        else:  # Llama 4's float32 tables: a 16-bit model's q and k turned in float32, rounded after
-            q = apply_rope(q.float(), cos, sin, v.rope_pairs).to(q.dtype)
-            k = apply_rope(k.float(), cos, sin, v.rope_pairs).to(k.dtype)
+        q, k = apply_rope(q, cos, sin, v.rope_pairs), apply_rope(k, cos, sin, v.rope_pairs)
         if v.qk_norm_after_rope and lw.q_norm is not None:  # HunYuan; Llama 4's RoPE layers
             q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
         slots = meta.slots[:R]
