@@ -320,13 +320,17 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
 }
 
 // all R <= 8 rows against every weight row, NW weight rows per tile
+// outputs [o0, o1) of all R <= 4 rows, NW weight rows per tile; weight row o at w + (o - o0) * K
+template <typename T, int NW, int NX, int NREAL = NX>
+void range_tiles(const T* w, const float* xp, float* yp, int64_t K, int64_t O, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + NW <= o1; o += NW) tile<T, NW, NX, NREAL>(w + (o - o0) * K, xp, K, O, o, yp);
+  for (; o < o1; ++o) tile<T, 1, NX, NREAL>(w + (o - o0) * K, xp, K, O, o, yp);
+}
+
 template <typename T, int NW, int NX, int NREAL = NX>
 void run(const T* wp, const float* xp, float* yp, int64_t K, int64_t O) {
-  for_outputs(O, [&](int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    for (; o + NW <= o1; o += NW) tile<T, NW, NX, NREAL>(wp + o * K, xp, K, O, o, yp);
-    for (; o < o1; ++o) tile<T, 1, NX, NREAL>(wp + o * K, xp, K, O, o, yp);
-  });
+  for_outputs(O, [&](int64_t o0, int64_t o1) { range_tiles<T, NW, NX, NREAL>(wp + o0 * K, xp, yp, K, O, o0, o1); });
 }
 
 // NW weight rows against x rows [r0, r0 + n), n in 1..4, in the NW x 4 tile
@@ -349,17 +353,21 @@ inline void tile_block(const T* w, const float* x, int64_t K, int64_t O, int64_t
 // also at 5 / 8 / 9 / 12 / 16 rows (20.97 / 22.22 / 26.76 / 29.57 / 34.21 ms with the 5-8 row
 // tiles and run_many against 18.90 / 20.84 / 22.45 / 25.50 / 31.16 ms here; whole verify
 // steps at 5 / 6 / 7 / 8 rows 29.0 / 30.9 / 31.4 / 33.0 -> 26.6 / 28.1 / 29.0 / 29.5 ms)
+// outputs [o0, o1) of all R rows in 3 x 4 tiles; weight row o at w + (o - o0) * K
+template <typename T>
+void range_blocks(const T* w, const float* xp, float* yp, int64_t R, int64_t K, int64_t O, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  for (; o + 3 <= o1; o += 3)
+    for (int64_t r0 = 0; r0 < R; r0 += 4)
+      tile_block<T, 3>(w + (o - o0) * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(4, R - r0));
+  for (; o < o1; ++o)
+    for (int64_t r0 = 0; r0 < R; r0 += 4)
+      tile_block<T, 1>(w + (o - o0) * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(4, R - r0));
+}
+
 template <typename T>
 void run_blocks(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
-  for_outputs(O, [&](int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    for (; o + 3 <= o1; o += 3)
-      for (int64_t r0 = 0; r0 < R; r0 += 4)
-        tile_block<T, 3>(wp + o * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(4, R - r0));
-    for (; o < o1; ++o)
-      for (int64_t r0 = 0; r0 < R; r0 += 4)
-        tile_block<T, 1>(wp + o * K, xp + r0 * K, K, O, o, yp + r0 * O, std::min<int64_t>(4, R - r0));
-  });
+  for_outputs(O, [&](int64_t o0, int64_t o1) { range_blocks<T>(wp + o0 * K, xp, yp, R, K, O, o0, o1); });
 }
 
 // ---- AVX-512: two x rows per register ---------------------------------------------------
@@ -511,6 +519,165 @@ void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, 
   }
 }
 
+// ---- compact weights: float32 rows held as exact 4-bit blocks ----------------------------
+//
+// A float32 matrix dequantized from a 4-bit block format (a GGUF Q4_0 / Q4_1 / Q4_K file loaded
+// through transformers, as the embedded default model is) holds in every block of 32 weights
+// of a row only values m + d * q, q in 0..15. `rows_compact` finds such a d and m per block
+// and keeps the block as float32 d and m and sixteen bytes of codes (24 bytes for 128): a
+// step then streams 0.19 of the bytes. It keeps a matrix only where every weight comes back
+// bit for bit: d * q exact in float32 for every q (so fma(d, q, m) and d * q + m round alike)
+// and fma(d, q, m) == w in all 32 bits; otherwise it returns an empty tensor and the float32
+// matrix is used. A product decodes each block in registers and runs the float32 tiles'
+// arithmetic on it (`compact_tile`): every output is the float32 path's bit for bit
+// (tests/test_kernels_cpu.py compares them).
+constexpr int64_t COMPACT_BLOCK = 32;        // weights per block
+constexpr int64_t COMPACT_BLOCK_BYTES = 24;  // float32 d, float32 m, 16 bytes of codes
+
+inline int64_t compact_row_bytes(int64_t K) { return K / COMPACT_BLOCK * COMPACT_BLOCK_BYTES; }
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// d * q exact in float32 for every q in 0..15: d zero, or a normal d whose significand has at
+// most 20 bits and whose product with 15 stays normal and finite
+inline bool exact_multiples(float d) {
+  if (d == 0.0f) return float_bits(d) == 0;
+  return std::isnormal(d) && d > 0.0f && (float_bits(d) & 0xF) == 0 && std::isfinite(d * 15.0f);
+}
+
+// the block's codes if every weight is fma(d, q, m) exactly for some q in 0..15
+inline bool encode_block_with(const float* w, float d, float m, uint8_t* codes) {
+  if (!exact_multiples(d)) return false;
+  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  uint8_t q[COMPACT_BLOCK];
+  for (int64_t j = 0; j < COMPACT_BLOCK; ++j) {
+    const float est = std::nearbyint((w[j] - m) * inv);
+    if (!(est >= 0.0f && est <= 15.0f)) return false;
+    q[j] = static_cast<uint8_t>(est);
+    if (float_bits(std::fma(d, static_cast<float>(q[j]), m)) != float_bits(w[j])) return false;
+  }
+  for (int64_t j = 0; j < 16; ++j) codes[j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+  return true;
+}
+
+// one block of 32 weights into 24 bytes; false when no d, m reproduce it
+inline bool encode_block(const float* w, uint8_t* out) {
+  float lo = w[0], hi = w[0];
+  for (int64_t j = 1; j < COMPACT_BLOCK; ++j) {
+    if (!std::isfinite(w[j])) return false;
+    lo = std::min(lo, w[j]);
+    hi = std::max(hi, w[j]);
+  }
+  if (!std::isfinite(w[0]) || !std::isfinite(hi - lo)) return false;
+  const float d0 = (hi - lo) / 15.0f;
+  // the formats' d is a float16 (Q4_0 / Q4_1) or a float16 times a small integer (Q4_K):
+  // d0 lies within a few ulps of it
+  const float cands[] = {static_cast<float>(c10::Half(d0)), d0, std::nextafter(d0, 0.0f),
+                         std::nextafter(d0, INFINITY), std::nextafter(std::nextafter(d0, 0.0f), 0.0f),
+                         std::nextafter(std::nextafter(d0, INFINITY), INFINITY)};
+  for (float d : cands) {
+    if (hi == lo) d = 0.0f;
+    if (encode_block_with(w, d, lo, out + 8)) {
+      std::memcpy(out, &d, 4);
+      std::memcpy(out + 4, &lo, 4);
+      return true;
+    }
+    if (hi == lo) return false;
+  }
+  return false;
+}
+
+// NW compact weight rows (w: row o's codes, rb bytes per row) against NX x rows [R, K]:
+// y[c * O + o + i]. Each block's weights are decoded in registers, w = fma(d, q, m) (exact,
+// see above), and each accumulator then takes fma(w, x, acc) over k in order in 8 lanes and
+// ends in `hsum`: the arithmetic of `tile` on the float32 weights, so every output is the same
+// bit for bit. The codes ahead of the tile (COMPACT_PF_BYTES) are prefetched: the decoding is
+// fast enough that the hardware alone does not keep the stream ahead of it.
+constexpr int64_t COMPACT_PF_BYTES = 4096;
+template <int NW, int NX>
+__attribute__((noinline)) void compact_tile(const uint8_t* __restrict w, int64_t rb, const float* __restrict x,
+                                            int64_t K, int64_t O, int64_t o, float* __restrict y) {
+  __m256 acc[NW][NX];
+#pragma GCC unroll 8
+  for (int i = 0; i < NW; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < NX; ++c) acc[i][c] = _mm256_setzero_ps();
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  constexpr int64_t PF_PER_BLOCK = (NW * COMPACT_BLOCK_BYTES + 63) / 64;
+  for (int64_t b = 0; b < K / COMPACT_BLOCK; ++b) {
+    const int64_t k = b * COMPACT_BLOCK;
+#pragma GCC unroll 4
+    for (int p = 0; p < PF_PER_BLOCK; ++p)
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * NW * COMPACT_BLOCK_BYTES + COMPACT_PF_BYTES + 64 * p),
+                   _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int i = 0; i < NW; ++i) {
+      const uint8_t* blk = w + i * rb + b * COMPACT_BLOCK_BYTES;
+      const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk));
+      const __m256 m = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk + 4));
+      // weights 8s..8s+7: the low nibbles of code bytes 0-7 / 8-15, then the high nibbles
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 + (s & 1) * 8)));
+        q = s < 2 ? _mm256_and_si256(q, nibble) : _mm256_srli_epi32(q, 4);
+        const __m256 wv = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+#pragma GCC unroll 8
+        for (int c = 0; c < NX; ++c)
+          acc[i][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + c * K + k + 8 * s), acc[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int c = 0; c < NX; ++c) y[c * O + o + i] = hsum(acc[i][c]);
+}
+
+// outputs [o0, o1) against NX x rows, NW weight rows per tile (then one at a time)
+template <int NW, int NX>
+void compact_range(const uint8_t* cw, int64_t rb, const float* x, float* y, int64_t K, int64_t O, int64_t o0,
+                   int64_t o1) {
+  int64_t o = o0;
+  for (; o + NW <= o1; o += NW) compact_tile<NW, NX>(cw + o * rb, rb, x, K, O, o, y);
+  for (; o < o1; ++o) compact_tile<1, NX>(cw + o * rb, rb, x, K, O, o, y);
+}
+
+// y [R, O] = x [R, K] @ w^T for a compact w [O, compact_row_bytes(K)]: the x rows in blocks of
+// up to 8 (each block re-reads the chunk's codes, from cache for the later blocks)
+void linear_rows_compact(const uint8_t* cw, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  const int64_t rb = compact_row_bytes(K);
+  for_outputs(O, [&](int64_t o0, int64_t o1) {
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+      const float* x = xp + r0 * K;
+      float* y = yp + r0 * O;
+      switch (std::min<int64_t>(8, R - r0)) {  // registers: NW * NX accumulators + 4 <= 16
+        case 1: compact_range<4, 1>(cw, rb, x, y, K, O, o0, o1); break;
+        case 2: compact_range<4, 2>(cw, rb, x, y, K, O, o0, o1); break;
+        case 3: compact_range<3, 3>(cw, rb, x, y, K, O, o0, o1); break;
+        case 4: compact_range<2, 4>(cw, rb, x, y, K, O, o0, o1); break;
+        case 5: compact_range<2, 5>(cw, rb, x, y, K, O, o0, o1); break;
+        case 6: compact_range<2, 6>(cw, rb, x, y, K, O, o0, o1); break;
+        case 7: compact_range<1, 7>(cw, rb, x, y, K, O, o0, o1); break;
+        default: compact_range<1, 8>(cw, rb, x, y, K, O, o0, o1); break;
+      }
+    }
+  });
+}
+
+inline bool is_compact(const torch::Tensor& t) { return t.defined() && t.scalar_type() == at::kByte; }
+
+// a compact matrix of K columns: uint8 [O, compact_row_bytes(K)], contiguous, on the CPU
+void check_compact(const torch::Tensor& t, int64_t K, const char* fn, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous() && t.size(0) > 0,
+              fn, ": ", name, " (compact) must be a 2-D contiguous uint8 CPU tensor from rows_compact, got ",
+              t.sizes());
+  TORCH_CHECK(K % COMPACT_BLOCK == 0 && t.size(1) == compact_row_bytes(K), fn, ": ", name,
+              " (compact) must hold ", K, " columns (", compact_row_bytes(K), " bytes per row, K a multiple of ",
+              COMPACT_BLOCK, "), got ", t.sizes());
+}
+
 // the checks every product input passes: a CPU tensor of a float kind, dim 2, contiguous
 void check_matrix(const torch::Tensor& t, const char* fn, const char* name) {
   TORCH_CHECK(t.defined(), fn, ": ", name, " is undefined");
@@ -541,6 +708,15 @@ torch::Tensor product_out(torch::Tensor x, const torch::Tensor& w, int64_t O, co
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
   check_matrix(x, "rows_linear", "x");
+  if (is_compact(w)) {  // rows_compact's form of a float32 matrix: the same outputs bit for bit
+    check_compact(w, x.size(1), "rows_linear", "w");
+    TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0, "rows_linear: empty input (R and K must be >= 1), got x ", x.sizes());
+    if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
+    auto y = torch::empty({x.size(0), w.size(0)}, x.options());
+    linear_rows_compact(w.data_ptr<uint8_t>(), x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1),
+                        w.size(0));
+    return y;
+  }
   check_matrix(w, "rows_linear", "w");
   TORCH_CHECK(x.size(1) == w.size(1), "rows_linear: x [R, K], w [O, K] must share K, got x ", x.sizes(),
               " and w ", w.sizes());
@@ -550,6 +726,31 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
   return product_out(x, w, O, [&](const auto* wp, const float* xp, float* yp, int64_t R, int64_t K) {
     linear_rows(wp, xp, yp, R, K, O);
   });
+}
+
+// w [O, K] float32 contiguous CPU -> its compact form uint8 [O, K / 32 * 24] when every block
+// of 32 weights of a row is exactly fma(d, q, m) for float32 d, m and q in 0..15 (see "compact
+// weights"); an empty uint8 tensor when some block is not (or K is not a multiple of 32)
+torch::Tensor rows_compact(torch::Tensor w);
+torch::Tensor rows_compact(torch::Tensor w) {
+  check_matrix(w, "rows_compact", "w");
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "rows_compact: w must be float32, got ", w.scalar_type());
+  const int64_t O = w.size(0), K = w.size(1);
+  auto none = torch::empty({0}, w.options().dtype(at::kByte));
+  if (K % COMPACT_BLOCK != 0 || O == 0 || K == 0) return none;
+  auto out = torch::empty({O, compact_row_bytes(K)}, w.options().dtype(at::kByte));
+  const float* wp = w.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1 && ok.load(std::memory_order_relaxed); ++o)
+      for (int64_t b = 0; b < K / COMPACT_BLOCK; ++b)
+        if (!encode_block(wp + o * K + b * COMPACT_BLOCK, op + o * compact_row_bytes(K) + b * COMPACT_BLOCK_BYTES)) {
+          ok.store(false, std::memory_order_relaxed);
+          break;
+        }
+  });
+  return ok.load() ? out : none;
 }
 
 // ---- weights stored transposed (GPT-2's Conv1D) ------------------------------------------
@@ -1540,18 +1741,25 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   static const char* names[] = {"input norm", "q", "k", "v", "o", "post norm", "gate", "up", "down", "q norm",
                                 "k norm", "attention output norm", "MLP output norm", "q bias", "k bias",
                                 "v bias", "o bias", "gate bias", "up bias", "down bias"};
+  // the projections (1-4, 6-8) of a float32 layer may come in rows_compact's form (uint8)
+  auto projection = [](size_t i) { return (i >= 1 && i <= 4) || (i >= 6 && i <= 8); };
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& t = weights[i];
     TORCH_CHECK(t.defined() && t.device().is_cpu(), "rows_layer: the ", names[i], " weight must be a CPU tensor");
-    TORCH_CHECK(float_kind(t), "rows_layer: the ", names[i], " weight must be float32, bfloat16 or float16, got ",
-                t.scalar_type());
+    TORCH_CHECK(float_kind(t) || (projection(i) && is_compact(t)), "rows_layer: the ", names[i],
+                " weight must be float32, bfloat16 or float16", (projection(i) ? " (or rows_compact's uint8)" : ""),
+                ", got ", t.scalar_type());
     TORCH_CHECK(t.is_contiguous(), "rows_layer: the ", names[i], " weight must be contiguous");
   }
-  const auto wtype = weights[1].scalar_type();
+  // a compact projection stands for float32 weights
+  auto dtype_of = [&](int i) { return is_compact(weights[i]) ? at::kFloat : weights[i].scalar_type(); };
+  const auto wtype = dtype_of(1);
   for (int i : {2, 3, 4, 6, 7, 8})
-    TORCH_CHECK(weights[i].scalar_type() == wtype, "rows_layer: the projections must share one dtype, got q ",
-                wtype, " and ", names[i], " ", weights[i].scalar_type());
-  TORCH_CHECK(weights[1].dim() == 2 && weights[1].size(1) == H && weights[1].size(0) > 0 &&
+    TORCH_CHECK(dtype_of(i) == wtype, "rows_layer: the projections must share one dtype (compact ones count as "
+                "float32), got q ", wtype, " and ", names[i], " ", dtype_of(i));
+  TORCH_CHECK(weights[1].dim() == 2 &&
+              (is_compact(weights[1]) ? weights[1].size(1) == compact_row_bytes(H) : weights[1].size(1) == H) &&
+              weights[1].size(0) > 0 &&
               weights[1].size(0) % d == 0, "rows_layer: the q weight must be [Hq * d, H] with H = ", H,
               ", d = ", d, ", got ", weights[1].sizes());
   const int64_t Hq = weights[1].size(0) / d;
@@ -1567,10 +1775,17 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
       {Hq * d}, {Hkv * d}, {Hkv * d}, {H}, {I}, {I}, {H}};
   // the norms and biases that may be left out (an empty tensor): q and k norm only together
   auto absent = [&](size_t i) { return (i == 0 || i == 5 || i >= 9) && weights[i].numel() == 0; };
-  for (size_t i = 0; i < weights.size(); ++i)
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (is_compact(weights[i])) {  // [O, compact_row_bytes(K)] for the projection's [O, K]
+      check_compact(weights[i], shapes[i][1], "rows_layer", names[i]);
+      TORCH_CHECK(weights[i].size(0) == shapes[i][0], "rows_layer: the ", names[i], " weight (compact) must have ",
+                  shapes[i][0], " rows, got ", weights[i].size(0));
+      continue;
+    }
     TORCH_CHECK(absent(i) || weights[i].sizes() == c10::IntArrayRef(shapes[i]), "rows_layer: the ", names[i],
                 " weight must be ", c10::IntArrayRef(shapes[i]), (i == 0 || i == 5 || i >= 9 ? " or empty" : ""),
                 " (H = ", H, ", Hq = ", Hq, ", Hkv = ", Hkv, ", d = ", d, ", I = ", I, "), got ", weights[i].sizes());
+  }
   if (weights.size() > 9)
     TORCH_CHECK(absent(9) == absent(10), "rows_layer: q norm and k norm must both be given or both be empty");
   // cos/sin [R, rot]: RoPE on each head's first rot dimensions (rot = d: all of them)
@@ -2076,7 +2291,7 @@ torch::Tensor rows_layers(torch::Tensor h, std::vector<torch::Tensor> weights, i
               ") outside the ", layers, " given");
   TORCH_CHECK(k_cache.defined() && v_cache.defined() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
               k_cache.size(0) == layers, "rows_layers: k_cache / v_cache must be [L, Hkv, S, d] with L = ", layers);
-  const auto wtype = weights[1].scalar_type();
+  const auto wtype = is_compact(weights[1]) ? at::kFloat : weights[1].scalar_type();  // compact: float32
   for (int64_t li = start; li < end; ++li) {
     std::vector<torch::Tensor> w(weights.begin() + li * per_layer, weights.begin() + (li + 1) * per_layer);
     h = rows_layer(h, w, k_cache[li], v_cache[li], cos, sin, slots, limit, eps, scale, residual_scale, path, base,

@@ -144,7 +144,7 @@ def _load_module():
         with _LockWatch(lock) as watch:
             module = load_inline(
                 name=NAME, cpp_sources=[SOURCE.read_text(), STATES_SOURCE.read_text()],
-                functions=["rows_linear", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
+                functions=["rows_linear", "rows_compact", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
                            "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
@@ -201,6 +201,17 @@ def load_rows_linear():
     float32 / bfloat16 / float16; contiguous CPU tensors), or None when this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_linear
+
+
+def load_rows_compact():
+    """The compiled `rows_compact(w [O, K] float32) -> uint8 [O, K / 32 * 24]`: the matrix as
+    exact 4-bit blocks (float32 d and m per 32 weights, every weight fma(d, q, m) bit for bit),
+    the form a float32 matrix dequantized from a 4-bit GGUF block format has; an empty tensor
+    where some block is not exactly that. `rows_linear` and `rows_layer(s)` take the result
+    in place of the matrix, with the same outputs bit for bit at about a fifth of the bytes
+    read. None when this machine cannot build or run the kernels."""
+    module = _load_module()
+    return None if module is None else module.rows_compact
 
 
 def load_rows_linear_heads():

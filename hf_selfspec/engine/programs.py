@@ -49,6 +49,7 @@ from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, app
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .memory import zeroed
 from .meta import StepMeta, StepRows
+from .compact import CompactWeights
 from .screen import ScreenedArgmax, screen_refusal
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
@@ -167,6 +168,11 @@ class Engine:
         # what rows_layers takes: every layer's weights in turn, and how many per layer
         self._fused_weights = None if fused is None else [t for layer in fused for t in layer]
         self._fused_per_layer = 0 if fused is None else len(fused[0])
+        # float32 projections that hold exact 4-bit blocks (a model dequantized from a 4-bit
+        # GGUF) are read in that form: the same outputs from a fifth of the bytes (compact.py)
+        self.compact = self._compact_weights()
+        if self.compact is not None:
+            self._fused_weights = self.compact.kernel_weights
         self.screen = None
         self._screen_deferred = False  # a big LM head's screen waits for the second request
         self._make_screen(first_request=True)
@@ -240,9 +246,27 @@ class Engine:
             self.screen = ScreenedArgmax(head.weight, kernel)
 
     def next_request(self) -> None:
-        """A request after the first: make what the first deferred (a big LM head's screen)."""
+        """A request after the first: make what the first deferred (a big LM head's screen),
+        and encode again the compact weights of matrices updated in place since."""
         if self._screen_deferred:
             self._make_screen()
+        if self.compact is not None and self.compact.refresh():
+            self._fused_weights = self.compact.kernel_weights
+
+    def _compact_weights(self) -> CompactWeights | None:
+        """The layers' projections in compact form where they have one (float32 CPU weights
+        on the kernel layout); None where none has."""
+        if self._fused_weights is None or self.view.dtype != torch.float32 or self.view.device.type != "cpu":
+            return None
+        from hf_selfspec.kernels.cpu_rows import load_rows_compact
+
+        kernel = load_rows_compact()
+        if kernel is None:
+            return None
+        per = self._fused_per_layer
+        projections = [li * per + j for li in range(len(self._fused_weights) // per) for j in (1, 2, 3, 4, 6, 7, 8)]
+        compact = CompactWeights(self._fused_weights, projections, kernel)
+        return compact if compact.count else None
 
     def _all_linears(self) -> list[torch.nn.Linear]:
         v = self.view
@@ -794,6 +818,12 @@ class Engine:
         return out, out.argmax(-1), final
 
     @property
+    def _costs_name(self) -> str:
+        """The name step costs are cached under: the layout's, marked where compact weights
+        (compact.py) change what a step reads."""
+        return self.layout.name if self.compact is None else f"{self.layout.name}+compact"
+
+    @property
     def step_costs(self) -> tuple[float, ...]:
         """Verify cost of n rows (index n = 1..W; index 0 = 1 row) in units of a 1-row step:
         measured once per model, machine and software (costs.measure_step_costs; on a model
@@ -803,14 +833,16 @@ class Engine:
         grows."""
         if self._step_costs is None:
             context = costs.cost_context(self)
-            found = self._measured.step_costs(self.layout.name, context)
+            found = self._measured.step_costs(self._costs_name, context)
             with self._timing_steps():
                 if found is not None and costs.measured_while_busy(self, found[1]):
                     found = None  # measured on a busy machine: measure again and store
                 if found is None:
-                    found = (costs.step_costs_from_products(self.width, self._products_seconds)
-                             or costs.measure_step_costs(self))
-                    self._measured.store_step_costs(self.layout.name, context, *found)
+                    # (the layout choice timed the float32 products, not compact ones)
+                    estimated = None if self.compact is not None else costs.step_costs_from_products(
+                        self.width, self._products_seconds)
+                    found = estimated or costs.measure_step_costs(self)
+                    self._measured.store_step_costs(self._costs_name, context, *found)
             self._step_costs, self._one_row_seconds = found
         return self._step_costs
 
@@ -823,11 +855,11 @@ class Engine:
             return self.step_costs
         if self._batch_costs is None:
             context = costs.cost_context(self)
-            found = self._measured.batch_costs(self.layout.name, context)
+            found = self._measured.batch_costs(self._costs_name, context)
             if found is None or found[0][-1] != self.max_step_rows:
                 with self._timing_steps():
                     found = costs.measure_batch_costs(self)
-                self._measured.store_batch_costs(self.layout.name, context, *found)
+                self._measured.store_batch_costs(self._costs_name, context, *found)
             self._batch_costs = costs.batch_cost_curve(self.step_costs, self.width, *found, self.max_step_rows)
         return self._batch_costs
 
@@ -848,11 +880,11 @@ class Engine:
         model and machine: costs.measure_attention_seconds; cached on disk)."""
         if self._attention_seconds is None:
             context = costs.cost_context(self)
-            found = self._measured.attention_seconds(self.layout.name, context)
+            found = self._measured.attention_seconds(self._costs_name, context)
             if found is None:
                 with self._timing_steps():
                     found = costs.measure_attention_seconds(self)
-                self._measured.store_attention_seconds(self.layout.name, context, found)
+                self._measured.store_attention_seconds(self._costs_name, context, found)
             self._attention_seconds = found
         return self._attention_seconds
 

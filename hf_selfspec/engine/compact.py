@@ -1,0 +1,80 @@
+"""Compact weights: float32 projections read as the exact 4-bit blocks they hold.
+
+A float32 model dequantized from a 4-bit block format (a GGUF Q4_0 / Q4_1 / Q4_K file loaded
+through transformers' `gguf_file=`, as the embedded default model is) holds, in every block of
+32 weights of a matrix row, only values m + d * q with q in 0..15. The row kernel's
+`rows_compact` (kernels/cpu_rows.cpp, "compact weights") finds such a d and m for every block,
+keeps the matrix only where every weight comes back bit for bit, and its products then read
+24 bytes per 32 weights instead of 128 with every output the float32 product's bit for bit.
+A decode step streams its weights once, so it reads about a fifth of the bytes.
+
+The compact forms are the engine's own memory beside the model's weights (`copy_bytes`,
+about 0.19 of the projections they stand for) and are made again when a weight changes:
+new storage, dtype or device rebuilds the engine (`weight_signature`); an in-place update
+moves the tensor's version counter, which `refresh` compares at every request. (Writes
+through `.data` move no counter: a model edited that way must be given to `attach_heads`
+again.) Matrices without that form (any trained float32 or 16-bit model) stay as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+CompactKernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CompactWeights:
+    """The compact forms of some of a layer list's float32 CPU matrices.
+
+    `weights` is the flat list `rows_layers` takes; `indices` the positions in it of the
+    projections that may be read compactly. `kernel_weights` is that list with every
+    encodable projection replaced by its compact form (uint8 [O, K / 32 * 24])."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], indices: Sequence[int], kernel: CompactKernel):
+        self.kernel = kernel
+        self.source = list(weights)
+        self.indices = [i for i in indices if _may_compact(self.source[i])]
+        self.kernel_weights = list(self.source)
+        self._versions: dict[int, int] = {}
+        for i in self.indices:
+            self._encode(i)
+
+    def _encode(self, i: int) -> None:
+        w = self.source[i]
+        self._versions[i] = w._version
+        packed = self.kernel(w)
+        self.kernel_weights[i] = packed if packed.numel() > 0 else w
+
+    @property
+    def count(self) -> int:
+        """How many matrices are read compactly."""
+        return sum(1 for i in self.indices if self.kernel_weights[i] is not self.source[i])
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the compact forms (memory beyond the model's own)."""
+        return sum(self.kernel_weights[i].numel() for i in self.indices
+                   if self.kernel_weights[i] is not self.source[i])
+
+    @property
+    def read_bytes_saved(self) -> int:
+        """Bytes a step no longer streams: the float32 matrices minus their compact forms."""
+        return sum(self.source[i].numel() * 4 - self.kernel_weights[i].numel() for i in self.indices
+                   if self.kernel_weights[i] is not self.source[i])
+
+    def refresh(self) -> int:
+        """Encode again every matrix updated in place since it was encoded (its version
+        counter moved: an optimizer step, `load_state_dict`, `copy_` under no_grad).
+        Returns how many were."""
+        changed = [i for i in self.indices if self.source[i]._version != self._versions[i]]
+        for i in changed:
+            self._encode(i)
+        return len(changed)
+
+
+def _may_compact(t: torch.Tensor) -> bool:
+    # 2-D float32 CPU matrices with whole blocks of 32 columns: what rows_compact takes
+    return (t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            and t.shape[1] % 32 == 0 and t.numel() > 0)
