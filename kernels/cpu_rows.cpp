@@ -521,9 +521,10 @@ void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, 
 
 // ---- compact weights: float32 rows held as exact 4-bit blocks ----------------------------
 //
-// A float32 matrix dequantized from a 4-bit block format (a GGUF Q4_0 / Q4_1 / Q4_K file loaded
-// through transformers, as the embedded default model is) holds in every block of 32 weights
-// of a row only values m + d * q, q in 0..15. `rows_compact` finds such a d and m per block
+// A float32 matrix dequantized from GGUF's Q4_1 blocks (a Q4_1 file loaded through
+// transformers, as the embedded default model is) holds in every block of 32 weights of a
+// row only values m + d * q, q in 0..15, the lowest m and the highest m + 15 d. (Q4_0's
+// d (q - 8) with d < 0 gives -0.0 at q = 8, which fma(d, q, m) cannot: not taken.) `rows_compact` finds such a d and m per block
 // and keeps the block as float32 d and m and sixteen bytes of codes (24 bytes for 128): a
 // step then streams 0.19 of the bytes. It keeps a matrix only where every weight comes back
 // bit for bit: d * q exact in float32 for every q (so fma(d, q, m) and d * q + m round alike)
@@ -546,13 +547,13 @@ inline uint32_t float_bits(float f) {
 // most 20 bits and whose product with 15 stays normal and finite
 inline bool exact_multiples(float d) {
   if (d == 0.0f) return float_bits(d) == 0;
-  return std::isnormal(d) && d > 0.0f && (float_bits(d) & 0xF) == 0 && std::isfinite(d * 15.0f);
+  return std::isnormal(d) && (float_bits(d) & 0xF) == 0 && std::isfinite(d * 15.0f);
 }
 
 // the block's codes if every weight is fma(d, q, m) exactly for some q in 0..15
 inline bool encode_block_with(const float* w, float d, float m, uint8_t* codes) {
   if (!exact_multiples(d)) return false;
-  const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
   uint8_t q[COMPACT_BLOCK];
   for (int64_t j = 0; j < COMPACT_BLOCK; ++j) {
     const float est = std::nearbyint((w[j] - m) * inv);
@@ -564,30 +565,29 @@ inline bool encode_block_with(const float* w, float d, float m, uint8_t* codes) 
   return true;
 }
 
-// one block of 32 weights into 24 bytes; false when no d, m reproduce it
+// one block of 32 weights into 24 bytes; false when none of the candidate d, m reproduce it
 inline bool encode_block(const float* w, uint8_t* out) {
   float lo = w[0], hi = w[0];
-  for (int64_t j = 1; j < COMPACT_BLOCK; ++j) {
+  for (int64_t j = 0; j < COMPACT_BLOCK; ++j) {
     if (!std::isfinite(w[j])) return false;
     lo = std::min(lo, w[j]);
     hi = std::max(hi, w[j]);
   }
-  if (!std::isfinite(w[0]) || !std::isfinite(hi - lo)) return false;
+  auto half = [](float f) { return static_cast<float>(c10::Half(f)); };
+  auto take = [&](float d, float m) {
+    if (!encode_block_with(w, d, m, out + 8)) return false;
+    std::memcpy(out, &d, 4);
+    std::memcpy(out + 4, &m, 4);
+    return true;
+  };
+  if (hi == lo) return take(0.0f, lo);
+  // Q4_1: the lowest weight is m (q = 0), the highest m + 15 d, d a float16: d0 is within a
+  // few ulps of it
   const float d0 = (hi - lo) / 15.0f;
-  // the formats' d is a float16 (Q4_0 / Q4_1) or a float16 times a small integer (Q4_K):
-  // d0 lies within a few ulps of it
-  const float cands[] = {static_cast<float>(c10::Half(d0)), d0, std::nextafter(d0, 0.0f),
-                         std::nextafter(d0, INFINITY), std::nextafter(std::nextafter(d0, 0.0f), 0.0f),
-                         std::nextafter(std::nextafter(d0, INFINITY), INFINITY)};
-  for (float d : cands) {
-    if (hi == lo) d = 0.0f;
-    if (encode_block_with(w, d, lo, out + 8)) {
-      std::memcpy(out, &d, 4);
-      std::memcpy(out + 4, &lo, 4);
-      return true;
-    }
-    if (hi == lo) return false;
-  }
+  if (!std::isfinite(d0)) return false;
+  const float down = std::nextafter(d0, 0.0f), up = std::nextafter(d0, INFINITY);
+  for (float d : {half(d0), d0, down, up, std::nextafter(down, 0.0f), std::nextafter(up, INFINITY)})
+    if (take(d, lo)) return true;
   return false;
 }
 

@@ -206,7 +206,7 @@ def load_rows_linear():
 def load_rows_compact():
     """The compiled `rows_compact(w [O, K] float32) -> uint8 [O, K / 32 * 24]`: the matrix as
     exact 4-bit blocks (float32 d and m per 32 weights, every weight fma(d, q, m) bit for bit),
-    the form a float32 matrix dequantized from a 4-bit GGUF block format has; an empty tensor
+    the form a float32 matrix dequantized from GGUF Q4_1 blocks has; an empty tensor
     where some block is not exactly that. `rows_linear` and `rows_layer(s)` take the result
     in place of the matrix, with the same outputs bit for bit at about a fifth of the bytes
     read. None when this machine cannot build or run the kernels."""

@@ -1,8 +1,8 @@
 """Compact weights: float32 projections read as the exact 4-bit blocks they hold.
 
-A float32 model dequantized from a 4-bit block format (a GGUF Q4_0 / Q4_1 / Q4_K file loaded
-through transformers' `gguf_file=`, as the embedded default model is) holds, in every block of
-32 weights of a matrix row, only values m + d * q with q in 0..15. The row kernel's
+A float32 model dequantized from GGUF's 4-bit Q4_1 blocks (a Q4_1 file loaded through
+transformers' `gguf_file=`, as the embedded default model is) holds, in every block of 32
+weights of a matrix row, only values m + d * q with q in 0..15. The row kernel's
 `rows_compact` (kernels/cpu_rows.cpp, "compact weights") finds such a d and m for every block,
 keeps the matrix only where every weight comes back bit for bit, and its products then read
 24 bytes per 32 weights instead of 128 with every output the float32 product's bit for bit.
