@@ -166,9 +166,24 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
         meta = engine.make_meta(range(context, context + n))
         engine.verify(engine.embed(prompt[:n]), 0, meta, logits=False)
 
+    # the products as the step reads them: the compact forms of a model dequantized from
+    # GGUF Q4_1 (engine/compact.py), else the layout's own products of the weights
+    compact = getattr(engine, "compact", None)
+    if compact is not None:
+        from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+        rows_linear, forms = load_rows_linear(), compact.kernel_weights
+        per = engine._fused_per_layer
+        read = [forms[li * per + j] for li in range(v.num_layers) for j in (1, 2, 3, 4, 6, 7, 8)]
+        columns = [lin.weight.shape[1] for lin in linears]
+
     def products():
-        for lin in linears:
-            layout.linear(xs[lin.weight.shape[1]], lin)
+        if compact is not None:
+            for k, w in zip(columns, read):
+                rows_linear(xs[k], w)
+        else:
+            for lin in linears:
+                layout.linear(xs[lin.weight.shape[1]], lin)
         if engine.screen is not None:  # the LM head as a greedy step reads it
             engine.screen.argmax(xs[v.lm_head.weight.shape[1]])
         else:
@@ -211,6 +226,9 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
     head = model.get_output_embeddings().weight
     screened = weight_bytes - (head.numel() * head.element_size() - engine.screen.copy_bytes
                                if engine.screen is not None else 0)
+    # ... and the projections held as exact 4-bit blocks through their compact forms
+    compact = getattr(engine, "compact", None)
+    screened -= 0 if compact is None else compact.read_bytes_saved
     screened_ms = (screened + kv_bytes) / (gbs * 1e9) * 1e3
     engine.prefill(prompt)
     rows = []
@@ -224,14 +242,16 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
     print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
           f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
           f"({1e3 / bound_ms:.0f} AR steps/s); a greedy step reads {screened / 1e6:.0f} MB of weights "
-          f"(the LM head's int8 screen: {engine.screen is not None}) -> {screened_ms:.1f} ms")
-    print(f"{'rows':>5} {'ms':>8} {'w/ logits':>10} {'bound ms':>9} {'% of bound':>11}   split of a greedy step, "
-          "timed apart: products / attention / rest (norms, RoPE, KV write, adds, argmax, host)")
+          f"(the LM head's int8 screen: {engine.screen is not None}; projections read as exact 4-bit "
+          f"blocks: {0 if compact is None else compact.count}) -> {screened_ms:.1f} ms")
+    print(f"{'rows':>5} {'ms':>8} {'w/ logits':>10} {'bound ms':>9} {'% of bound':>11} {'% of read':>10}   "
+          "split of a greedy step, timed apart: products / attention / rest (norms, RoPE, KV write, adds, "
+          "argmax, host)")
     for r in rows:
         sp = r["split"]
         parts = f"{sp['products']:.1f} / {sp['attention']:.1f} / {sp['rest']:.1f} ms of {sp['step']:.1f}"
         print(f"{r['rows']:>5} {r['ms']:>8.1f} {r['ms_with_logits']:>10.1f} {r['bound_ms']:>9.1f} "
-              f"{r['of_bound']:>10.0%}   {parts}")
+              f"{r['of_bound']:>10.0%} {r['read_bound_ms'] / r['ms']:>10.0%}   {parts}")
     return {"weight_bytes": weight_bytes, "greedy_step_weight_bytes": screened, "kv_bytes": kv_bytes,
             "bandwidth_gbs": gbs, "steps": rows}
 
