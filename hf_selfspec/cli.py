@@ -99,7 +99,10 @@ def cmd_generate(args) -> int:
     model.generate(ids, max_new_tokens=2, do_sample=False, assistant="self", assistant_model=draft_model)
     if args.compare:
         model.generate(ids, max_new_tokens=2, do_sample=False)  # HF's first-call costs, likewise
-    print(f"[hf-selfspec] engine ready in {time.perf_counter() - t0:.1f} s (once per process, untimed)")
+    compact = getattr(getattr(model._selfspec, "engine", None), "compact", None)
+    held = "" if compact is None else (f"; {compact.count} projections read as the exact 4-bit blocks "
+                                        f"they hold, {compact.copy_bytes / 2**20:.0f} MiB")
+    print(f"[hf-selfspec] engine ready in {time.perf_counter() - t0:.1f} s (once per process, untimed{held})")
     t0 = time.perf_counter()
     out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
                          assistant="self", assistant_model=draft_model, streamer=SourceStreamer())
