@@ -100,7 +100,7 @@ def cmd_generate(args) -> int:
     if args.compare:
         model.generate(ids, max_new_tokens=2, do_sample=False)  # HF's first-call costs, likewise
     compact = getattr(getattr(model._selfspec, "engine", None), "compact", None)
-    held = "" if compact is None else (f"; {compact.count} projections read as the exact 4-bit blocks "
+    held = "" if compact is None else (f"; {compact.count} projections read as the exact GGUF blocks "
                                         f"they hold, {compact.copy_bytes / 2**20:.0f} MiB")
     print(f"[hf-selfspec] engine ready in {time.perf_counter() - t0:.1f} s (once per process, untimed{held})")
     t0 = time.perf_counter()

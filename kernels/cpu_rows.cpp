@@ -519,23 +519,36 @@ void linear_rows(const T* wp, const float* xp, float* yp, int64_t R, int64_t K, 
   }
 }
 
-// ---- compact weights: float32 rows held as exact 4-bit blocks ----------------------------
+// ---- compact weights: float32 rows held as the exact quantized blocks they are -----------
 //
-// A float32 matrix dequantized from GGUF's Q4_1 blocks (a Q4_1 file loaded through
-// transformers, as the embedded default model is) holds in every block of 32 weights of a
-// row only values m + d * q, q in 0..15, the lowest m and the highest m + 15 d. (Q4_0's
-// d (q - 8) with d < 0 gives -0.0 at q = 8, which fma(d, q, m) cannot: not taken.) `rows_compact` finds such a d and m per block
-// and keeps the block as float32 d and m and sixteen bytes of codes (24 bytes for 128): a
-// step then streams 0.19 of the bytes. It keeps a matrix only where every weight comes back
-// bit for bit: d * q exact in float32 for every q (so fma(d, q, m) and d * q + m round alike)
-// and fma(d, q, m) == w in all 32 bits; otherwise it returns an empty tensor and the float32
-// matrix is used. A product decodes each block in registers and runs the float32 tiles'
+// A float32 matrix dequantized from one of GGUF's block formats (a GGUF file loaded through
+// transformers, as the embedded default model, a Q4_1 file, is) holds in every block of 32
+// weights of a row only the values its format can give:
+//  - Q4_1: fma(d, q, m), q in 0..15 (the lowest weight m, the highest m + 15 d, d a float16);
+//  - Q4_0: d * (q - 8), q in 0..15 (the weight of largest magnitude at q = 0);
+//  - Q8_0: d * q, q in -128..127 (the weight of largest magnitude at q = +-127).
+// `rows_compact` finds such a d (and m) per block, trying the forms in that order, and keeps
+// a matrix in the first form that reproduces **every weight bit for bit** (a Q4_1 d also has
+// d * q exact for every q, so fma(d, q, m) and d * q + m round alike, whatever the compiler
+// contracts; the two products are single roundings, as the kernels compute them); otherwise
+// it returns an empty tensor and the float32 matrix is used. A block is 24 / 20 / 36 bytes
+// for 128 float32 bytes (float32 d, Q4_1's float32 m, the codes), so a form's row width says
+// which form it is. A product decodes each block in registers and runs the float32 tiles'
 // arithmetic on it (`compact_tile`): every output is the float32 path's bit for bit
-// (tests/test_kernels_cpu.py compares them).
-constexpr int64_t COMPACT_BLOCK = 32;        // weights per block
-constexpr int64_t COMPACT_BLOCK_BYTES = 24;  // float32 d, float32 m, 16 bytes of codes
+// (tests/test_compact.py compares them).
+constexpr int64_t COMPACT_BLOCK = 32;  // weights per block
+enum CompactForm : int { Q4_1_FORM = 0, Q4_0_FORM = 1, Q8_0_FORM = 2, COMPACT_FORMS = 3 };
+constexpr int64_t FORM_BLOCK_BYTES[COMPACT_FORMS] = {24, 20, 36};
 
-inline int64_t compact_row_bytes(int64_t K) { return K / COMPACT_BLOCK * COMPACT_BLOCK_BYTES; }
+inline int64_t compact_row_bytes(int64_t K, int form) { return K / COMPACT_BLOCK * FORM_BLOCK_BYTES[form]; }
+
+// the form of a compact matrix of K columns whose rows are row_bytes wide; -1 for none
+inline int compact_form(int64_t K, int64_t row_bytes) {
+  if (K <= 0 || K % COMPACT_BLOCK != 0) return -1;
+  for (int f = 0; f < COMPACT_FORMS; ++f)
+    if (row_bytes == compact_row_bytes(K, f)) return f;
+  return -1;
+}
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -543,88 +556,125 @@ inline uint32_t float_bits(float f) {
   return u;
 }
 
-// d * q exact in float32 for every q in 0..15: d zero, or a normal d whose significand has at
-// most 20 bits and whose product with 15 stays normal and finite
+// Q4_1: d * q exact in float32 for every q in 0..15: d zero, or a normal d whose significand
+// has at most 20 bits and whose product with 15 stays normal and finite
 inline bool exact_multiples(float d) {
   if (d == 0.0f) return float_bits(d) == 0;
   return std::isnormal(d) && (float_bits(d) & 0xF) == 0 && std::isfinite(d * 15.0f);
 }
 
-// the block's codes if every weight is fma(d, q, m) exactly for some q in 0..15
-inline bool encode_block_with(const float* w, float d, float m, uint8_t* codes) {
-  if (!exact_multiples(d)) return false;
-  const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-  uint8_t q[COMPACT_BLOCK];
+// the block's codes (q[j] for weight j) if every weight is `value(d, m, q)` bit for bit for
+// the nearest q in [lo, hi] to `guess(w)`
+template <typename V, typename G>
+inline bool block_codes(const float* w, int lo, int hi, const V& value, const G& guess, int* q) {
   for (int64_t j = 0; j < COMPACT_BLOCK; ++j) {
-    const float est = std::nearbyint((w[j] - m) * inv);
-    if (!(est >= 0.0f && est <= 15.0f)) return false;
-    q[j] = static_cast<uint8_t>(est);
-    if (float_bits(std::fma(d, static_cast<float>(q[j]), m)) != float_bits(w[j])) return false;
+    const float est = std::nearbyint(guess(w[j]));
+    if (!(est >= static_cast<float>(lo) && est <= static_cast<float>(hi))) return false;
+    q[j] = static_cast<int>(est);
+    if (float_bits(value(q[j])) != float_bits(w[j])) return false;
   }
-  for (int64_t j = 0; j < 16; ++j) codes[j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
   return true;
 }
 
-// one block of 32 weights into 24 bytes; false when none of the candidate d, m reproduce it
-inline bool encode_block(const float* w, uint8_t* out) {
-  float lo = w[0], hi = w[0];
-  for (int64_t j = 0; j < COMPACT_BLOCK; ++j) {
-    if (!std::isfinite(w[j])) return false;
-    lo = std::min(lo, w[j]);
-    hi = std::max(hi, w[j]);
+// 4-bit codes: byte j holds weight j in its low nibble, weight j + 16 in its high one
+inline void store_nibbles(const int* q, uint8_t* codes) {
+  for (int64_t j = 0; j < 16; ++j) codes[j] = static_cast<uint8_t>(q[j] | (q[j + 16] << 4));
+}
+
+inline float half_rounded(float f) { return static_cast<float>(c10::Half(f)); }
+
+// one block of 32 finite weights (lowest lo, highest hi, largest magnitude at index big) in
+// form F; false when none of the form's candidate d reproduces it
+inline bool encode_block(const float* w, float lo, float hi, int64_t big, int form, uint8_t* out) {
+  int q[COMPACT_BLOCK];
+  if (form == Q4_1_FORM) {
+    auto take = [&](float d) {
+      if (!exact_multiples(d)) return false;
+      const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+      if (!block_codes(w, 0, 15, [&](int c) { return std::fma(d, static_cast<float>(c), lo); },
+                       [&](float x) { return (x - lo) * inv; }, q))
+        return false;
+      std::memcpy(out, &d, 4);
+      std::memcpy(out + 4, &lo, 4);
+      store_nibbles(q, out + 8);
+      return true;
+    };
+    if (hi == lo) return take(0.0f);
+    // d a float16: (hi - lo) / 15 lies within a few ulps of it
+    const float d0 = (hi - lo) / 15.0f;
+    if (!std::isfinite(d0)) return false;
+    const float down = std::nextafter(d0, 0.0f), up = std::nextafter(d0, INFINITY);
+    for (float d : {half_rounded(d0), d0, down, up, std::nextafter(down, 0.0f), std::nextafter(up, INFINITY)})
+      if (take(d)) return true;
+    return false;
   }
-  auto half = [](float f) { return static_cast<float>(c10::Half(f)); };
-  auto take = [&](float d, float m) {
-    if (!encode_block_with(w, d, m, out + 8)) return false;
+  auto symmetric = [&](float d, int lo_q, int hi_q, int offset) {
+    const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+    if (!block_codes(w, lo_q, hi_q, [&](int c) { return d * static_cast<float>(c - offset); },
+                     [&](float x) { return x * inv + static_cast<float>(offset); }, q))
+      return false;
     std::memcpy(out, &d, 4);
-    std::memcpy(out + 4, &m, 4);
+    if (offset == 0)
+      for (int64_t j = 0; j < COMPACT_BLOCK; ++j) out[4 + j] = static_cast<uint8_t>(static_cast<int8_t>(q[j]));
+    else
+      store_nibbles(q, out + 4);
     return true;
   };
-  if (hi == lo) return take(0.0f, lo);
-  // Q4_1: the lowest weight is m (q = 0), the highest m + 15 d, d a float16: d0 is within a
-  // few ulps of it
-  const float d0 = (hi - lo) / 15.0f;
-  if (!std::isfinite(d0)) return false;
-  const float down = std::nextafter(d0, 0.0f), up = std::nextafter(d0, INFINITY);
-  for (float d : {half(d0), d0, down, up, std::nextafter(down, 0.0f), std::nextafter(up, INFINITY)})
-    if (take(d, lo)) return true;
+  if (form == Q4_0_FORM)  // d = w[big] / -8 exactly (q = 0 there); an all-zero block: d = -0.0 gives -0.0
+    return symmetric(w[big] / -8.0f, 0, 15, 8) || (w[big] == 0.0f && symmetric(-0.0f, 0, 15, 8));
+  // Q8_0: d = |w[big]| / 127 (q = +-127 there), a float16
+  const float d0 = std::fabs(w[big]) / 127.0f;
+  for (float d : {d0, half_rounded(d0), std::nextafter(d0, 0.0f), std::nextafter(d0, INFINITY)})
+    if (symmetric(d, -128, 127, 0)) return true;
   return false;
 }
 
-// NW compact weight rows (w: row o's codes, rb bytes per row) against NX x rows [R, K]:
-// y[c * O + o + i]. Each block's weights are decoded in registers, w = fma(d, q, m) (exact,
-// see above), and each accumulator then takes fma(w, x, acc) over k in order in 8 lanes and
-// ends in `hsum`: the arithmetic of `tile` on the float32 weights, so every output is the same
-// bit for bit. The codes ahead of the tile (COMPACT_PF_BYTES) are prefetched: the decoding is
-// fast enough that the hardware alone does not keep the stream ahead of it.
+// weights 8s..8s+7 of a block in form F, widened exactly: d (and m) already broadcast
+template <int F>
+inline __m256 decode_part(const uint8_t* blk, int s, __m256 d, __m256 m) {
+  if constexpr (F == Q8_0_FORM) {
+    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4 + 8 * s)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+  } else {
+    // the low nibbles of code bytes 0-7 / 8-15, then the high nibbles
+    constexpr int64_t CODES = F == Q4_1_FORM ? 8 : 4;
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + CODES + (s & 1) * 8)));
+    q = s < 2 ? _mm256_and_si256(q, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(q, 4);
+    if constexpr (F == Q4_1_FORM) return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(8))));
+  }
+}
+
+// NW compact weight rows in form F (w: row o's blocks, rb bytes per row) against NX x rows
+// [R, K]: y[c * O + o + i]. Each block's weights are decoded in registers (exact, see above),
+// and each accumulator then takes fma(w, x, acc) over k in order in 8 lanes and ends in
+// `hsum`: the arithmetic of `tile` on the float32 weights, so every output is the same bit for
+// bit. The blocks ahead of the tile (COMPACT_PF_BYTES) are prefetched: the decoding is fast
+// enough that the hardware alone does not keep the stream ahead of it.
 constexpr int64_t COMPACT_PF_BYTES = 4096;
-template <int NW, int NX>
+template <int F, int NW, int NX>
 __attribute__((noinline)) void compact_tile(const uint8_t* __restrict w, int64_t rb, const float* __restrict x,
                                             int64_t K, int64_t O, int64_t o, float* __restrict y) {
+  constexpr int64_t BYTES = FORM_BLOCK_BYTES[F];
   __m256 acc[NW][NX];
 #pragma GCC unroll 8
   for (int i = 0; i < NW; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) acc[i][c] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  constexpr int64_t PF_PER_BLOCK = (NW * COMPACT_BLOCK_BYTES + 63) / 64;
+  constexpr int64_t PF_PER_BLOCK = (NW * BYTES + 63) / 64;
   for (int64_t b = 0; b < K / COMPACT_BLOCK; ++b) {
     const int64_t k = b * COMPACT_BLOCK;
 #pragma GCC unroll 4
     for (int p = 0; p < PF_PER_BLOCK; ++p)
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * NW * COMPACT_BLOCK_BYTES + COMPACT_PF_BYTES + 64 * p),
-                   _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * NW * BYTES + COMPACT_PF_BYTES + 64 * p), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int i = 0; i < NW; ++i) {
-      const uint8_t* blk = w + i * rb + b * COMPACT_BLOCK_BYTES;
+      const uint8_t* blk = w + i * rb + b * BYTES;
       const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk));
-      const __m256 m = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk + 4));
-      // weights 8s..8s+7: the low nibbles of code bytes 0-7 / 8-15, then the high nibbles
+      const __m256 m = F == Q4_1_FORM ? _mm256_broadcast_ss(reinterpret_cast<const float*>(blk + 4)) : d;
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
-        __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 + (s & 1) * 8)));
-        q = s < 2 ? _mm256_and_si256(q, nibble) : _mm256_srli_epi32(q, 4);
-        const __m256 wv = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m);
+        const __m256 wv = decode_part<F>(blk, s, d, m);
 #pragma GCC unroll 8
         for (int c = 0; c < NX; ++c)
           acc[i][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + c * K + k + 8 * s), acc[i][c]);
@@ -636,46 +686,57 @@ __attribute__((noinline)) void compact_tile(const uint8_t* __restrict w, int64_t
 }
 
 // outputs [o0, o1) against NX x rows, NW weight rows per tile (then one at a time)
-template <int NW, int NX>
+template <int F, int NW, int NX>
 void compact_range(const uint8_t* cw, int64_t rb, const float* x, float* y, int64_t K, int64_t O, int64_t o0,
                    int64_t o1) {
   int64_t o = o0;
-  for (; o + NW <= o1; o += NW) compact_tile<NW, NX>(cw + o * rb, rb, x, K, O, o, y);
-  for (; o < o1; ++o) compact_tile<1, NX>(cw + o * rb, rb, x, K, O, o, y);
+  for (; o + NW <= o1; o += NW) compact_tile<F, NW, NX>(cw + o * rb, rb, x, K, O, o, y);
+  for (; o < o1; ++o) compact_tile<F, 1, NX>(cw + o * rb, rb, x, K, O, o, y);
 }
 
-// y [R, O] = x [R, K] @ w^T for a compact w [O, compact_row_bytes(K)]: the x rows in blocks of
-// up to 8 (each block re-reads the chunk's codes, from cache for the later blocks)
-void linear_rows_compact(const uint8_t* cw, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
-  const int64_t rb = compact_row_bytes(K);
+// y [R, O] = x [R, K] @ w^T for a compact w [O, compact_row_bytes(K, F)]: the x rows in blocks
+// of up to 8 (each block re-reads the chunk's codes, from cache for the later blocks)
+template <int F>
+void linear_rows_form(const uint8_t* cw, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  const int64_t rb = compact_row_bytes(K, F);
   for_outputs(O, [&](int64_t o0, int64_t o1) {
     for (int64_t r0 = 0; r0 < R; r0 += 8) {
       const float* x = xp + r0 * K;
       float* y = yp + r0 * O;
       switch (std::min<int64_t>(8, R - r0)) {  // registers: NW * NX accumulators + 4 <= 16
-        case 1: compact_range<4, 1>(cw, rb, x, y, K, O, o0, o1); break;
-        case 2: compact_range<4, 2>(cw, rb, x, y, K, O, o0, o1); break;
-        case 3: compact_range<3, 3>(cw, rb, x, y, K, O, o0, o1); break;
-        case 4: compact_range<2, 4>(cw, rb, x, y, K, O, o0, o1); break;
-        case 5: compact_range<2, 5>(cw, rb, x, y, K, O, o0, o1); break;
-        case 6: compact_range<1, 6>(cw, rb, x, y, K, O, o0, o1); break;  // (2 x 6: 8% slower)
-        case 7: compact_range<1, 7>(cw, rb, x, y, K, O, o0, o1); break;
-        default: compact_range<1, 8>(cw, rb, x, y, K, O, o0, o1); break;
+        case 1: compact_range<F, 4, 1>(cw, rb, x, y, K, O, o0, o1); break;
+        case 2: compact_range<F, 4, 2>(cw, rb, x, y, K, O, o0, o1); break;
+        case 3: compact_range<F, 3, 3>(cw, rb, x, y, K, O, o0, o1); break;
+        case 4: compact_range<F, 2, 4>(cw, rb, x, y, K, O, o0, o1); break;
+        case 5: compact_range<F, 2, 5>(cw, rb, x, y, K, O, o0, o1); break;
+        case 6: compact_range<F, 1, 6>(cw, rb, x, y, K, O, o0, o1); break;  // (2 x 6: 8% slower)
+        case 7: compact_range<F, 1, 7>(cw, rb, x, y, K, O, o0, o1); break;
+        default: compact_range<F, 1, 8>(cw, rb, x, y, K, O, o0, o1); break;
       }
     }
   });
 }
 
+void linear_rows_compact(const uint8_t* cw, int form, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
+  switch (form) {
+    case Q4_1_FORM: linear_rows_form<Q4_1_FORM>(cw, xp, yp, R, K, O); break;
+    case Q4_0_FORM: linear_rows_form<Q4_0_FORM>(cw, xp, yp, R, K, O); break;
+    default: linear_rows_form<Q8_0_FORM>(cw, xp, yp, R, K, O); break;
+  }
+}
+
 inline bool is_compact(const torch::Tensor& t) { return t.defined() && t.scalar_type() == at::kByte; }
 
-// a compact matrix of K columns: uint8 [O, compact_row_bytes(K)], contiguous, on the CPU
-void check_compact(const torch::Tensor& t, int64_t K, const char* fn, const char* name) {
+// a compact matrix of K columns: uint8 [O, compact_row_bytes(K, form)], contiguous, on the CPU;
+// returns its form
+int check_compact(const torch::Tensor& t, int64_t K, const char* fn, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.is_contiguous() && t.size(0) > 0,
               fn, ": ", name, " (compact) must be a 2-D contiguous uint8 CPU tensor from rows_compact, got ",
               t.sizes());
-  TORCH_CHECK(K % COMPACT_BLOCK == 0 && t.size(1) == compact_row_bytes(K), fn, ": ", name,
-              " (compact) must hold ", K, " columns (", compact_row_bytes(K), " bytes per row, K a multiple of ",
-              COMPACT_BLOCK, "), got ", t.sizes());
+  const int form = compact_form(K, t.size(1));
+  TORCH_CHECK(form >= 0, fn, ": ", name, " (compact) must hold ", K, " columns (K a multiple of ", COMPACT_BLOCK,
+              "; ", K / COMPACT_BLOCK, " blocks of 24, 20 or 36 bytes per row), got ", t.sizes());
+  return form;
 }
 
 // the checks every product input passes: a CPU tensor of a float kind, dim 2, contiguous
@@ -709,12 +770,12 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w);
 torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
   check_matrix(x, "rows_linear", "x");
   if (is_compact(w)) {  // rows_compact's form of a float32 matrix: the same outputs bit for bit
-    check_compact(w, x.size(1), "rows_linear", "w");
     TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0, "rows_linear: empty input (R and K must be >= 1), got x ", x.sizes());
+    const int form = check_compact(w, x.size(1), "rows_linear", "w");
     if (x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
     auto y = torch::empty({x.size(0), w.size(0)}, x.options());
-    linear_rows_compact(w.data_ptr<uint8_t>(), x.data_ptr<float>(), y.data_ptr<float>(), x.size(0), x.size(1),
-                        w.size(0));
+    linear_rows_compact(w.data_ptr<uint8_t>(), form, x.data_ptr<float>(), y.data_ptr<float>(), x.size(0),
+                        x.size(1), w.size(0));
     return y;
   }
   check_matrix(w, "rows_linear", "w");
@@ -728,9 +789,9 @@ torch::Tensor rows_linear(torch::Tensor x, torch::Tensor w) {
   });
 }
 
-// w [O, K] float32 contiguous CPU -> its compact form uint8 [O, K / 32 * 24] when every block
-// of 32 weights of a row is exactly fma(d, q, m) for float32 d, m and q in 0..15 (see "compact
-// weights"); an empty uint8 tensor when some block is not (or K is not a multiple of 32)
+// w [O, K] float32 contiguous CPU -> its compact form uint8 [O, K / 32 * (24, 20 or 36)]: the
+// first of Q4_1, Q4_0, Q8_0 whose blocks reproduce every weight bit for bit (see "compact
+// weights"); an empty uint8 tensor when none does (or K is not a multiple of 32)
 torch::Tensor rows_compact(torch::Tensor w);
 torch::Tensor rows_compact(torch::Tensor w) {
   check_matrix(w, "rows_compact", "w");
@@ -738,19 +799,34 @@ torch::Tensor rows_compact(torch::Tensor w) {
   const int64_t O = w.size(0), K = w.size(1);
   auto none = torch::empty({0}, w.options().dtype(at::kByte));
   if (K % COMPACT_BLOCK != 0 || O == 0 || K == 0) return none;
-  auto out = torch::empty({O, compact_row_bytes(K)}, w.options().dtype(at::kByte));
   const float* wp = w.data_ptr<float>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1 && ok.load(std::memory_order_relaxed); ++o)
-      for (int64_t b = 0; b < K / COMPACT_BLOCK; ++b)
-        if (!encode_block(wp + o * K + b * COMPACT_BLOCK, op + o * compact_row_bytes(K) + b * COMPACT_BLOCK_BYTES)) {
-          ok.store(false, std::memory_order_relaxed);
-          break;
+  for (int form = 0; form < COMPACT_FORMS; ++form) {
+    const int64_t rb = compact_row_bytes(K, form), bb = FORM_BLOCK_BYTES[form];
+    auto out = torch::empty({O, rb}, w.options().dtype(at::kByte));
+    uint8_t* op = out.data_ptr<uint8_t>();
+    std::atomic<bool> ok{true};
+    at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
+      for (int64_t o = o0; o < o1 && ok.load(std::memory_order_relaxed); ++o)
+        for (int64_t b = 0; b < K / COMPACT_BLOCK; ++b) {
+          const float* blk = wp + o * K + b * COMPACT_BLOCK;
+          float lo = blk[0], hi = blk[0];
+          int64_t big = 0;
+          bool finite = true;
+          for (int64_t j = 0; j < COMPACT_BLOCK; ++j) {
+            finite = finite && std::isfinite(blk[j]);
+            lo = std::min(lo, blk[j]);
+            hi = std::max(hi, blk[j]);
+            if (std::fabs(blk[j]) > std::fabs(blk[big])) big = j;  // the first largest, as numpy's argmax
+          }
+          if (!finite || !encode_block(blk, lo, hi, big, form, op + o * rb + b * bb)) {
+            ok.store(false, std::memory_order_relaxed);
+            break;
+          }
         }
-  });
-  return ok.load() ? out : none;
+    });
+    if (ok.load()) return out;
+  }
+  return none;
 }
 
 // ---- weights stored transposed (GPT-2's Conv1D) ------------------------------------------
@@ -1758,7 +1834,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
     TORCH_CHECK(dtype_of(i) == wtype, "rows_layer: the projections must share one dtype (compact ones count as "
                 "float32), got q ", wtype, " and ", names[i], " ", dtype_of(i));
   TORCH_CHECK(weights[1].dim() == 2 &&
-              (is_compact(weights[1]) ? weights[1].size(1) == compact_row_bytes(H) : weights[1].size(1) == H) &&
+              (is_compact(weights[1]) ? compact_form(H, weights[1].size(1)) >= 0 : weights[1].size(1) == H) &&
               weights[1].size(0) > 0 &&
               weights[1].size(0) % d == 0, "rows_layer: the q weight must be [Hq * d, H] with H = ", H,
               ", d = ", d, ", got ", weights[1].sizes());
@@ -1776,7 +1852,7 @@ torch::Tensor rows_layer(torch::Tensor h, std::vector<torch::Tensor> weights, to
   // the norms and biases that may be left out (an empty tensor): q and k norm only together
   auto absent = [&](size_t i) { return (i == 0 || i == 5 || i >= 9) && weights[i].numel() == 0; };
   for (size_t i = 0; i < weights.size(); ++i) {
-    if (is_compact(weights[i])) {  // [O, compact_row_bytes(K)] for the projection's [O, K]
+    if (is_compact(weights[i])) {  // [O, compact_row_bytes(K, form)] for the projection's [O, K]
       check_compact(weights[i], shapes[i][1], "rows_layer", names[i]);
       TORCH_CHECK(weights[i].size(0) == shapes[i][0], "rows_layer: the ", names[i], " weight (compact) must have ",
                   shapes[i][0], " rows, got ", weights[i].size(0));

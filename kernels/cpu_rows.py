@@ -204,12 +204,12 @@ def load_rows_linear():
 
 
 def load_rows_compact():
-    """The compiled `rows_compact(w [O, K] float32) -> uint8 [O, K / 32 * 24]`: the matrix as
-    exact 4-bit blocks (float32 d and m per 32 weights, every weight fma(d, q, m) bit for bit),
-    the form a float32 matrix dequantized from GGUF Q4_1 blocks has; an empty tensor
-    where some block is not exactly that. `rows_linear` and `rows_layer(s)` take the result
-    in place of the matrix, with the same outputs bit for bit at about a fifth of the bytes
-    read. None when this machine cannot build or run the kernels."""
+    """The compiled `rows_compact(w [O, K] float32) -> uint8 [O, K / 32 * (24, 20 or 36)]`: the
+    matrix as the exact GGUF Q4_1, Q4_0 or Q8_0 blocks it holds (the first that reproduces
+    every weight bit for bit: what a float32 matrix dequantized from such a file has); an
+    empty tensor where none does. `rows_linear` and `rows_layer(s)` take the result in place
+    of the matrix, with the same outputs bit for bit from a fifth to a quarter of the bytes.
+    None when this machine cannot build or run the kernels."""
     module = _load_module()
     return None if module is None else module.rows_compact
 

@@ -226,7 +226,7 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
     head = model.get_output_embeddings().weight
     screened = weight_bytes - (head.numel() * head.element_size() - engine.screen.copy_bytes
                                if engine.screen is not None else 0)
-    # ... and the projections held as exact 4-bit blocks through their compact forms
+    # ... and the projections held as exact GGUF blocks through their compact forms
     compact = getattr(engine, "compact", None)
     screened -= 0 if compact is None else compact.read_bytes_saved
     screened_ms = (screened + kv_bytes) / (gbs * 1e9) * 1e3
@@ -242,7 +242,7 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
     print(f"\nRoofline: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV at {context} "
           f"tokens per step; bandwidth {gbs:.1f} GB/s (torch sum over 512 MiB) -> bound {bound_ms:.1f} ms "
           f"({1e3 / bound_ms:.0f} AR steps/s); a greedy step reads {screened / 1e6:.0f} MB of weights "
-          f"(the LM head's int8 screen: {engine.screen is not None}; projections read as exact 4-bit "
+          f"(the LM head's int8 screen: {engine.screen is not None}; projections read as exact GGUF "
           f"blocks: {0 if compact is None else compact.count}) -> {screened_ms:.1f} ms")
     print(f"{'rows':>5} {'ms':>8} {'w/ logits':>10} {'bound ms':>9} {'% of bound':>11} {'% of read':>10}   "
           "split of a greedy step, timed apart: products / attention / rest (norms, RoPE, KV write, adds, "

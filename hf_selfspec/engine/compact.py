@@ -1,19 +1,21 @@
-"""Compact weights: float32 projections read as the exact 4-bit blocks they hold.
+"""Compact weights: float32 projections read as the exact quantized blocks they hold.
 
-A float32 model dequantized from GGUF's 4-bit Q4_1 blocks (a Q4_1 file loaded through
-transformers' `gguf_file=`, as the embedded default model is) holds, in every block of 32
-weights of a matrix row, only values m + d * q with q in 0..15. The row kernel's
-`rows_compact` (kernels/cpu_rows.cpp, "compact weights") finds such a d and m for every block,
-keeps the matrix only where every weight comes back bit for bit, and its products then read
-24 bytes per 32 weights instead of 128 with every output the float32 product's bit for bit.
-A decode step streams its weights once, so it reads about a fifth of the bytes.
+A float32 model dequantized from one of GGUF's block formats (a GGUF file loaded through
+transformers' `gguf_file=`; the embedded default model is a Q4_1 file) holds, in every block
+of 32 weights of a matrix row, only the values its format gives: m + d q with q in 0..15
+(Q4_1), d (q - 8) (Q4_0) or d q with q in -128..127 (Q8_0). The row kernel's `rows_compact`
+(kernels/cpu_rows.cpp, "compact weights") finds such a d (and m) for every block, keeps the
+matrix only where every weight comes back bit for bit, and its products then read 24 / 20 / 36
+bytes per 32 weights instead of 128, with every output the float32 product's bit for bit. A
+decode step streams its weights once, so it reads a fifth to a quarter of the bytes.
 
 The compact forms are the engine's own memory beside the model's weights (`copy_bytes`,
-about 0.19 of the projections they stand for) and are made again when a weight changes:
+0.16-0.28 of the projections they stand for) and are made again when a weight changes:
 new storage, dtype or device rebuilds the engine (`weight_signature`); an in-place update
 moves the tensor's version counter, which `refresh` compares at every request. (Writes
 through `.data` move no counter: a model edited that way must be given to `attach_heads`
-again.) Matrices without that form (any trained float32 or 16-bit model) stay as they are.
+again.) Matrices without such a form (any trained float32 or 16-bit model, other GGUF
+formats) stay as they are.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class CompactWeights:
 
     `weights` is the flat list `rows_layers` takes; `indices` the positions in it of the
     projections that may be read compactly. `kernel_weights` is that list with every
-    encodable projection replaced by its compact form (uint8 [O, K / 32 * 24])."""
+    encodable projection replaced by its compact form (uint8 [O, K / 32 * (24, 20 or 36)])."""
 
     def __init__(self, weights: Sequence[torch.Tensor], indices: Sequence[int], kernel: CompactKernel):
         self.kernel = kernel

@@ -168,8 +168,9 @@ class Engine:
         # what rows_layers takes: every layer's weights in turn, and how many per layer
         self._fused_weights = None if fused is None else [t for layer in fused for t in layer]
         self._fused_per_layer = 0 if fused is None else len(fused[0])
-        # float32 projections that hold exact 4-bit blocks (a model dequantized from a 4-bit
-        # GGUF) are read in that form: the same outputs from a fifth of the bytes (compact.py)
+        # float32 projections that hold exact GGUF blocks (a model dequantized from a Q4_1,
+        # Q4_0 or Q8_0 file) are read in that form: the same outputs from a fifth to a
+        # quarter of the bytes (compact.py)
         self.compact = self._compact_weights()
         if self.compact is not None:
             self._fused_weights = self.compact.kernel_weights
