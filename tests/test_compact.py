@@ -11,12 +11,18 @@ import pytest
 import torch
 from conftest import hf_greedy, tiny_model
 from gguf import GGMLQuantizationType, quants
+from hf_selfspec.kernels.cpu_rows import (
+    build_error,
+    load_rows_compact,
+    load_rows_layer,
+    load_rows_linear,
+    use_work_pool,
+)
 from test_engine_memory import _model_storages, _weights_the_engine_reads
 from test_kernels_cpu import _call, _layer_case
 
 from hf_selfspec import attach_heads
 from hf_selfspec.engine.programs import Engine, EngineConfig
-from hf_selfspec.kernels.cpu_rows import build_error, load_rows_compact, load_rows_layer, load_rows_linear, use_work_pool
 
 PROJECTIONS = (1, 2, 3, 4, 6, 7, 8)  # rows_layer's q, k, v, o, gate, up, down
 # the block formats kept, and the bytes of a block of 32 weights in each form
@@ -130,7 +136,7 @@ def test_engine_reads_a_q4_1_model_compactly_exactly_and_without_a_second_copy()
     prompt = list(range(3, 40))
     assert engine.generate_ar(prompt, 24) == hf_greedy(model, prompt, 24)
     # one step's logits read compactly, then again (same slot) from the float32 weights
-    logits, token, _ = engine.ar_step(17, len(prompt))
+    logits, _token, _ = engine.ar_step(17, len(prompt))
     engine._fused_weights = compact.source
     assert torch.equal(engine.ar_step(17, len(prompt))[0], logits)
     engine._fused_weights = compact.kernel_weights

@@ -20,7 +20,7 @@ formats) stay as they are.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

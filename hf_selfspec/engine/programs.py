@@ -44,12 +44,12 @@ from . import costs, latent, mixers
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
+from .compact import CompactWeights
 from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
                       text_decoder)
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .memory import zeroed
 from .meta import StepMeta, StepRows
-from .compact import CompactWeights
 from .screen import ScreenedArgmax, screen_refusal
 
 __all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
