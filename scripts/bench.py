@@ -170,11 +170,11 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
     # GGUF Q4_1 (engine/compact.py), else the layout's own products of the weights
     compact = getattr(engine, "compact", None)
     if compact is not None:
+        from hf_selfspec.engine.compact import projection_positions
         from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
         rows_linear, forms = load_rows_linear(), compact.kernel_weights
-        per = engine._fused_per_layer
-        read = [forms[li * per + j] for li in range(v.num_layers) for j in (1, 2, 3, 4, 6, 7, 8)]
+        read = [forms[i] for i in projection_positions(len(forms), engine._fused_per_layer)]
         columns = [lin.weight.shape[1] for lin in linears]
 
     def products():

@@ -22,9 +22,9 @@ from test_engine_memory import _model_storages, _weights_the_engine_reads
 from test_kernels_cpu import _call, _layer_case
 
 from hf_selfspec import attach_heads
+from hf_selfspec.engine.compact import PROJECTIONS
 from hf_selfspec.engine.programs import Engine, EngineConfig
 
-PROJECTIONS = (1, 2, 3, 4, 6, 7, 8)  # rows_layer's q, k, v, o, gate, up, down
 # the block formats kept, and the bytes of a block of 32 weights in each form
 FORMS = {"Q4_1": 24, "Q4_0": 20, "Q8_0": 36}
 

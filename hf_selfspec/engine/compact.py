@@ -25,6 +25,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 CompactKernel = Callable[[torch.Tensor], torch.Tensor]
+# where q, k, v, o, gate, up and down sit among the weights rows_layer takes for one layer
+PROJECTIONS = (1, 2, 3, 4, 6, 7, 8)
+
+
+def projection_positions(count: int, per_layer: int) -> list[int]:
+    """The positions of every layer's projections in a flat `rows_layers` weight list of
+    `count` weights, `per_layer` per layer, layer by layer."""
+    return [layer * per_layer + j for layer in range(count // per_layer) for j in PROJECTIONS]
 
 
 class CompactWeights:

@@ -44,7 +44,7 @@ from . import costs, latent, mixers
 from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
-from .compact import CompactWeights
+from .compact import CompactWeights, projection_positions
 from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
                       text_decoder)
 from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
@@ -251,8 +251,8 @@ class Engine:
         and encode again the compact weights of matrices updated in place since."""
         if self._screen_deferred:
             self._make_screen()
-        if self.compact is not None and self.compact.refresh():
-            self._fused_weights = self.compact.kernel_weights
+        if self.compact is not None:  # (its kernel_weights, which the steps read, in place)
+            self.compact.refresh()
 
     def _compact_weights(self) -> CompactWeights | None:
         """The layers' projections in compact form where they have one (float32 CPU weights
@@ -264,8 +264,7 @@ class Engine:
         kernel = load_rows_compact()
         if kernel is None:
             return None
-        per = self._fused_per_layer
-        projections = [li * per + j for li in range(len(self._fused_weights) // per) for j in (1, 2, 3, 4, 6, 7, 8)]
+        projections = projection_positions(len(self._fused_weights), self._fused_per_layer)
         compact = CompactWeights(self._fused_weights, projections, kernel)
         return compact if compact.count else None
 
