@@ -103,6 +103,26 @@ def test_shipped_default_heads_exact_and_drafting(model_and_prompts):
         detach_heads(model)
 
 
+def test_shipped_heads_survive_pickle(model_and_prompts):
+    """torch.save(model) / pickle of a model with the shipped top heads (whose drafting runs
+    on the row kernel): the copy drafts on the kernel again and gives the same tokens."""
+    import pickle
+
+    model, tokenizer, prompts, refs = model_and_prompts
+    attach_heads(model)
+    try:
+        p = prompts["chat"]
+        ids = torch.tensor([p])
+        clone = pickle.loads(pickle.dumps(model))
+        heads = clone._selfspec.heads
+        assert heads._fast_linear is not None and heads._fused_step is not None and heads._draft_copies == {}
+        out = clone.generate(ids, max_new_tokens=16, do_sample=False, assistant="self")
+        assert out[0, len(p):].tolist() == refs["chat"][:16]
+        assert any(s.startswith("head") for s in clone.selfspec_stats.sources)
+    finally:
+        detach_heads(model)
+
+
 def test_shipped_heads_batch_rows_equal_hf_batch_one(model_and_prompts):
     """A left-padded batch of the three prompts with the shipped heads shares engine steps
     (decoding/batch.py): every row is HF batch-1 greedy's tokens, then pad."""

@@ -211,6 +211,20 @@ class TopDraftHeads(nn.Module):
         self._fused_step = _fused_step(lm)
         return self
 
+    # A pickle or copy (torch.save(model), copy.deepcopy, a worker process) cannot carry the
+    # row kernel's entry points, and the 16-bit drafting copies are keyed by this process's
+    # addresses: both are found again from the bound LM-head rows.
+    def __getstate__(self):
+        state = {k: v for k, v in super().__getstate__().items() if k not in ("_fast_linear", "_fused_step")}
+        state["_draft_copies"] = {}
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.lm_rows is not None:
+            self._fast_linear = _fast_linear(self.lm_rows)
+            self._fused_step = _fused_step(self.lm_rows)
+
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() / ... give the weights new storage: drafting copies start again
         self._draft_copies.clear()
