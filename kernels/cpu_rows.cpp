@@ -653,8 +653,9 @@ inline __m256 decode_part(const uint8_t* blk, int s, __m256 d, __m256 m) {
 // enough that the hardware alone does not keep the stream ahead of it.
 constexpr int64_t COMPACT_PF_BYTES = 4096;
 template <int F, int NW, int NX>
-__attribute__((noinline)) void compact_tile(const uint8_t* __restrict w, int64_t rb, const float* __restrict x,
-                                            int64_t K, int64_t O, int64_t o, float* __restrict y) {
+__attribute__((always_inline)) inline void compact_tile_body(const uint8_t* __restrict w, int64_t rb,
+                                                             const float* __restrict x, int64_t K, int64_t O,
+                                                             int64_t o, float* __restrict y) {
   constexpr int64_t BYTES = FORM_BLOCK_BYTES[F];
   __m256 acc[NW][NX];
 #pragma GCC unroll 8
@@ -685,12 +686,33 @@ __attribute__((noinline)) void compact_tile(const uint8_t* __restrict w, int64_t
     for (int c = 0; c < NX; ++c) y[c * O + o + i] = hsum(acc[i][c]);
 }
 
-// outputs [o0, o1) against NX x rows, NW weight rows per tile (then one at a time)
 template <int F, int NW, int NX>
+__attribute__((noinline)) void compact_tile(const uint8_t* __restrict w, int64_t rb, const float* __restrict x,
+                                            int64_t K, int64_t O, int64_t o, float* __restrict y) {
+  compact_tile_body<F, NW, NX>(w, rb, x, K, O, o, y);
+}
+
+// The same 8-lane tile compiled for AVX-512VL: the same instructions in their EVEX forms,
+// which reach 32 vector registers instead of 16, room for 2 x 8 accumulators. Each output's
+// arithmetic is unchanged (the same fma chain per lane, the same hsum): bit for bit the
+// tile above. Used for blocks of 7-8 x rows where rows_isa() allows AVX-512.
+template <int F, int NW, int NX>
+WIDE_TARGET __attribute__((noinline)) void compact_tile_wide(const uint8_t* __restrict w, int64_t rb,
+                                                             const float* __restrict x, int64_t K, int64_t O,
+                                                             int64_t o, float* __restrict y) {
+  compact_tile_body<F, NW, NX>(w, rb, x, K, O, o, y);
+}
+
+// outputs [o0, o1) against NX x rows, NW weight rows per tile (then one at a time)
+template <int F, int NW, int NX, bool WIDE = false>
 void compact_range(const uint8_t* cw, int64_t rb, const float* x, float* y, int64_t K, int64_t O, int64_t o0,
                    int64_t o1) {
   int64_t o = o0;
-  for (; o + NW <= o1; o += NW) compact_tile<F, NW, NX>(cw + o * rb, rb, x, K, O, o, y);
+  if constexpr (WIDE) {
+    for (; o + NW <= o1; o += NW) compact_tile_wide<F, NW, NX>(cw + o * rb, rb, x, K, O, o, y);
+  } else {
+    for (; o + NW <= o1; o += NW) compact_tile<F, NW, NX>(cw + o * rb, rb, x, K, O, o, y);
+  }
   for (; o < o1; ++o) compact_tile<F, 1, NX>(cw + o * rb, rb, x, K, O, o, y);
 }
 
@@ -699,11 +721,18 @@ void compact_range(const uint8_t* cw, int64_t rb, const float* x, float* y, int6
 template <int F>
 void linear_rows_form(const uint8_t* cw, const float* xp, float* yp, int64_t R, int64_t K, int64_t O) {
   const int64_t rb = compact_row_bytes(K, F);
+  const bool wide = use_wide();
   for_outputs(O, [&](int64_t o0, int64_t o1) {
     for (int64_t r0 = 0; r0 < R; r0 += 8) {
       const float* x = xp + r0 * K;
       float* y = yp + r0 * O;
-      switch (std::min<int64_t>(8, R - r0)) {  // registers: NW * NX accumulators + 4 <= 16
+      const int64_t n = std::min<int64_t>(8, R - r0);
+      if (n >= 7 && wide) {  // 32 registers: 2 x NX accumulators
+        if (n == 8) compact_range<F, 2, 8, true>(cw, rb, x, y, K, O, o0, o1);
+        else compact_range<F, 2, 7, true>(cw, rb, x, y, K, O, o0, o1);
+        continue;
+      }
+      switch (n) {  // registers: NW * NX accumulators + 4 <= 16
         case 1: compact_range<F, 4, 1>(cw, rb, x, y, K, O, o0, o1); break;
         case 2: compact_range<F, 4, 2>(cw, rb, x, y, K, O, o0, o1); break;
         case 3: compact_range<F, 3, 3>(cw, rb, x, y, K, O, o0, o1); break;

@@ -178,7 +178,8 @@ def use_work_pool(on: bool | None = None) -> bool | None:
 def use_avx512(on: bool | None = None) -> bool | None:
     """Whether products of 16-bit weights with 32 or more rows pair their rows in AVX-512
     registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu_rows.cpp, "AVX-512"),
-    and the LM-head screen sums in 16 lanes (with VNNI: quantised x, `screen_uses_vnni`).
+    compact products with 7-8 rows per block run 2 x 8 tiles in 32 registers, and the
+    LM-head screen sums in 16 lanes (with VNNI: quantised x, `screen_uses_vnni`).
     Results are bit for bit the same either way; False keeps the 8-lane tiles everywhere.
     `on=None` only asks. Returns whether paired tiles are in use after the call (always
     False on a CPU without AVX-512; None: no kernel)."""

@@ -16,10 +16,11 @@ from hf_selfspec.kernels.cpu_rows import (
     load_rows_compact,
     load_rows_layer,
     load_rows_linear,
+    use_avx512,
     use_work_pool,
 )
 from test_engine_memory import _model_storages, _weights_the_engine_reads
-from test_kernels_cpu import _call, _layer_case
+from test_kernels_cpu import _call, _has_avx512, _layer_case
 
 from hf_selfspec import attach_heads
 from hf_selfspec.engine.compact import PROJECTIONS
@@ -49,9 +50,14 @@ def kernels():
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("pool", [False, True], ids=["openmp", "pool"])
+@pytest.mark.parametrize("pool, avx512", [(False, False), (False, True), (True, True)],
+                         ids=["openmp-8lane", "openmp-avx512", "pool-avx512"])
 @pytest.mark.parametrize("k, o", [(32, 1), (64, 5), (96, 13), (576, 37), (1536, 1000)])  # tiles' and splits' tails
-def test_compact_products_equal_float32_products_bit_for_bit(kernels, k, o, pool, form):
+def test_compact_products_equal_float32_products_bit_for_bit(kernels, k, o, pool, avx512, form):
+    """Every x-row tile (on an AVX-512 CPU, blocks of 7-8 rows in 32 registers too) against
+    the float32 product, bit for bit."""
+    if avx512 and not _has_avx512():
+        pytest.skip("this CPU has no AVX-512 F/DQ/BW/VL: only the 8-lane tiles run here")
     compact, linear = kernels
     gen = torch.Generator().manual_seed(k * 1000 + o)
     a = torch.randn(o, k, generator=gen)
@@ -64,11 +70,13 @@ def test_compact_products_equal_float32_products_bit_for_bit(kernels, k, o, pool
     assert packed.dtype == torch.uint8 and packed.shape[0] == o and packed.shape[1] in widths
     previous = use_work_pool(pool)
     try:
-        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17):  # every x-row tile, and blocks of 8 rows
+        assert use_avx512(avx512) is avx512
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 17):  # every x-row tile, and blocks of 8 rows
             x = torch.randn(rows, k, generator=gen)
             assert torch.equal(linear(x, packed), linear(x, w)), rows
     finally:
         use_work_pool(previous)
+        use_avx512(True)
 
 
 def test_compact_form_only_where_every_weight_comes_back(kernels):
