@@ -131,6 +131,21 @@ def test_errors_are_one_line_with_status_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr and lines[-1].startswith("hf-selfspec: error:"), result.stderr
     assert len([line for line in lines if line.startswith("hf-selfspec: error:")]) == 1
+    assert "no such model folder" in lines[-1], lines[-1]
+
+
+@pytest.mark.parametrize("flag", ["--model", "--draft-model"])
+@pytest.mark.parametrize("value", ["./missing", "~/missing_model", "a/b/c", "/no/such/dir"])
+def test_a_missing_model_folder_is_refused_before_anything_loads(monkeypatch, capsys, flag, value):
+    import hf_selfspec.cli as cli
+
+    def no_load(args):
+        raise AssertionError("a model was loaded for a missing folder")
+
+    monkeypatch.setattr(cli, "_load", no_load)
+    assert main(["generate", "Hi", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {value}: no such model folder" in err and "Hub id ORG/NAME" in err
 
 
 @pytest.mark.parametrize("flag,value", [("--max-new-tokens", "0"), ("--max-new-tokens", "-5"), ("--threads", "0")])
