@@ -664,6 +664,10 @@ def _check_input_ids(ids, attention_mask) -> None:
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape != ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} and input_ids "
                          f"{tuple(ids.shape)}: pass the attention_mask the tokenizer returned with these ids")
+    for name, t in (("input_ids", ids), ("attention_mask", attention_mask)):
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":  # no values to read
+            raise ValueError(f"{name} is on the meta device, which holds no values: pass it on the "
+                             "model's device (.to(model.device))")
 
 
 def _configured_assistant(model, generation_config):
