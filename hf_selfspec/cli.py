@@ -29,15 +29,15 @@ def _colour(source: str) -> str:
     return _COLOURS.get(source, _RESET)
 
 
-def _model_source(value: str, flag: str) -> str:
+def model_source(value: str, flag: str) -> str:
     """A local folder that exists or a Hub id ORG/NAME; a path that names no folder is
     refused here (transformers would call it an invalid repo id)."""
     path = Path(value).expanduser()
     if path.is_dir():
         return str(path)
     if path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1:
-        raise FileNotFoundError(f"{flag} {value}: no such model folder (pass a folder with config.json and the "
-                                "weights, or a Hub id ORG/NAME)")
+        raise ValueError(f"{flag} {value}: no such model folder (pass a folder with config.json and the "
+                         "weights, or a Hub id ORG/NAME)")
     return value
 
 
@@ -67,8 +67,8 @@ def cmd_generate(args) -> int:
     import torch
 
     # a folder that does not exist is refused before anything loads
-    args.model = args.model and _model_source(args.model, "--model")
-    args.draft_model = args.draft_model and _model_source(args.draft_model, "--draft-model")
+    args.model = args.model and model_source(args.model, "--model")
+    args.draft_model = args.draft_model and model_source(args.draft_model, "--draft-model")
     torch.set_num_threads(args.threads)
     model, tokenizer = _load(args)
     from hf_selfspec.training.data import prompt_ids

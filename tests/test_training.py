@@ -145,6 +145,9 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, model_folder):
                  "--no-progress"]) == 2
     assert "line 2" in capsys.readouterr().err
     assert main([str(tmp_path / "no_model"), "--out", str(tmp_path / "o"), "--minutes", "1"]) == 2
+    assert f"MODEL {tmp_path / 'no_model'}: no such model folder" in capsys.readouterr().err
+    (tmp_path / "empty_model").mkdir()
+    assert main([str(tmp_path / "empty_model"), "--out", str(tmp_path / "o"), "--minutes", "1"]) == 2
     assert "cannot load model" in capsys.readouterr().err
 
 

@@ -96,6 +96,9 @@ def load_model(name: str, device: str):
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from ..cli import model_source
+
+        name = model_source(name, "MODEL")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype="auto")
