@@ -57,22 +57,24 @@ class CompactWeights:
         packed = self.kernel(w)
         self.kernel_weights[i] = packed if packed.numel() > 0 else w
 
+    def _held(self) -> list[int]:
+        """The positions whose matrix is read compactly now."""
+        return [i for i in self.indices if self.kernel_weights[i] is not self.source[i]]
+
     @property
     def count(self) -> int:
         """How many matrices are read compactly."""
-        return sum(1 for i in self.indices if self.kernel_weights[i] is not self.source[i])
+        return len(self._held())
 
     @property
     def copy_bytes(self) -> int:
         """Bytes of the compact forms (memory beyond the model's own)."""
-        return sum(self.kernel_weights[i].numel() for i in self.indices
-                   if self.kernel_weights[i] is not self.source[i])
+        return sum(self.kernel_weights[i].numel() for i in self._held())
 
     @property
     def read_bytes_saved(self) -> int:
         """Bytes a step no longer streams: the float32 matrices minus their compact forms."""
-        return sum(self.source[i].numel() * 4 - self.kernel_weights[i].numel() for i in self.indices
-                   if self.kernel_weights[i] is not self.source[i])
+        return sum(self.source[i].numel() * 4 - self.kernel_weights[i].numel() for i in self._held())
 
     def refresh(self) -> int:
         """Encode again every matrix updated in place since it was encoded (its version
