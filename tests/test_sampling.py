@@ -154,3 +154,33 @@ def test_greedy_with_processors_matches_hf(kw, tmp_path):
                       pad_token_id=0, **kw)
         expected = ref.generate(ids, **common)
         assert torch.equal(model.generate(ids, assistant="self", **common), expected)
+
+
+def test_prefix_allowed_tokens_fn_per_batch_row(tmp_path):
+    """Constrained decoding: HF asks prefix_allowed_tokens_fn with each row's batch index; a
+    batch row decoded with drafts gets the answers HF batch-1 greedy gets for that index."""
+    from hf_selfspec.heads.top_repo import save_top_heads
+
+    ref = tiny_model("llama", seed=3, layers=4)
+    model = tiny_model("llama", seed=3, layers=4)
+    save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
+    attach_heads(model, str(tmp_path))
+    calls = []
+
+    def allowed(batch_id, sent):  # row 0: even ids, row 1: odd ids; never the last token again
+        calls.append(batch_id)
+        return [t for t in range(3 + batch_id, 60, 2) if t != int(sent[-1])]
+
+    prompts = [torch.randint(3, 40, (n,), generator=torch.Generator().manual_seed(n)) for n in (20, 14)]
+    ids = torch.zeros(2, 20, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 20 - len(p):], mask[b, 20 - len(p):] = p, 1
+    common = dict(max_new_tokens=20, do_sample=False, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, assistant="self", prefix_allowed_tokens_fn=allowed, **common)
+    assert model.selfspec_stats.drafted > 0 and set(calls) == {0, 1}
+    for b, p in enumerate(prompts):
+        alone = ref.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             prefix_allowed_tokens_fn=lambda _, sent, b=b: allowed(b, sent), **common)
+        assert out[b, 20:].tolist() == alone[0, len(p):].tolist()
+        assert all(t % 2 == (3 + b) % 2 for t in out[b, 20:].tolist())

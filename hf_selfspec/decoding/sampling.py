@@ -24,6 +24,7 @@ distribution is (tests/test_sampling.py).
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Sequence
 
 import torch
@@ -39,6 +40,9 @@ ROW_PROCESSORS = frozenset({
     "InfNanRemoveLogitsProcessor", "LogitNormalization",
     "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
     "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper",
+    # prefix_allowed_tokens_fn(batch_id, input_ids): by HF's contract a function of the row's
+    # tokens (called here for drafted rows too, as HF's assisted decoding calls it)
+    "PrefixConstrainedLogitsProcessor",
 })
 # Processors the greedy loop applies itself (EOS masking before min_new_tokens).
 MIN_LENGTH_PROCESSORS = frozenset({"MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor"})
@@ -48,15 +52,25 @@ def row_processors(processors: Sequence, row: int, batch: int) -> list:
     """The processors HF built for a batch of `batch` rows, as row `row` alone sees them:
     the scorer calls them with that row's input_ids only ([1, n]). HF's repetition penalty
     holds one prompt_ignore_length per batch row (the row's left padding, which it does not
-    penalise); it gets the row's own value, in a shallow copy (the caller's list is untouched)."""
+    penalise); it gets the row's own value, in a shallow copy (the caller's list is untouched).
+    HF calls prefix_allowed_tokens_fn with each row's batch index: a row scored alone would
+    pass 0, so it is called with `row` instead."""
     rows = []
     for processor in processors:
+        if type(processor).__name__ == "PrefixConstrainedLogitsProcessor" and row:
+            processor = copy.copy(processor)
+            processor._prefix_allowed_tokens_fn = functools.partial(
+                _as_batch_row, processor._prefix_allowed_tokens_fn, row)
         ignore = getattr(processor, "prompt_ignore_length", None)
         if isinstance(ignore, torch.Tensor) and ignore.dim() == 1 and ignore.shape[0] == batch and batch > 1:
             processor = copy.copy(processor)
             processor.prompt_ignore_length = ignore[row: row + 1]
         rows.append(processor)
     return type(processors)(rows)  # a LogitsProcessorList stays one (it is what gets called)
+
+
+def _as_batch_row(prefix_allowed_tokens_fn, row: int, _batch_id: int, input_ids: torch.Tensor):
+    return prefix_allowed_tokens_fn(row, input_ids)
 
 
 def unsupported_processors(processors: Sequence) -> list[str]:
