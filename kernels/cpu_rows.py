@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sysconfig
 import threading
 import time
@@ -127,6 +128,11 @@ def _load_module():
     if not cpu_supports_kernel():
         _error = f"the CPU lacks AVX2/FMA (torch capability {torch.backends.cpu.get_cpu_capability()!r})"
         return None
+    compiler = os.environ.get("CXX", "c++")  # what torch's extension builder runs
+    if shutil.which(compiler) is None:
+        _error = (f"no C++ compiler ({compiler!r}: not found; $CXX names another): install one "
+                  "(g++ or clang++), and a new process builds the kernel once (~1 min)")
+        return None
     path = os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load_inline
@@ -153,13 +159,21 @@ def _load_module():
                       "(the build that held it died); a new process rebuilds the kernel")
             return None
     except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
-        _error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+        _error = _failure_reason(e)
         return None
     finally:
         os.environ["PATH"] = path
     if os.environ.get("HF_SELFSPEC_ROWS_POOL", "") == "1":
         module.rows_pool(1)
     return module
+
+
+def _failure_reason(e: Exception) -> str:
+    """The build's exception in one line: the compiler's first error where its output is in
+    the message (a failed compile ends with ninja's "build stopped", which says nothing)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    detail = next((line for line in lines if "error:" in line.lower()), lines[-1] if lines else "")
+    return f"{type(e).__name__}: {detail}"
 
 
 def use_work_pool(on: bool | None = None) -> bool | None:

@@ -198,6 +198,30 @@ def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micr
     assert calls == [("kernel", float("inf")), ("micro", SWITCH_MARGIN * 1.0)]
 
 
+@pytest.mark.parametrize("fixed_seconds,chosen", [(0.5, "fixed"), (0.95, "micro")])
+def test_without_the_kernel_auto_times_micro_against_fixed(monkeypatch, fixed_seconds, chosen):
+    """Where the kernel cannot run, `auto` picks the cheaper BLAS layout: micro (2-3 row
+    chunks) is the reference, fixed (always W rows; MKL on an AMD EPYC runs 8 rows cheaper
+    than 2-3) replaces it when its products are SWITCH_MARGIN cheaper. Still exact."""
+    from hf_selfspec.engine.layouts import SWITCH_MARGIN
+
+    monkeypatch.setattr(LAYOUTS["kernel"], "self_test", classmethod(lambda cls, linears: False))
+    calls = []
+
+    def fake(layout, linears, width, reps=3, give_up=float("inf"), per_rows=None):
+        seconds = {"micro": 1.0, "fixed": fixed_seconds}[layout.name]
+        calls.append((layout.name, give_up))
+        return float("inf") if seconds > give_up else seconds
+
+    monkeypatch.setattr(costs, "gemm_seconds", fake)
+    model = tiny_model("llama", seed=4)
+    engine = Engine(model, EngineConfig(width=8, capacity=256, measurement_cache=False))
+    assert engine.layout.name == chosen
+    assert calls == [("micro", float("inf")), ("fixed", SWITCH_MARGIN * 1.0)]
+    prompt = list(range(3, 40))
+    assert engine.generate_ar(prompt, 12) == hf_greedy(model, prompt, 12)
+
+
 def test_gemm_seconds_stops_past_its_give_up_time():
     model = tiny_model("llama")
     layout = LAYOUTS["micro"](8)  # F.linear: runs on any machine

@@ -268,6 +268,25 @@ def test_measurements_are_keyed_by_what_they_depend_on(monkeypatch):
     assert len(calls) == 4  # the first one's entry is still there
 
 
+def test_a_layout_chosen_without_the_kernel_is_not_kept_once_it_loads(monkeypatch, cache_dir):
+    """A process where the C++ kernel cannot load (no compiler yet) picks and caches a BLAS
+    layout; a later one where it loads (the compiler installed, as the warning says) chooses
+    again and gets the kernel, instead of the cached slower choice."""
+    from hf_selfspec.engine.layouts import LAYOUTS
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    if load_rows_linear() is None:
+        pytest.skip("the C++ row kernel cannot be built on this machine")
+    model = tiny_model("llama", seed=4)
+    with monkeypatch.context() as without_kernel:
+        without_kernel.setattr(measurement_cache, "_cpu_kernel_loads", lambda: False)
+        without_kernel.setattr(LAYOUTS["kernel"], "self_test", classmethod(lambda cls, linears: False))
+        assert Engine(model, EngineConfig(width=8, capacity=256)).layout.name in ("micro", "fixed")
+    # equal products: the kernel, the reference, is kept (a choice, not a cached answer)
+    monkeypatch.setattr(costs, "gemm_seconds", lambda layout, linears, width, reps=3, give_up=None, per_rows=None: 1.0)
+    assert Engine(model, EngineConfig(width=8, capacity=256)).layout.name == "kernel"
+
+
 @pytest.mark.parametrize("corrupt", [
     "not json {", json.dumps([1, 2]), json.dumps({"format": 99, "entries": {}}),
     "ENTRY:{\"layout\": \"gemv\"}",

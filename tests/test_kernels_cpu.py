@@ -1007,3 +1007,29 @@ def test_avx512_rows_give_the_same_bits(kernel, layer, dtype):
         assert torch.equal(layers[False], layers[True])
     finally:
         use_avx512(True)
+
+
+# ---- a kernel that cannot be built says why in one line -----------------------------------
+
+def test_a_missing_or_failing_compiler_is_named(tmp_path):
+    """No compiler, or one whose compile fails: load_rows_linear() is None and build_error()
+    says what to fix (a failed compile: the compiler's own error line, not ninja's "build
+    stopped"); a fresh process with an empty extension folder, so nothing cached is loaded."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake-c++"  # answers --version like g++, fails every compile
+    fake.write_text('#!/bin/sh\ncase "$*" in *--version*|*-v*) exec g++ "$@";; esac\n'
+                    'echo "cpu_rows.cpp:1:1: error: simulated compile failure" >&2; exit 1\n')
+    fake.chmod(0o755)
+    code = ("import os\nfrom hf_selfspec.kernels import cpu_rows\n"
+            "for cxx in ('/nonexistent/c++', os.environ['FAKE_CXX']):\n"
+            "    os.environ['CXX'] = cxx\n    cpu_rows._load_module.cache_clear()\n"
+            "    print(cpu_rows.load_rows_linear() is None, '|', cpu_rows.build_error())\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "FAKE_CXX": str(fake)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if "|" in line]
+    assert len(lines) == 2, out.stderr[-2000:]
+    assert lines[0].startswith("True | no C++ compiler ('/nonexistent/c++': not found")
+    assert "install one (g++ or clang++)" in lines[0]
+    assert lines[1] == "True | RuntimeError: cpu_rows.cpp:1:1: error: simulated compile failure"

@@ -4,8 +4,8 @@ neither the product timing nor the step-cost timing again.
 
 An entry is keyed by everything the measurements depend on: the CPU model, torch's thread
 count, the model's shape, dtype and device type, the torch and package versions, the C++
-kernel source, and the engine width. Any change gives another key (a new measurement);
-stale entries are dropped oldest first beyond `MAX_ENTRIES`.
+kernel source and whether it loads here, and the engine width. Any change gives another key
+(a new measurement); stale entries are dropped oldest first beyond `MAX_ENTRIES`.
 
 Where: `$HF_SELFSPEC_CACHE/measurements.json`, else `$XDG_CACHE_HOME/hf_selfspec/`, else
 `~/.cache/hf_selfspec/`. Off: `HF_SELFSPEC_NO_CACHE=1` or `EngineConfig(measurement_cache=False)`.
@@ -85,7 +85,15 @@ def machine_key(view, width: int) -> dict[str, Any]:
         "vocab": view.vocab_size, "qk_norm": lw.q_norm is not None,
         "biases": any(lin.bias is not None for lin in linears),
         "dtype": str(view.dtype), "device": view.device.type, "width": width,
+        # a choice made without the kernel (no compiler yet) must not outlive its absence
+        "cpu_kernel": _cpu_kernel_loads() if view.device.type == "cpu" else None,
     }
+
+
+def _cpu_kernel_loads() -> bool:
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    return load_rows_linear() is not None
 
 
 def _digest(key: dict[str, Any]) -> str:

@@ -300,9 +300,13 @@ def _transposed_rows(weight: torch.Tensor) -> bool:
 
 
 # Every layout by name. `auto` tries AUTO_ORDER on the CPU (the first is the reference the
-# others must beat by a margin) and falls back to `fixed`.
+# others must beat by a margin); where the kernel cannot run, NO_KERNEL_ORDER (which BLAS
+# products are cheaper, a few rows in small chunks or always W rows, depends on the BLAS and
+# the CPU: MKL on an AMD EPYC runs 2-3 rows dearer than 8); else `fixed`.
 LAYOUTS: dict[str, type[RowLayout]] = {cls.name: cls for cls in (KernelLayout, MicroLayout, FixedLayout)}
 AUTO_ORDER = ("kernel", "micro")
+NO_KERNEL_ORDER = ("micro", "fixed")
+AUTO_CHOICES = ("kernel", "micro", "fixed")  # what `auto` may pick (and cache) on the CPU
 # `auto` leaves the reference layout only for one whose products are this much cheaper:
 # the kernel's fused layers and row attention save time that products alone do not show,
 # and a margin keeps the choice stable between runs.
@@ -327,9 +331,12 @@ def choose_layout(wanted: str, width: int, device: torch.device, linears: Sequen
         return cls(width)
     if device.type != "cpu":
         return _fallback(width, linears)
-    if cached in AUTO_ORDER and LAYOUTS[cached].self_test(linears):
+    if cached in AUTO_CHOICES and LAYOUTS[cached].self_test(linears):
         return LAYOUTS[cached](width)
     passing = [name for name in AUTO_ORDER if LAYOUTS[name].self_test(linears)]
+    if "kernel" not in passing:
+        passing = [name for name in NO_KERNEL_ORDER
+                   if name in passing or (name not in AUTO_ORDER and LAYOUTS[name].self_test(linears))]
     if not passing:
         return _fallback(width, linears)
     if len(passing) == 1 or measure is None:

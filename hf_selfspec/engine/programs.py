@@ -47,7 +47,7 @@ from .cache import MeasurementCache, machine_key
 from .compact import CompactWeights, projection_positions
 from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
                       text_decoder)
-from .layouts import AUTO_ORDER, LAYOUTS, RowLayout, choose_layout, row_chunks
+from .layouts import AUTO_CHOICES, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .memory import zeroed
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
@@ -286,14 +286,22 @@ class Engine:
 
         layout = choose_layout(wanted, self.width, v.device, linears, cached=cached, measure=measure)
         self._products_seconds = timed.get(layout.name, {})
-        if wanted == "auto" and v.device.type == "cpu" and layout.name in AUTO_ORDER and layout.name != cached:
+        if wanted == "auto" and v.device.type == "cpu" and layout.name in AUTO_CHOICES and layout.name != cached:
             self._measured.store_layout(layout.name)
         if v.device.type == "cpu" and layout.name != "kernel":
             from hf_selfspec.kernels.cpu_rows import build_error
 
-            reason = build_error() or "its bitwise self-test failed or another layout measured faster"
+            missing = build_error()
+            if wanted != "auto":
+                reason = f"EngineConfig(row_layout={wanted!r})"
+            else:
+                reason = missing or "its bitwise self-test failed or another layout measured faster"
+            # without the kernel a step is BLAS products and PyTorch ops: speculation then
+            # barely pays (README, "C++ row kernel")
+            effect = ("the same tokens, at about plain generate()'s speed instead of several times faster"
+                      if missing else "the same tokens")
             logger.warning_once(f"hf_selfspec: the C++ row kernel is not used ({reason}); the engine runs "
-                                f"the {layout.name!r} row layout instead (the same tokens, slower steps)")
+                                f"the {layout.name!r} row layout instead ({effect})")
         logger.info(f"hf_selfspec: row layout {layout.name!r}" + (" (cached choice)" if layout.name == cached else ""))
         return layout
 
