@@ -2,8 +2,9 @@
 x @ w^T, `rows_attention(q, k, v, limit, scale, path, base, softcap, window)` and a whole decoder layer built from them,
 `rows_layer`, each computed so that a row's result is bit-identical whatever the other rows.
 
-The C++ source is compiled once per machine with torch's own extension builder (ninja +
-the system C++ compiler; ~45 s, cached under ~/.cache/torch_extensions) the first time
+The C++ source is compiled once per machine and Python environment with torch's own
+extension builder (ninja + the system C++ compiler; ~45 s, cached under
+~/.cache/torch_extensions, see `build_directory`; a one-line message says so) the first time
 `load_rows_linear()` is called; `scripts/setup.sh` does it at install time. Needs an
 x86-64 CPU with AVX2, FMA and F16C; where it cannot be built, `load_rows_linear()` returns
 None and says why in `build_error()`, and the engine uses another row layout.
@@ -24,8 +25,10 @@ removed too (the kernel is then not loaded in this process: `build_error()` says
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
+import sys
 import sysconfig
 import threading
 import time
@@ -45,17 +48,31 @@ _error: str | None = None
 
 
 def build_directory(name: str = NAME) -> Path:
-    """The folder torch's extension builder uses for `name` (TORCH_EXTENSIONS_DIR or
-    ~/.cache/torch_extensions/<python>_<accelerator>/<name>); created if missing."""
+    """The folder the extension `name` is built in, one per Python environment: under torch's
+    extension folder (TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions/<python>_<accelerator>/),
+    `<name>_<environment>`; created if missing. The build command names the environment's
+    torch headers and ninja, so two virtual environments sharing one folder would each rebuild
+    the kernel (~1 min, on an engine's first call) after the other had used it."""
     from torch.utils import cpp_extension
 
+    environment = hashlib.sha256(f"{sys.prefix}|{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
+    folder = f"{name}_{environment}"
     try:
-        return Path(cpp_extension._get_build_directory(name, False))
+        return Path(cpp_extension._get_build_directory(folder, False))
     except Exception:  # noqa: BLE001 (a torch without the private helper: its documented layout)
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-        path = Path(root) / name
+        path = Path(root) / folder
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+
+def _build_needed(folder: Path) -> bool:
+    """Whether loading will compile: no built module in `folder`, or one built from other
+    sources (torch's builder writes them, verbatim, into main.cpp)."""
+    try:
+        return not (folder / f"{NAME}.so").exists() or SOURCE.read_text() not in (folder / "main.cpp").read_text()
+    except OSError:
+        return True
 
 
 def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, *,
@@ -145,11 +162,17 @@ def _load_module():
         if scripts and (Path(scripts) / "ninja").exists():
             os.environ["PATH"] = scripts + os.pathsep + path
         flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
-        lock = build_directory() / "lock"
+        folder = build_directory()
+        lock = folder / "lock"
         wait_for_build_lock(lock)  # a lock left by a killed build: removed, never waited on
+        if _build_needed(folder):  # a first call would otherwise pause a minute unexplained
+            from hf_selfspec.logs import logger
+
+            logger.warning(f"hf_selfspec: compiling the C++ row kernel for this machine and Python "
+                           f"environment (once, ~1 min; kept in {folder})")
         with _LockWatch(lock) as watch:
             module = load_inline(
-                name=NAME, cpp_sources=[SOURCE.read_text(), STATES_SOURCE.read_text()],
+                name=NAME, build_directory=str(folder), cpp_sources=[SOURCE.read_text(), STATES_SOURCE.read_text()],
                 functions=["rows_linear", "rows_compact", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
                            "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],

@@ -1009,6 +1009,30 @@ def test_avx512_rows_give_the_same_bits(kernel, layer, dtype):
         use_avx512(True)
 
 
+# ---- one build folder per Python environment; a build is announced ------------------------
+
+def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two virtual environments sharing torch's extension folder would rebuild the kernel
+    (~1 min, in an engine's first call) each time the other had used it: the folder is
+    keyed by the environment. Whether a load compiles (and says so) is read from it."""
+    import sys
+
+    from hf_selfspec.kernels.cpu_rows import NAME, SOURCE, _build_needed
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = build_directory()
+    assert here.is_dir() and tmp_path in here.parents and here.name.startswith(NAME + "_")
+    assert build_directory() == here
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    assert build_directory() != here
+    assert _build_needed(here)  # nothing built
+    (here / f"{NAME}.so").write_bytes(b"")
+    (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n// bindings")
+    assert not _build_needed(here)
+    (here / "main.cpp").write_text("#include <torch/extension.h>\n// the sources of an older version")
+    assert _build_needed(here)
+
+
 # ---- a kernel that cannot be built says why in one line -----------------------------------
 
 def test_a_missing_or_failing_compiler_is_named(tmp_path):
