@@ -193,9 +193,14 @@ def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micr
         return float("inf") if seconds > give_up else seconds
 
     monkeypatch.setattr(costs, "gemm_seconds", fake)
+    tested = []  # a candidate is self-tested only once its products could win
+    real_test = LAYOUTS["micro"].self_test.__func__
+    monkeypatch.setattr(LAYOUTS["micro"], "self_test",
+                        classmethod(lambda cls, linears: tested.append(1) or real_test(cls, linears)))
     engine = Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256, measurement_cache=False))
     assert engine.layout.name == chosen
     assert calls == [("kernel", float("inf")), ("micro", SWITCH_MARGIN * 1.0)]
+    assert len(tested) == (chosen == "micro")
 
 
 @pytest.mark.parametrize("fixed_seconds,chosen", [(0.5, "fixed"), (0.95, "micro")])
