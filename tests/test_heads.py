@@ -353,12 +353,19 @@ def test_push_calls_upload_folder(model, tmp_path):
     kwargs = api.upload_folder.call_args.kwargs
     assert kwargs["folder_path"] == str(tmp_path) and kwargs["repo_id"] == "me/my-heads"
     assert kwargs["repo_type"] == "model"
-    import httpx  # no network: the client's connection error names the repo and what failed
+    # no network: the HTTP client's connection error names the repo and what failed (the
+    # client huggingface_hub uses, httpx2 in 2.x, and any other installed)
+    import importlib
+    import importlib.util
 
-    with mock.patch("huggingface_hub.HfApi") as api_class:
-        api_class.return_value.create_repo.side_effect = httpx.ConnectError("Name or service not known")
-        with pytest.raises(OSError, match="could not push heads from .* to the Hub repo 'me/my-heads'"):
-            push_heads(tmp_path, "me/my-heads")
+    clients = [name for name in ("httpx2", "httpx") if importlib.util.find_spec(name)]
+    assert clients, "huggingface_hub's HTTP client (httpx2 or httpx) is not installed"
+    for name in clients:
+        error = importlib.import_module(name).ConnectError("Name or service not known")
+        with mock.patch("huggingface_hub.HfApi") as api_class:
+            api_class.return_value.create_repo.side_effect = error
+            with pytest.raises(OSError, match="could not push heads from .* to the Hub repo 'me/my-heads'"):
+                push_heads(tmp_path, "me/my-heads")
     (tmp_path / "heads.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="heads.safetensors"):
         push_heads(tmp_path, "me/my-heads")

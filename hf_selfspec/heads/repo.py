@@ -353,12 +353,13 @@ def push_heads(folder, repo_id: str, token: str | None = None, private: bool = F
             commit_message=commit_message or f"Upload hf_selfspec {heads.kind} heads",
             allow_patterns=list(HUB_FILES))
     except Exception as error:
-        # a failed connection surfaces as the HTTP client's own exception (httpx, requests),
+        # a failed connection surfaces as the HTTP client's own exception (httpx2 from
+        # huggingface_hub 2.x, httpx, requests),
         # which names neither the repo nor what was being done; the Hub's own errors (401,
         # 404, offline mode, ...) already say what went wrong and pass through
         origin = type(error).__module__.split(".")[0]
         if origin == "huggingface_hub" or not (
-                origin in ("httpx", "requests", "urllib3") or isinstance(error, (ConnectionError, TimeoutError))):
+                origin in ("httpx2", "httpx", "requests", "urllib3") or isinstance(error, (ConnectionError, TimeoutError))):
             raise
         raise OSError(f"could not push heads from {folder} to the Hub repo {repo_id!r}: "
                       f"{type(error).__name__}: {error}. Check the network and the token (token= or "
