@@ -70,7 +70,10 @@ def _build_needed(folder: Path) -> bool:
     """Whether loading will compile: no built module in `folder`, or one built from other
     sources (torch's builder writes them, verbatim, into main.cpp)."""
     try:
-        return not (folder / f"{NAME}.so").exists() or SOURCE.read_text() not in (folder / "main.cpp").read_text()
+        if not (folder / f"{NAME}.so").exists():
+            return True
+        built_from = (folder / "main.cpp").read_text()
+        return any(source.read_text() not in built_from for source in (SOURCE, STATES_SOURCE))
     except OSError:
         return True
 

@@ -1017,7 +1017,7 @@ def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch)
     keyed by the environment. Whether a load compiles (and says so) is read from it."""
     import sys
 
-    from hf_selfspec.kernels.cpu_rows import NAME, SOURCE, _build_needed
+    from hf_selfspec.kernels.cpu_rows import NAME, SOURCE, STATES_SOURCE, _build_needed
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     here = build_directory()
@@ -1028,6 +1028,9 @@ def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch)
     assert _build_needed(here)  # nothing built
     (here / f"{NAME}.so").write_bytes(b"")
     (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n// bindings")
+    assert _build_needed(here)  # the recurrent-state source is part of the module too
+    (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n"
+                                   + STATES_SOURCE.read_text() + "\n// bindings")
     assert not _build_needed(here)
     (here / "main.cpp").write_text("#include <torch/extension.h>\n// the sources of an older version")
     assert _build_needed(here)
