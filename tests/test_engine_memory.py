@@ -461,3 +461,18 @@ def test_a_measurement_taken_on_a_busy_machine_is_taken_again(monkeypatch, cache
     assert min(one_row_values(json.loads(path.read_text()))) < 5.0 / costs.STALE_FACTOR  # rewritten
     Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
     assert len(calls) == 1  # the fresh entry is trusted
+
+
+def test_the_busy_check_times_a_long_step_once():
+    """The check of a cached 1-row time runs a warm-up and three steps (median) for a short
+    step, one step for a long one (a big model's: each streams its weights)."""
+    engine = Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256, measurement_cache=False))
+    steps = []
+    real = engine.verify
+    engine.verify = lambda *args, **kwargs: steps.append(1) or real(*args, **kwargs)
+    assert costs.measured_while_busy(engine, 10 * costs.ONE_TIMING_ABOVE_SECONDS)  # 0.5 s: far slower than now
+    assert len(steps) == 1
+    assert not costs.measured_while_busy(engine, costs.CHECK_ABOVE_SECONDS / 2)  # too short to check
+    assert len(steps) == 1
+    costs.measured_while_busy(engine, costs.ONE_TIMING_ABOVE_SECONDS / 2)
+    assert len(steps) == 5
