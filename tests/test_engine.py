@@ -175,6 +175,19 @@ def test_auto_layout_prefers_the_kernel_at_equal_product_cost(monkeypatch):
     assert Engine(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256)).layout.name == "kernel"
 
 
+def fake_products(monkeypatch, seconds: dict[str, float]) -> list[tuple[str, float]]:
+    """costs.gemm_seconds replaced: each layout's products take `seconds[name]` (inf past
+    the give-up time); returns the list of (layout, give_up) it is called with."""
+    calls = []
+
+    def fake(layout, linears, width, reps=3, give_up=float("inf"), per_rows=None):
+        calls.append((layout.name, give_up))
+        return float("inf") if seconds[layout.name] > give_up else seconds[layout.name]
+
+    monkeypatch.setattr(costs, "gemm_seconds", fake)
+    return calls
+
+
 @pytest.mark.parametrize("micro_seconds,chosen", [(0.5, "micro"), (0.95, "kernel")])
 def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micro_seconds, chosen):
     """The first passing layout (kernel) is timed in full; the next one only until it can no
@@ -185,14 +198,7 @@ def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micr
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
-    calls = []
-
-    def fake(layout, linears, width, reps=3, give_up=float("inf"), per_rows=None):
-        seconds = {"kernel": 1.0, "micro": micro_seconds}[layout.name]
-        calls.append((layout.name, give_up))
-        return float("inf") if seconds > give_up else seconds
-
-    monkeypatch.setattr(costs, "gemm_seconds", fake)
+    calls = fake_products(monkeypatch, {"kernel": 1.0, "micro": micro_seconds})
     tested = []  # a candidate is self-tested only once its products could win
     real_test = LAYOUTS["micro"].self_test.__func__
     monkeypatch.setattr(LAYOUTS["micro"], "self_test",
@@ -211,14 +217,7 @@ def test_without_the_kernel_auto_times_micro_against_fixed(monkeypatch, fixed_se
     from hf_selfspec.engine.layouts import SWITCH_MARGIN
 
     monkeypatch.setattr(LAYOUTS["kernel"], "self_test", classmethod(lambda cls, linears: False))
-    calls = []
-
-    def fake(layout, linears, width, reps=3, give_up=float("inf"), per_rows=None):
-        seconds = {"micro": 1.0, "fixed": fixed_seconds}[layout.name]
-        calls.append((layout.name, give_up))
-        return float("inf") if seconds > give_up else seconds
-
-    monkeypatch.setattr(costs, "gemm_seconds", fake)
+    calls = fake_products(monkeypatch, {"micro": 1.0, "fixed": fixed_seconds})
     model = tiny_model("llama", seed=4)
     engine = Engine(model, EngineConfig(width=8, capacity=256, measurement_cache=False))
     assert engine.layout.name == chosen
