@@ -298,8 +298,8 @@ class Engine:
                 reason = missing or "its bitwise self-test failed or another layout measured faster"
             # without the kernel a step is BLAS products and PyTorch ops: speculation then
             # barely pays (README, "C++ row kernel")
-            effect = ("the same tokens, at about plain generate()'s speed instead of several times faster"
-                      if missing else "the same tokens")
+            effect = ("the same tokens, at about plain generate()'s speed (slower on a model of "
+                      "gigabytes) instead of several times faster" if missing else "the same tokens")
             logger.warning_once(f"hf_selfspec: the C++ row kernel is not used ({reason}); the engine runs "
                                 f"the {layout.name!r} row layout instead ({effect})")
         logger.info(f"hf_selfspec: row layout {layout.name!r}" + (" (cached choice)" if layout.name == cached else ""))
