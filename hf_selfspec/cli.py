@@ -32,10 +32,12 @@ def _colour(source: str) -> str:
 def model_source(value: str, flag: str) -> str:
     """A local folder that exists or a Hub id ORG/NAME; a path that names no folder is
     refused here (transformers would call it an invalid repo id)."""
+    from .heads.repo import names_a_local_path
+
     path = Path(value).expanduser()
     if path.is_dir():
         return str(path)
-    if path.exists() or value.startswith((".", "/", "~")) or value.count("/") > 1:
+    if names_a_local_path(value):
         raise ValueError(f"{flag} {value}: no such model folder (pass a folder with config.json and the "
                          "weights, or a Hub id ORG/NAME)")
     return value

@@ -66,16 +66,16 @@ def build_directory(name: str = NAME) -> Path:
         return path
 
 
-def _build_needed(folder: Path) -> bool:
-    """Whether loading will compile: no built module in `folder`, or one built from other
-    sources (torch's builder writes them, verbatim, into main.cpp)."""
+def _build_needed(folder: Path, sources: list[str]) -> bool:
+    """Whether loading `sources` will compile: no built module in `folder`, or one built
+    from other sources (torch's builder writes them, verbatim, into main.cpp)."""
     try:
         if not (folder / f"{NAME}.so").exists():
             return True
         built_from = (folder / "main.cpp").read_text()
-        return any(source.read_text() not in built_from for source in (SOURCE, STATES_SOURCE))
     except OSError:
         return True
+    return any(source not in built_from for source in sources)
 
 
 def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, *,
@@ -168,14 +168,15 @@ def _load_module():
         folder = build_directory()
         lock = folder / "lock"
         wait_for_build_lock(lock)  # a lock left by a killed build: removed, never waited on
-        if _build_needed(folder):  # a first call would otherwise pause a minute unexplained
+        sources = [SOURCE.read_text(), STATES_SOURCE.read_text()]
+        if _build_needed(folder, sources):  # a first call would otherwise pause a minute unexplained
             from hf_selfspec.logs import logger
 
             logger.warning(f"hf_selfspec: compiling the C++ row kernel for this machine and Python "
                            f"environment (once, ~1 min; kept in {folder})")
         with _LockWatch(lock) as watch:
             module = load_inline(
-                name=NAME, build_directory=str(folder), cpp_sources=[SOURCE.read_text(), STATES_SOURCE.read_text()],
+                name=NAME, build_directory=str(folder), cpp_sources=sources,
                 functions=["rows_linear", "rows_compact", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
                            "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],

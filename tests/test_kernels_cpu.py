@@ -1025,15 +1025,16 @@ def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch)
     assert build_directory() == here
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
     assert build_directory() != here
-    assert _build_needed(here)  # nothing built
+    sources = [SOURCE.read_text(), STATES_SOURCE.read_text()]
+    assert _build_needed(here, sources)  # nothing built
     (here / f"{NAME}.so").write_bytes(b"")
     (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n// bindings")
-    assert _build_needed(here)  # the recurrent-state source is part of the module too
+    assert _build_needed(here, sources)  # the recurrent-state source is part of the module too
     (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n"
                                    + STATES_SOURCE.read_text() + "\n// bindings")
-    assert not _build_needed(here)
+    assert not _build_needed(here, sources)
     (here / "main.cpp").write_text("#include <torch/extension.h>\n// the sources of an older version")
-    assert _build_needed(here)
+    assert _build_needed(here, sources)
 
 
 # ---- a kernel that cannot be built says why in one line -----------------------------------

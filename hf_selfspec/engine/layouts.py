@@ -333,11 +333,13 @@ def choose_layout(wanted: str, width: int, device: torch.device, linears: Sequen
         return _fallback(width, linears)
     if cached in AUTO_CHOICES and LAYOUTS[cached].self_test(linears):
         return LAYOUTS[cached](width)
-    order = AUTO_ORDER if LAYOUTS["kernel"].self_test(linears) else NO_KERNEL_ORDER
+    kernel_passes = LAYOUTS["kernel"].self_test(linears)
+    order = AUTO_ORDER if kernel_passes else NO_KERNEL_ORDER
     # the reference is the first of `order` whose self-test passes; a later candidate is
     # self-tested only once its products could replace it (a self-test runs every shape's
     # products at several row counts: ~0.4 s on a 0.82B model, wasted on a loser)
-    at = next((i for i, name in enumerate(order) if name == "kernel" or LAYOUTS[name].self_test(linears)), None)
+    at = next((i for i, name in enumerate(order)
+               if (kernel_passes if name == "kernel" else LAYOUTS[name].self_test(linears))), None)
     if at is None:
         return _fallback(width, linears)
     first, rest = order[at], order[at + 1:]

@@ -102,6 +102,13 @@ def exit_heads_path() -> Path:
 # --------------------------------------------------------------------------- locate
 
 
+def names_a_local_path(value) -> bool:
+    """Whether `value` can only mean a local path, never a Hub id ORG/NAME: it exists (as a
+    file or folder), starts with ".", "/" or "~", or holds more than one "/"."""
+    text = os.fspath(value)
+    return Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") > 1
+
+
 def resolve_heads_folder(source, revision: str | None = None, *, cache_dir=None,
                          token: str | bool | None = None, local_files_only: bool = False) -> Path:
     """A local heads folder for `source`: the folder itself, or the Hub snapshot of a repo
@@ -109,7 +116,7 @@ def resolve_heads_folder(source, revision: str | None = None, *, cache_dir=None,
     path = Path(os.fspath(source)).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or str(source).startswith((".", "/", "~")) or str(source).count("/") > 1:
+    if names_a_local_path(source):
         raise FileNotFoundError(f"heads folder {path} does not exist (or is not a folder)")
     from huggingface_hub import snapshot_download
 
