@@ -278,18 +278,19 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
   for (int i = 0; i < NW; ++i)
 #pragma GCC unroll 8
     for (int c = 0; c < NX; ++c) acc[i][c] = _mm256_setzero_ps();
-  // software prefetch of each weight row 8 KiB ahead, once per 64-byte line: it changes no
-  // arithmetic, only keeps memory busy while the x rows are multiplied; 8 KiB reaches into
-  // the next weight rows (the rows are contiguous: one run of memory). Into L2 only (T1):
-  // 3-4 weight rows 8 KiB ahead would fill a 32 KiB L1 (AMD EPYC's) and push out the x rows.
-  // Measured on a 2-core Xeon, whole float32 verify steps of SmolLM2, A/B in one process,
-  // 1 / 2 / 4 rows: 1 KiB ahead (T0) 21.9 / 23.4 / 26.4 ms, 4 KiB 21.9 / 23.4 / 25.7, 8 KiB
-  // 19.9 / 21.5 / 23.8; T1 against T0 at 8 KiB 20.7-20.9 / 21.7-22.0 / 23.8-24.5 against
-  // 20.2-20.5 / 22.2-22.4 / 25.0-25.6 ms; bf16 steps 2 KiB -> 8 KiB 15.8 / 17.0 / 18.0 ->
-  // 13.3 / 14.1 / 14.7 ms (docs/benchmarks_2026-12-05.md, session 7).
+  // software prefetch of each weight row ahead, once per 64-byte line: it changes no
+  // arithmetic, only keeps memory busy while the x rows are multiplied. The rows are
+  // contiguous (one run of memory) and a tile reads NW of them side by side, so a distance of
+  // one row (8 KiB: a 2048-column float32 row) fetches what the tile reads next anyway; the
+  // distance is at least one whole tile (NW rows: the next tile's same column) and at least
+  // 8 KiB (short rows, SmolLM2's 576 columns). Into L2 only (T1): 3-4 weight rows 8 KiB
+  // ahead would fill a 32 KiB L1 (AMD EPYC's) and push out the x rows. Measured
+  // (docs/benchmarks_2026-12-05.md, sessions 7 and 21): 8 KiB against 1-4 KiB on SmolLM2's
+  // shapes; one tile against 8 KiB on a 0.82B model's (2048 and 5632 columns), 1-30% faster
+  // products in float32 and bf16 from 1 to 8 rows, SmolLM2's unchanged.
   static_assert(NX <= 4, "the tiles hold at most 4 x rows (run_blocks for more)");
-  constexpr int64_t PF_BYTES = 8192;
-  constexpr int64_t PF = PF_BYTES / static_cast<int64_t>(sizeof(T));
+  constexpr int64_t MIN_PF_BYTES = 8192;
+  const int64_t PF = std::max<int64_t>(MIN_PF_BYTES / static_cast<int64_t>(sizeof(T)), NW * K);
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(T));
   const int64_t k8 = K - K % 8;
   for (int64_t k = 0; k < k8; k += 8) {
