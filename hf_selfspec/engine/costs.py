@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # annotations only: programs.py imports this module
 STEP_COST_ROUNDS = 7
 # ... but a bigger model's rounds stop after this many seconds (at least MIN_ROUNDS): its
 # steps are long enough that noise matters less, and the first call waits for them.
-MEASURE_SECONDS = 2.0
+MEASURE_SECONDS = 1.0
 MIN_ROUNDS = 2
 # ... and a round of steps longer than this is not repeated: each step of it streams the
 # weights once or more, a steady measurement (a 0.82B fp32 model's 1..8-row steps take ~1.1 s
@@ -77,11 +77,12 @@ def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: i
     return total
 
 
-# A step-cost round estimated longer than this (a model of gigabytes: each of its 1..W-row
-# steps streams every weight) is not timed: the curve comes from the products the layout
-# choice has just timed (step_costs_from_products), which on such a model are nearly all of
-# a step. A 0.82B fp32 model's round took ~1.1 s of its first call.
-ESTIMATE_ABOVE_SECONDS = 0.5
+# A step-cost round estimated longer than this (a model of hundreds of megabytes or more:
+# each of its 1..W-row steps streams every weight) is not timed: the curve comes from the
+# products the layout choice has just timed (step_costs_from_products), which on such a
+# model are nearly all of a step. Timing took a 0.82B fp32 model's first call ~1.1 s, a
+# 0.49B bf16 model's 2 s, where the estimate is within a tenth of the timed curve.
+ESTIMATE_ABOVE_SECONDS = 0.25
 
 
 def step_costs_from_products(width: int, products: dict[int, float]) -> tuple[tuple[float, ...], float] | None:
