@@ -434,6 +434,8 @@ def test_step_costs_of_a_big_model_come_from_the_layout_choices_product_timings(
     and W rows that choosing the layout has just timed, linear in between, and no step is
     timed; below it, or with products unknown (a cached layout), the steps are timed."""
     assert costs.step_costs_from_products(8, {1: 0.02, 8: 0.03}) is None  # a small model: timed
+    # a 0.49B bf16 model's products (timing its steps took 2 s of its first call): estimated
+    assert costs.step_costs_from_products(8, {1: 0.036, 8: 0.054}) is not None
     assert costs.step_costs_from_products(8, {}) is None
     curve, one = costs.step_costs_from_products(8, {1: 0.12, 8: 0.19})
     assert one == 0.12 and len(curve) == 9 and curve[:2] == (1.0, 1.0)
