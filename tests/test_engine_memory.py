@@ -290,6 +290,7 @@ def test_a_layout_chosen_without_the_kernel_is_not_kept_once_it_loads(monkeypatc
 @pytest.mark.parametrize("corrupt", [
     "not json {", json.dumps([1, 2]), json.dumps({"format": 99, "entries": {}}),
     "ENTRY:{\"layout\": \"gemv\"}",
+    "ENTRY:{\"prefill\": \"both\"}",
     "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": [1.0, 1.0, 0.5], \"one_row_seconds\": 0.01}}}",
     "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": \"COSTS_NAN\", \"one_row_seconds\": 0.01}}}",
     "ENTRY:{\"step_costs\": {\"KEY\": {\"costs\": \"COSTS_OK\", \"one_row_seconds\": -1}}}",
@@ -385,6 +386,72 @@ def test_auto_serves_bf16_with_the_kernel_where_it_builds():
     model = tiny_model("llama", seed=7).to(torch.bfloat16)
     engine = Engine(model, EngineConfig(width=8, capacity=256))
     assert engine.layout.name in ("kernel", "micro")  # micro only where its products are >10% cheaper
+
+
+def _spy_prefills(monkeypatch) -> list[str]:
+    """Which prefill each Engine.prefill call runs ("hf" / "engine"), in order."""
+    used: list[str] = []
+    for name in ("hf", "engine"):
+        real = getattr(Engine, f"_prefill_{name}")
+        monkeypatch.setattr(Engine, f"_prefill_{name}",
+                            lambda self, *a, _real=real, _name=name, **k: used.append(_name) or _real(self, *a, **k))
+    return used
+
+
+@pytest.mark.parametrize("dtype, probe, expected", [
+    (torch.float16, (1.0, 0.1), "engine"),  # PyTorch's float16 products on most CPUs: far dearer
+    (torch.float16, (1.0, 0.9), "hf"),  # not clearly cheaper: HF's one pass stays
+    (torch.bfloat16, (1.0, 0.1), "engine"),
+    (torch.bfloat16, (0.1, 1.0), "hf"),  # AVX-512 BF16: HF's products are the cheaper
+])
+def test_auto_prefill_takes_the_engines_chunks_where_a_16_bit_models_products_measure_cheaper(
+        monkeypatch, cache_dir, dtype, probe, expected):
+    """EngineConfig(prefill="auto") on a 16-bit model with the row kernel: the engine's own
+    W-row chunks prefill the prompt where the probe (one prompt chunk's largest product, HF's
+    against the kernel's) says they are clearly cheaper, else HF's forward; either way the
+    speculative tokens are the engine's own AR tokens, and a second engine reads the choice
+    from the measurement cache without probing."""
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    if load_rows_linear() is None:
+        pytest.skip("the C++ row kernel cannot be built on this machine")
+    probed = []
+    monkeypatch.setattr(costs, "prefill_product_seconds", lambda w, width, kernel: probed.append(w.dtype) or probe)
+    model = tiny_model("llama", seed=7).to(dtype)
+    engine = Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel"))
+    used = _spy_prefills(monkeypatch)
+    prompt = list(range(3, 60)) + list(range(3, 30))  # repeats: prompt lookup drafts
+    reference = engine.generate_ar(prompt, 24)
+    spec = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 24)
+    assert spec.tokens == reference and spec.stats.drafted > 0
+    assert used == [expected, expected] and engine.prefill_mode == expected and probed == [dtype]
+    monkeypatch.setattr(costs, "prefill_product_seconds", lambda *a: pytest.fail("probed again"))
+    assert Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel")).prefill_mode == expected
+
+
+def test_auto_prefill_is_hfs_without_probing_for_float32_and_where_the_kernel_is_not_used(monkeypatch):
+    """float32 (whose promise is HF's greedy tokens, the first one included) and every
+    layout but the kernel prefill with HF's forward: nothing is probed; an explicit
+    prefill is taken as given."""
+    monkeypatch.setattr(costs, "prefill_product_seconds", lambda *a: pytest.fail("probed"))
+    assert Engine(tiny_model("llama", seed=7), EngineConfig(width=8, capacity=256)).prefill_mode == "hf"
+    half = tiny_model("llama", seed=7).to(torch.float16)
+    assert Engine(half, EngineConfig(width=8, capacity=256, row_layout="fixed")).prefill_mode == "hf"
+    assert engine_or_skip(half, EngineConfig(width=8, capacity=256, prefill="hf")).prefill_mode == "hf"
+    assert Engine(half, EngineConfig(width=8, capacity=256, prefill="engine")).prefill_mode == "engine"
+
+
+def test_the_prefill_probe_times_both_products():
+    """The real probe: HF's product in the weight's dtype and the kernel's W-row chunks, each
+    a positive time (what `auto` compares)."""
+    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    kernel = load_rows_linear()
+    if kernel is None:
+        pytest.skip("the C++ row kernel cannot be built on this machine")
+    weight = torch.randn(96, 64).to(torch.float16)
+    hf, engine = costs.prefill_product_seconds(weight, 8, kernel)
+    assert 0 < hf < 10 and 0 < engine < 10
 
 
 # ---- refused models ----------------------------------------------------------------------

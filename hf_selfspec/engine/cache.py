@@ -32,6 +32,7 @@ import torch
 FORMAT = 1
 FILE_NAME = "measurements.json"
 MAX_ENTRIES = 64  # models x machines x widths one user meets; oldest dropped first
+PREFILLS = ("hf", "engine")  # what `auto` may pick (EngineConfig.prefill)
 # plausibility bounds of a cached measurement (anything outside is corrupt)
 MAX_STEP_COST = 1000.0  # W rows at most this many 1-row steps
 MAX_ROW_SECONDS = 3600.0
@@ -149,6 +150,11 @@ class MeasurementCache:
                 valid["layout"] = entry["layout"]
             else:
                 self._warn(f"names an unknown row layout {entry['layout']!r}")
+        if "prefill" in entry:
+            if entry["prefill"] in PREFILLS:
+                valid["prefill"] = entry["prefill"]
+            else:
+                self._warn(f"names an unknown prefill {entry['prefill']!r}")
         sections = (("step_costs", "step costs", self._valid_costs),
                     ("attention", "attention cost", self._valid_seconds),
                     ("batch_costs", "batch step costs", self._valid_batch_costs))
@@ -233,6 +239,15 @@ class MeasurementCache:
 
     def store_layout(self, layout: str) -> None:
         self.entry["layout"] = layout
+        self._write()
+
+    @property
+    def prefill(self) -> str | None:
+        """The prefill `auto` chose before for this key ("hf" or "engine"), or None."""
+        return self.entry.get("prefill")
+
+    def store_prefill(self, prefill: str) -> None:
+        self.entry["prefill"] = prefill
         self._write()
 
     def store_step_costs(self, layout: str, context: int, costs: tuple[float, ...], seconds: float) -> None:

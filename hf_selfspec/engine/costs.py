@@ -77,6 +77,41 @@ def gemm_seconds(layout: RowLayout, linears: Sequence[torch.nn.Linear], width: i
     return total
 
 
+# Prompt rows in `prefill_product_seconds`' probe: enough that both products are bound by
+# arithmetic, as a prompt's are, not by reading the weight once.
+PREFILL_PROBE_ROWS = 64
+# `auto` prefills a 16-bit model with the engine's own steps only where its products are
+# this much cheaper than HF's (its chunks add attention and step overheads HF's one pass
+# does not have).
+PREFILL_SWITCH = 0.6
+
+
+@torch.no_grad()
+def prefill_product_seconds(weight: torch.Tensor, width: int, rows_linear) -> tuple[float, float]:
+    """Best-of-3 seconds of PREFILL_PROBE_ROWS prompt rows through `weight` [O, K] (16-bit,
+    CPU): (as HF's forward computes a prompt: one product in the weight's dtype, as the
+    engine's prefill does: `width`-row kernel products widened to float32). PyTorch's
+    float16 products on a CPU without float16 arithmetic widen every block and are several
+    times slower than the kernel's; its bfloat16 ones (AVX-512 BF16) are faster."""
+    gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's RNG (sampling seeds)
+    x = torch.randn(PREFILL_PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
+    x32 = x.float()
+    chunks = [x32[lo:lo + width] for lo in range(0, PREFILL_PROBE_ROWS, width)]
+
+    def best(run) -> float:
+        run()  # warm-up: the weight's first read
+        seconds = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            run()
+            seconds = min(seconds, time.perf_counter() - t0)
+        return seconds
+
+    hf = best(lambda: torch.nn.functional.linear(x, weight))
+    engine = best(lambda: [rows_linear(chunk, weight) for chunk in chunks])
+    return hf, engine
+
+
 # A step-cost round estimated longer than this (a model of hundreds of megabytes or more:
 # each of its 1..W-row steps streams every weight) is not timed: the curve comes from the
 # products the layout choice has just timed (step_costs_from_products), which on such a

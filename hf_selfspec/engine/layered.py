@@ -1249,7 +1249,7 @@ def check_engine_prefill(config, prompt_len: int) -> None:
             f"this prompt ({prompt_len} tokens) is longer than the model's longrope "
             f"original_max_position_embeddings ({short}), which HF rotates with the long factors "
             "at every position; EngineConfig(prefill='engine') cannot reproduce that: use "
-            "prefill='hf' (the default) or a shorter prompt")
+            "prefill='hf' or 'auto' (the default) or a shorter prompt")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False,
@@ -2081,8 +2081,8 @@ class LayeredModel:
           one. Its decode steps rotate position p with the long factors exactly when
           p >= original_max_position_embeddings: so short factors below, long from there.
           A prompt past that length has long factors at every position, which HF's own
-          prefill (EngineConfig.prefill="hf", the default) gives the prompt's keys; generate()
-          refuses such a prompt with prefill="engine"."""
+          prefill (EngineConfig.prefill="hf", and "auto" always for longrope) gives the
+          prompt's keys; generate() refuses such a prompt with prefill="engine"."""
         if self.config.model_type in LEARNED_POSITION_TYPES + ALIBI_TYPES + NOPE_TYPES:  # no RoPE: tables that rotate nothing
             return self._identity_tables(max_positions)
         positions = torch.arange(max_positions, device=self.device)[None]

@@ -46,7 +46,7 @@ from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_
 from .cache import MeasurementCache, machine_key
 from .compact import CompactWeights, projection_positions
 from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
-                      text_decoder)
+                      longrope_short_positions, text_decoder)
 from .layouts import AUTO_CHOICES, LAYOUTS, RowLayout, choose_layout, row_chunks
 from .memory import zeroed
 from .meta import StepMeta, StepRows
@@ -71,7 +71,7 @@ RowLayoutName = Literal["auto", "kernel", "micro", "fixed"]
 ROW_LAYOUTS = ("auto", *LAYOUTS)
 # the layouts that were removed (their history: docs/engine_layouts_history.md)
 REMOVED_LAYOUTS = ("gemv", "wx", "wx4")
-PrefillName = Literal["hf", "engine"]
+PrefillName = Literal["auto", "hf", "engine"]
 ExecutorName = Literal["auto", "eager", "cuda_graphs"]
 
 
@@ -89,7 +89,11 @@ class EngineConfig:
     # its KV is copied into the engine's cache, so the prompt KV and the first new token
     # are exactly those of HF's generate(); "engine": W-row chunks through the decode
     # programs. Speculative and AR decoding always share the prefill, so either is exact.
-    prefill: PrefillName = "hf"
+    # "auto": "hf", except a 16-bit model on the CPU with the row kernel, where the engine's
+    # chunks are taken if their products measure clearly cheaper than HF's (PyTorch's
+    # float16 products on most CPUs: Engine.prefill_mode); float32 is always "hf" (its
+    # promise is HF's greedy tokens, first token included).
+    prefill: PrefillName = "auto"
     # cache `auto`'s layout choice and the step costs on disk (engine/cache.py); off: a
     # process measures them again (HF_SELFSPEC_NO_CACHE=1 turns it off everywhere)
     measurement_cache: bool = True
@@ -100,8 +104,8 @@ class EngineConfig:
     executor: ExecutorName = "auto"
 
     def __post_init__(self):
-        if self.prefill not in ("hf", "engine"):
-            raise ValueError(f"prefill must be 'hf' or 'engine', got {self.prefill!r}")
+        if self.prefill not in ("auto", "hf", "engine"):
+            raise ValueError(f"prefill must be 'auto', 'hf' or 'engine', got {self.prefill!r}")
         if self.row_layout not in ROW_LAYOUTS:
             removed = (f" ({self.row_layout!r} was removed; see docs/engine_layouts_history.md)"
                        if self.row_layout in REMOVED_LAYOUTS else "")
@@ -146,6 +150,7 @@ class Engine:
         self._measured = MeasurementCache(machine_key(v, self.width), tuple(LAYOUTS), self.width,
                                           enabled=self.config.measurement_cache)
         self.layout = self._choose_layout()
+        self._prefill_mode: str | None = None  # EngineConfig.prefill resolved (prefill_mode)
         self.attention = select_attention(v.device, self.layout)
         if uses_row_attention(self) and cpu_only(v.config, v.decoder):
             raise UnsupportedModelError(CPU_ONLY_REFUSAL)
@@ -944,9 +949,41 @@ class Engine:
         """Fill the KV cache with the prompt (see EngineConfig.prefill), at slots from `base`
         (a sequence's KV region in a batch). Returns (logits [V], final hidden after the
         final norm [H]) of the last prompt row."""
-        if self.config.prefill == "hf":
+        if self.prefill_mode == "hf":
             return self._prefill_hf(prompt_ids, base)
         return self._prefill_engine(prompt_ids, base)
+
+    @property
+    def prefill_mode(self) -> str:
+        """How prompts are prefilled: EngineConfig.prefill, with `auto` resolved once
+        (cached on disk with the layout choice)."""
+        if self._prefill_mode is None:
+            self._prefill_mode = self._choose_prefill()
+        return self._prefill_mode
+
+    def _choose_prefill(self) -> str:
+        if self.config.prefill != "auto":
+            return self.config.prefill
+        v = self.view
+        # the engine's chunks only where HF's own prefill can be slow (16-bit products on
+        # the CPU) and they run on the row kernel; not for the hybrids' recurrent mixers,
+        # nor for longrope, whose long prompts only HF's prefill rotates as HF does
+        if (v.device.type != "cpu" or v.dtype not in (torch.float16, torch.bfloat16)
+                or self.layout.name != "kernel" or self.mixer_cache is not None
+                or longrope_short_positions(v.config)):
+            return "hf"
+        cached = self._measured.prefill
+        if cached is not None:
+            return cached
+        from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+        weight = max((lin.weight for lw in v.layers for lin in lw.linears), key=lambda w: w.numel())
+        hf, engine = costs.prefill_product_seconds(weight, self.width, load_rows_linear())
+        choice = "engine" if engine < costs.PREFILL_SWITCH * hf else "hf"
+        logger.info(f"hf_selfspec: prefill {choice!r} (a {costs.PREFILL_PROBE_ROWS}-row prompt chunk's "
+                    f"largest product: HF {hf * 1e3:.1f} ms, the row kernel {engine * 1e3:.1f} ms)")
+        self._measured.store_prefill(choice)
+        return choice
 
     def _prefill_hf(self, prompt_ids: Sequence[int], base: int = 0):
         from transformers import DynamicCache
