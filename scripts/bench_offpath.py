@@ -1,12 +1,15 @@
-"""Off the happy path, side by side with HF greedy in one process: a bf16 model, a bigger
-random-weight model (memory and first call), and the first call of a fresh process.
+"""Off the happy path, side by side with HF greedy in one process: a bf16 and an fp16
+model, a bigger random-weight model (memory and first call), and the first call of a fresh
+process.
 
-    python scripts/bench_offpath.py                    # all three parts
+    python scripts/bench_offpath.py                    # all four parts
     python scripts/bench_offpath.py --parts bf16 --prompts 4 --max-new-tokens 64
 
 bf16:    the default model cast to bfloat16: HF bf16 greedy vs generate(assistant="self")
-         (tokens/s; outputs equal to HF bf16 greedy; outputs equal to the engine's own AR
-         output in bf16, which is the exactness promise in that dtype).
+         on short prompts and one long one (--long-prompt-tokens), with the prefill `auto`
+         chose (seconds; outputs equal to HF bf16 greedy; outputs equal to the engine's own
+         AR output in bf16, which is the exactness promise in that dtype).
+fp16:    the same in float16.
 big:     a random-weight Llama of 0.85B parameters (hidden 2048, 16 layers, GQA 32/8), fp32:
          resident memory added by the engine beyond HF greedy's, first-call time, speed vs
          HF greedy, identical outputs (acceptance of random weights means nothing: prompt
@@ -54,12 +57,20 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def part_bf16(args):
+def part_half(args, dtype: torch.dtype) -> None:
+    """The default model cast to `dtype` (bf16 / fp16): HF greedy in that dtype against
+    assistant="self" on short prompts and one long one (the prefill `auto` chose is printed:
+    HF's forward, or the engine's own steps where PyTorch's 16-bit products are the dearer)."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     model, tokenizer = load_default_model_and_tokenizer()
-    model = model.to(torch.bfloat16)
+    model = model.to(dtype)
     attach_heads(model)
     sets = prompt_sets(tokenizer, per_category=max(1, args.prompts // 2))
     prompts = [render_prompt(tokenizer, m) for cat in ("chat", "code") for m in sets[cat][: max(1, args.prompts // 2)]]
+    # a long prompt: every set's prompts one after another, cut to --long-prompt-tokens
+    texts = [m if isinstance(m, str) else " ".join(x["content"] for x in m) for cat in sets for m in sets[cat]]
+    body = tokenizer.decode(tokenizer(" ".join(texts))["input_ids"][: args.long_prompt_tokens])
+    prompts.append(render_prompt(tokenizer, "Summarize: " + body))
     greedy = dict(do_sample=False, max_new_tokens=args.max_new_tokens)
     warm = torch.tensor([prompts[0]])
     model.generate(warm, **greedy)
@@ -76,11 +87,12 @@ def part_bf16(args):
         hf_t, self_t, tokens = hf_t + t_hf, self_t + t_self, tokens + len(new)
         same_hf += torch.equal(hf, spec)
         same_ar += new == ar
-        print(f"  bf16 prompt {len(p)} tok: HF {len(new) / t_hf:.1f} tok/s, self {len(new) / t_self:.1f} tok/s "
-              f"(tau {model.selfspec_stats.tau:.2f}), == HF bf16 greedy: {torch.equal(hf, spec)}, "
+        print(f"  {name} prompt {len(p)} tok: HF {t_hf:.2f} s, self {t_self:.2f} s ({t_hf / t_self:.2f}x; "
+              f"tau {model.selfspec_stats.tau:.2f}), == HF {name} greedy: {torch.equal(hf, spec)}, "
               f"== engine AR: {new == ar}", flush=True)
-    print(f"bf16 default model, {len(prompts)} prompts, layout {engine.layout.name}: self {hf_t / self_t:.2f}x HF "
-          f"bf16 greedy; identical to HF bf16 greedy {same_hf}/{len(prompts)}, to the engine's bf16 AR "
+    print(f"{name} default model, {len(prompts)} prompts (the last {len(prompts[-1])} tokens), layout "
+          f"{engine.layout.name}, prefill {engine.prefill_mode!r}: self {hf_t / self_t:.2f}x HF {name} greedy; "
+          f"identical to HF {name} greedy {same_hf}/{len(prompts)}, to the engine's {name} AR "
           f"{same_ar}/{len(prompts)}")
 
 
@@ -492,13 +504,15 @@ def part_process(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="bf16,big,process",
-                    help="any of bf16,big,process," + ",".join(RANDOM_SHAPES))
+    ap.add_argument("--parts", default="bf16,fp16,big,process",
+                    help="any of bf16,fp16,big,process," + ",".join(RANDOM_SHAPES))
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers of the random-shape parts (default: each checkpoint's own)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="dtype of the random-shape parts (16-bit: == the engine's own AR output is the promise)")
     ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--long-prompt-tokens", type=int, default=1000,
+                    help="the bf16 / fp16 parts' long prompt (cut to this many tokens)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=200,
                     help="prompt length of the random-model parts (past a model's sliding window: its window applies)")
@@ -509,7 +523,8 @@ def main(argv=None):
         if part in RANDOM_SHAPES:
             part_random_shape(part, args)
         else:
-            {"bf16": part_bf16, "big": part_big, "process": part_process}[part](args)
+            {"bf16": lambda a: part_half(a, torch.bfloat16), "fp16": lambda a: part_half(a, torch.float16),
+             "big": part_big, "process": part_process}[part](args)
 
 
 if __name__ == "__main__":
