@@ -416,7 +416,8 @@ def test_auto_prefill_takes_the_engines_chunks_where_a_16_bit_models_products_me
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
     probed = []
-    monkeypatch.setattr(costs, "prefill_product_seconds", lambda w, width, kernel: probed.append(w.dtype) or probe)
+    monkeypatch.setattr(costs, "prefill_product_seconds",
+                        lambda linear, width, layout: probed.append(linear.weight.dtype) or probe)
     model = tiny_model("llama", seed=7).to(dtype)
     engine = Engine(model, EngineConfig(width=8, capacity=256, row_layout="kernel"))
     used = _spy_prefills(monkeypatch)
@@ -441,17 +442,29 @@ def test_auto_prefill_is_hfs_without_probing_for_float32_and_where_the_kernel_is
     assert Engine(half, EngineConfig(width=8, capacity=256, prefill="engine")).prefill_mode == "engine"
 
 
-def test_the_prefill_probe_times_both_products():
-    """The real probe: HF's product in the weight's dtype and the kernel's W-row chunks, each
-    a positive time (what `auto` compares)."""
-    from hf_selfspec.kernels.cpu_rows import load_rows_linear
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "phi3"])
+def test_the_prefill_probe_runs_on_every_kind_of_projection(kind):
+    """The real probe on a float16 model whose largest projection is a plain matrix, a GPT-2
+    Conv1D read transposed, or a row range of Phi-3's fused gate/up: HF's product and the
+    kernel layout's W-row chunks each take a positive time, and a prompt then decodes to the
+    engine's own AR tokens whichever prefill the probe chose."""
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-    kernel = load_rows_linear()
-    if kernel is None:
-        pytest.skip("the C++ row kernel cannot be built on this machine")
-    weight = torch.randn(96, 64).to(torch.float16)
-    hf, engine = costs.prefill_product_seconds(weight, 8, kernel)
-    assert 0 < hf < 10 and 0 < engine < 10
+        torch.manual_seed(3)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=256,
+                                           bos_token_id=1, eos_token_id=2)).eval()
+    else:
+        model = tiny_model(kind, seed=3)
+    model = model.to(torch.float16)
+    engine = engine_or_skip(model, EngineConfig(width=8, capacity=256, row_layout="kernel"))
+    largest = max((lin for lw in engine.view.layers for lin in lw.linears), key=lambda lin: lin.weight.numel())
+    hf, chunks = costs.prefill_product_seconds(largest, 8, engine.layout)
+    assert 0 < hf < 10 and 0 < chunks < 10
+    prompt = list(range(3, 80))
+    reference = engine.generate_ar(prompt, 12)
+    assert engine.prefill_mode in ("hf", "engine")
+    assert SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 12).tokens == reference
 
 
 # ---- refused models ----------------------------------------------------------------------

@@ -87,16 +87,15 @@ PREFILL_SWITCH = 0.6
 
 
 @torch.no_grad()
-def prefill_product_seconds(weight: torch.Tensor, width: int, rows_linear) -> tuple[float, float]:
-    """Best-of-3 seconds of PREFILL_PROBE_ROWS prompt rows through `weight` [O, K] (16-bit,
-    CPU): (as HF's forward computes a prompt: one product in the weight's dtype, as the
-    engine's prefill does: `width`-row kernel products widened to float32). PyTorch's
-    float16 products on a CPU without float16 arithmetic widen every block and are several
-    times slower than the kernel's; its bfloat16 ones (AVX-512 BF16) are faster."""
+def prefill_product_seconds(linear: torch.nn.Linear, width: int, layout: RowLayout) -> tuple[float, float]:
+    """Best-of-3 seconds of PREFILL_PROBE_ROWS prompt rows through `linear` (16-bit, CPU):
+    (as HF's forward computes a prompt: one product in the weight's dtype, as the engine's
+    prefill does: `layout`'s products of `width`-row chunks). PyTorch's float16 products on a
+    CPU without float16 arithmetic widen every block and are several times slower than the
+    row kernel's; its bfloat16 ones (AVX-512 BF16) are faster."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # never the user's RNG (sampling seeds)
-    x = torch.randn(PREFILL_PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
-    x32 = x.float()
-    chunks = [x32[lo:lo + width] for lo in range(0, PREFILL_PROBE_ROWS, width)]
+    x = torch.randn(PREFILL_PROBE_ROWS, linear.weight.shape[1], generator=gen).to(linear.weight.dtype)
+    chunks = [x[lo:lo + width] for lo in range(0, PREFILL_PROBE_ROWS, width)]
 
     def best(run) -> float:
         run()  # warm-up: the weight's first read
@@ -107,8 +106,8 @@ def prefill_product_seconds(weight: torch.Tensor, width: int, rows_linear) -> tu
             seconds = min(seconds, time.perf_counter() - t0)
         return seconds
 
-    hf = best(lambda: torch.nn.functional.linear(x, weight))
-    engine = best(lambda: [rows_linear(chunk, weight) for chunk in chunks])
+    hf = best(lambda: linear(x))
+    engine = best(lambda: [layout.linear(chunk, linear) for chunk in chunks])
     return hf, engine
 
 

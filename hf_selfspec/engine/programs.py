@@ -975,10 +975,8 @@ class Engine:
         cached = self._measured.prefill
         if cached is not None:
             return cached
-        from hf_selfspec.kernels.cpu_rows import load_rows_linear
-
-        weight = max((lin.weight for lw in v.layers for lin in lw.linears), key=lambda w: w.numel())
-        hf, engine = costs.prefill_product_seconds(weight, self.width, load_rows_linear())
+        largest = max((lin for lw in v.layers for lin in lw.linears), key=lambda lin: lin.weight.numel())
+        hf, engine = costs.prefill_product_seconds(largest, self.width, self.layout)
         choice = "engine" if engine < costs.PREFILL_SWITCH * hf else "hf"
         logger.info(f"hf_selfspec: prefill {choice!r} (a {costs.PREFILL_PROBE_ROWS}-row prompt chunk's "
                     f"largest product: HF {hf * 1e3:.1f} ms, the row kernel {engine * 1e3:.1f} ms)")
