@@ -145,16 +145,12 @@ class MeasurementCache:
             self._warn("has an entry that is not an object")
             return {}
         valid: dict[str, Any] = {}
-        if "layout" in entry:
-            if entry["layout"] in self._layouts:
-                valid["layout"] = entry["layout"]
-            else:
-                self._warn(f"names an unknown row layout {entry['layout']!r}")
-        if "prefill" in entry:
-            if entry["prefill"] in PREFILLS:
-                valid["prefill"] = entry["prefill"]
-            else:
-                self._warn(f"names an unknown prefill {entry['prefill']!r}")
+        for choice, known, what in (("layout", self._layouts, "row layout"), ("prefill", PREFILLS, "prefill")):
+            if choice in entry:
+                if entry[choice] in known:
+                    valid[choice] = entry[choice]
+                else:
+                    self._warn(f"names an unknown {what} {entry[choice]!r}")
         sections = (("step_costs", "step costs", self._valid_costs),
                     ("attention", "attention cost", self._valid_seconds),
                     ("batch_costs", "batch step costs", self._valid_batch_costs))
