@@ -39,8 +39,10 @@ from .decoding.sampling import (
     unsupported_processors,
 )
 from .engine import costs
+from .engine.dispatch import is_dispatched, model_placement
 from .engine.layered import (
     TOKEN_TYPE_EMBEDDING_TYPES,
+    decoder_placement_parts,
     attention_window,
     query_scaling_positions,
     served_positions,
@@ -292,7 +294,9 @@ class SelfSpecState:
         limit = served_positions(text_config(model), _windowed(model)) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
         requested = self.engine_config.executor
-        executor = resolve_executor(requested, next(model.parameters()).device)
+        # a graph cannot replay accelerate's hooks, which bring offloaded weights in
+        device = torch.device("cpu") if _streams_weights(model) else model_device(model)
+        executor = resolve_executor(requested, device)
         config = replace(self.engine_config, capacity=capacity, executor=executor)
         if requested != "auto" or executor != "cuda_graphs":
             return Engine(model, config)
@@ -307,9 +311,25 @@ class SelfSpecState:
             return Engine(model, replace(config, executor="eager"))
 
 
+def _streams_weights(model) -> bool:
+    """Whether accelerate brings some of `model`'s weights in at each forward (offload)."""
+    if not is_dispatched(model):
+        return False
+    placement = model_placement(model, decoder_placement_parts(model))
+    return placement is not None and placement.any_offloaded
+
+
+def model_device(model) -> torch.device:
+    """The device `model` computes on: its parameters', or for a model accelerate dispatched
+    the execution device of its layers (offloaded parameters sit on the meta device)."""
+    if is_dispatched(model):
+        return model_placement(model, decoder_placement_parts(model)).devices[0]
+    return next(model.parameters()).device
+
+
 def _windowed(model) -> bool:
     """Whether the engine applies `model`'s sliding windows where it runs (layered.windows_served)."""
-    return windows_served(next(model.parameters()).device)
+    return windows_served(model_device(model))
 
 
 def _check_positions(model, need: int, whose: str) -> None:
@@ -572,6 +592,7 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
         raise ValueError("with assistant='self', pass generate() options as keyword arguments")
     _check_module_hooks(model)
     _check_autocast(model)
+    _check_dropout(model)
     if kwargs.get("custom_generate") is not None:
         raise ValueError("assistant='self' cannot be combined with custom_generate")
     if kwargs.get("inputs_embeds") is not None:
@@ -591,7 +612,11 @@ def _generate_self(model, base_generate, inputs, generation_config, args, stream
                         tokenizer=kwargs.pop("tokenizer", None))
     if call.draft_model is not None:
         check_draft_model(model, call.draft_model)
-    with state.serving(call):  # one engine (one KV cache) per model: serialise concurrent calls
+    # Never in inference mode (HF's generate() turns gradients off itself): the engine, its
+    # KV cache and weight copies outlive this call, and tensors made under
+    # torch.inference_mode() could not be updated by a later call outside it; the tokens are
+    # the same either way.
+    with state.serving(call), torch.inference_mode(False):  # serving: one engine (one KV cache) per model
         return base_generate(inputs, generation_config, custom_generate=_decode_loop, selfspec_call=call, **kwargs)
 
 
@@ -621,12 +646,33 @@ def _check_autocast(model) -> None:
     """Under torch.autocast HF's generate computes in the autocast dtype (other tokens than
     the model's own dtype gives); the engine runs its own kernels in the model's dtype and
     would ignore it. Refused rather than silently computed otherwise."""
-    param = next(model.parameters())
-    if torch.is_autocast_enabled(param.device.type):
+    param, device = next(model.parameters()), model_device(model)
+    if torch.is_autocast_enabled(device.type):
         raise ValueError(
-            f"torch.autocast is on for {param.device.type}: generate(assistant='self') runs the model in its own "
+            f"torch.autocast is on for {device.type}: generate(assistant='self') runs the model in its own "
             f"dtype ({param.dtype}) and would ignore it. Cast the model instead (model.to(torch.bfloat16)), or "
             "call generate() outside the autocast block")
+
+
+def _check_dropout(model) -> None:
+    """A model in training mode with active dropout: HF's forward (the prompt's prefill)
+    drops activations at random, the engine's steps never do, so the tokens would differ
+    from HF's and from run to run. Refused before any work. A model in training mode
+    without active dropout (every rate 0) computes what eval mode does, and decodes."""
+    if not any(module.training for module in model.modules()):
+        return
+    active = [name or "the model" for name, module in model.named_modules()
+              if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
+    # attention dropout is applied functionally (no module to find): its rate is the config's
+    rates = [getattr(config, "attention_dropout", None) for config in (model.config, getattr(model.config, "text_config", None))]
+    rate = next((r for r in rates if isinstance(r, numbers.Real) and r > 0), None)
+    if active or rate is not None:
+        where = (f"dropout in {', '.join(active[:3])}{' ...' if len(active) > 3 else ''}" if active
+                 else f"attention_dropout={rate} in its config")
+        raise ValueError(
+            f"the model is in training mode with active dropout ({where}): generate(assistant='self') "
+            "decodes without dropout, so its tokens would differ from HF's generate() in this mode. "
+            "Call model.eval() before generating (and model.train() afterwards to go on training)")
 
 
 def _check_passed_cache(ids, attention_mask, cache) -> None:

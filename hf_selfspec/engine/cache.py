@@ -88,7 +88,7 @@ def machine_key(view, width: int) -> dict[str, Any]:
         "dtype": str(view.dtype), "device": view.device.type, "width": width,
         # a choice made without the kernel (no compiler yet) must not outlive its absence
         "cpu_kernel": _cpu_kernel_loads() if view.device.type == "cpu" else None,
-    }
+    } | ({} if view.placement is None else {"placement": view.placement.key()})
 
 
 def _cpu_kernel_loads() -> bool:

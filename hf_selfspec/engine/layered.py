@@ -28,16 +28,19 @@ a model of another type is refused, never run on a guess.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import routing
+from .dispatch import ModelPlacement, model_placement
+from .errors import UnsupportedModelError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma",
                          "gemma2", "gemma3_text", "gemma3", "olmo3", "exaone", "exaone4", "internlm3",
@@ -179,10 +182,9 @@ SLIDING_ROPE_TYPES = ("cohere2", "cohere2_moe")
 GEMMA_LATER_TYPES = ("gemma2", "gemma3_text", "vaultgemma")
 # Granite's four multipliers (HyperCLOVAX: Granite's, its logits multiplied by logits_scaling)
 GRANITE_MULTIPLIER_TYPES = ("granite", "hyperclovax", "granite_swa") + GRANITE_MOE_TYPES
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture is not one the engine implements."""
+# layers whose state or cached weight views the engine keeps across steps: not streamed
+# from accelerate's offload (dispatch.py)
+STATEFUL_MIXER_TYPES = LATENT_ATTENTION_TYPES + SHORT_CONV_TYPES + DELTA_NET_TYPES + MAMBA2_TYPES + MAMBA1_TYPES
 
 
 class RowSlice:
@@ -1451,6 +1453,27 @@ def check_model_type(model: torch.nn.Module) -> str:
     return model_type
 
 
+def decoder_placement_parts(model) -> tuple:
+    """(embedding, decoder layers, final norm, LM head) modules: the parts dispatch.py places."""
+    inner = text_decoder(model)
+    return _embedding(inner), decoder_layers(inner), decoder_final_norm(inner), model.lm_head
+
+
+def _check_placement(placement: ModelPlacement, model_type: str) -> None:
+    """What the engine cannot run on a model accelerate dispatched, refused by name."""
+    if len(placement.devices) > 1:
+        raise UnsupportedModelError(
+            f"this model executes on several devices ({', '.join(map(str, placement.devices))}; "
+            f"device_map {placement.describe()}): the engine runs a dispatched model on one execution "
+            "device, with any share of its weights offloaded to the CPU or disk. Load it with one "
+            "device and offload for the rest (e.g. device_map='auto', max_memory={0: ..., 'cpu': ...} "
+            "puts what does not fit on GPU 0 in CPU memory, streamed to GPU 0), or use plain generate()")
+    if placement.any_offloaded and model_type in STATEFUL_MIXER_TYPES:
+        raise UnsupportedModelError(
+            f"{model_type} with offloaded weights: the engine streams weights of attention models "
+            "only; load it without offload, or use plain generate()")
+
+
 class LayeredModel:
     """Embedding, decoder layers, final norm, LM head and RoPE tables of an HF causal LM."""
 
@@ -1492,10 +1515,15 @@ class LayeredModel:
         embedding = _embedding(inner)
         self.embed = embedding.weight  # [V, H]
         final = decoder_final_norm(inner)
+        self._final_norm_module = final
         self.final_norm = final if self.layer_norm else final.weight  # [H] (an RMSNorm's weight)
         self.lm_head = model.lm_head  # nn.Linear, weight [V, H] (tied or not; Phi's has a bias)
         self.dtype = self.embed.dtype
-        self.device = self.embed.device
+        # a model accelerate dispatched (device_map, offload): each part's execution device,
+        # and the parts whose weights its hooks bring in at each use (dispatch.py); the
+        # engine runs on the one execution device (_check_placement)
+        self.placement = model_placement(model, decoder_placement_parts(model))
+        self.device = self.embed.device if self.placement is None else self.placement.devices[0]
         # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model, whatever
         # keys its config carries): the embedding rows are scaled, attention scores scaled by
         # attention_multiplier, each block's output joins the residual stream scaled, the
@@ -1569,7 +1597,12 @@ class LayeredModel:
         if config.model_type == "nanochat":  # its (parameter-free) final norm also norms the embedding rows
             self.embedding_norm = inner.norm
         layers = decoder_layers(inner)
+        self._decoder_layers = layers
+        # an offloaded layer's entry holds its modules with weights on the meta device: a
+        # step reads the layer through `layer_weights`, which brings them in
         self.layers = [self._layer(layer) for layer in layers]
+        self.streamed_layers = frozenset(
+            () if self.placement is None else (i for i, p in enumerate(self.placement.layers) if p.offloaded))
         # LFM2's convolution, Qwen 3.5's DeltaNet and Granite 4.0-H's Mamba2 layers: per layer,
         # its index among them (-1: an attention layer; the engine's conv cache), the
         # convolutions' width in positions (0 without any) and channels; per layer its index
@@ -1670,7 +1703,11 @@ class LayeredModel:
             for i, layer in enumerate(layers):
                 _check_latent(f"model.layers.{i}.{_attention_name(layer)}", _attention(layer), config.num_attention_heads)
         _check_plain_linear("lm_head", model.lm_head)
-        if model.lm_head.weight.device.type == "cuda" and cpu_only(config, inner):
+        placement = model_placement(model, decoder_placement_parts(model))  # accelerate's dispatch: refusals by name
+        if placement is not None:
+            _check_placement(placement, model_type)
+        device = model.lm_head.weight.device if placement is None else placement.devices[0]
+        if device.type == "cuda" and cpu_only(config, inner):
             raise UnsupportedModelError(CPU_ONLY_REFUSAL)
 
     def set_max_positions(self, max_positions: int) -> None:
@@ -2131,6 +2168,46 @@ class LayeredModel:
 
     # ---- maths on a block of rows -------------------------------------------------------
 
+    @contextlib.contextmanager
+    def layer_weights(self, index: int) -> Iterator[LayerWeights]:
+        """Layer `index`'s weights for one step: its entry in `layers`, or for a layer
+        accelerate offloads, the same view of its weights brought in by accelerate's hooks
+        for the duration of the block (then dropped again: never a second copy)."""
+        if index not in self.streamed_layers:
+            yield self.layers[index]
+            return
+        with self.placement.layers[index].onloaded():
+            yield self._layer(self._decoder_layers[index])
+
+    @contextlib.contextmanager
+    def head_weights(self) -> Iterator[None]:
+        """The final norm's and the LM head's weights inside the block (`final_norm` the
+        weight brought in where accelerate offloads it)."""
+        if self.placement is None or not (self.placement.final_norm.offloaded or self.placement.lm_head.offloaded):
+            yield
+            return
+        with self.placement.final_norm.onloaded(), self.placement.lm_head.onloaded():
+            final = self._final_norm_module
+            self.final_norm = final if self.layer_norm else final.weight
+            try:
+                yield
+            finally:
+                self.final_norm = final if self.layer_norm else final.weight
+
+    @contextlib.contextmanager
+    def embedding_weights(self) -> Iterator[None]:
+        """The token embedding's weight (`embed`) inside the block, brought in where
+        accelerate offloads it."""
+        if self.placement is None or not self.placement.embedding.offloaded:
+            yield
+            return
+        with self.placement.embedding.onloaded():
+            self.embed = self._embed_module.weight
+            try:
+                yield
+            finally:
+                self.embed = self._embed_module.weight
+
     @functools.cached_property
     def rms_sequential_gated(self) -> bool:
         """Whether the layers are the form the C++ layer kernel computes: RMSNorms, the blocks
@@ -2156,11 +2233,13 @@ class LayeredModel:
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [W] -> hidden [W, H] (times embedding_multiplier or Gemma's scale, as
         HF's model)."""
-        return self._scale_embedding(F.embedding(token_ids, self.embed))
+        with self.embedding_weights():
+            return self._scale_embedding(F.embedding(token_ids, self.embed))
 
     def embed_row(self, token: int) -> torch.Tensor:
         """One token's hidden row [H], as embed_rows gives it (no index tensor made)."""
-        return self._scale_embedding(self.embed[token])
+        with self.embedding_weights():
+            return self._scale_embedding(self.embed[token].clone() if self.placement is not None else self.embed[token])
 
     def _scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
         if self.scaled_embedding:
@@ -2204,4 +2283,5 @@ class LayeredModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [W, H] after the last layer -> logits [W, V]."""
-        return self.scale_logits(self.lm_head(self.head_input(self.norm(hidden, self.final_norm))))
+        with self.head_weights():
+            return self.scale_logits(self.lm_head(self.head_input(self.norm(hidden, self.final_norm))))

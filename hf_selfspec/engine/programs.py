@@ -213,7 +213,7 @@ class Engine:
         parameters: the same storage, no copy. With linear biases anywhere (Qwen2's q/k/v),
         every layer gives all 20: its 13 weights and norms, then its 7 projections' biases
         (an empty tensor where it has none)."""
-        if self.layout.kernel_layers is None or not self.view.rms_sequential_gated:
+        if self.layout.kernel_layers is None or not self.view.rms_sequential_gated or self.view.streamed_layers:
             return None
         biased = any(lin.bias is not None for lw in self.view.layers for lin in lw.linears)
         fused = []
@@ -236,7 +236,9 @@ class Engine:
         one is made by `next_request`)."""
         from hf_selfspec.kernels.cpu_rows import load_rows_screen
 
-        head = self.view.lm_head
+        head, placement = self.view.lm_head, self.view.placement
+        if placement is not None and placement.lm_head.offloaded:  # (a copy of a streamed head: no)
+            return
         if self.layout.kernel_layers is None or screen_refusal(head.weight, head.bias) is not None:
             return
         if self.view.logits_transformed:
@@ -274,13 +276,28 @@ class Engine:
         return compact if compact.count else None
 
     def _all_linears(self) -> list[torch.nn.Linear]:
+        """Every projection whose weights are resident: on a model accelerate offloads, the
+        streamed layers' and LM head's are left out (their weights are on the meta device
+        between steps; `_choose_layout` brings one streamed layer in for its tests)."""
         v = self.view
-        return [lin for lw in v.layers for lin in lw.linears] + [v.lm_head]
+        placement = v.placement
+        resident = [lw for i, lw in enumerate(v.layers) if i not in v.streamed_layers]
+        head = [] if placement is not None and placement.lm_head.offloaded else [v.lm_head]
+        return [lin for lw in resident for lin in lw.linears] + head
 
     def _choose_layout(self) -> RowLayout:
-        """The configured layout, or `auto`'s choice (cached on disk with what it depends on)."""
+        """The configured layout, or `auto`'s choice (cached on disk with what it depends on).
+        On a model with offloaded layers, the self-tests and timings see the resident
+        projections and one streamed layer's, brought in for the choice."""
+        v = self.view
+        if not v.streamed_layers:
+            return self._choose_layout_of(self._all_linears())
+        first = min(v.streamed_layers)
+        with v.layer_weights(first) as lw:
+            return self._choose_layout_of(self._all_linears() + list(lw.linears))
+
+    def _choose_layout_of(self, linears: list[torch.nn.Linear]) -> RowLayout:
         wanted, v = self.config.row_layout, self.view
-        linears = self._all_linears()
         cached = self._measured.layout if wanted == "auto" else None
         timed: dict[str, dict[int, float]] = {}  # each timed layout's products per row count
 
@@ -404,6 +421,11 @@ class Engine:
         return weight_signature(self.view.model) != self._signature
 
     # ---- metadata -----------------------------------------------------------------------
+
+    @property
+    def streams_weights(self) -> bool:
+        """Whether accelerate brings some of the weights in at each step (offload)."""
+        return self.view.placement is not None and self.view.placement.any_offloaded
 
     @property
     def supports_trees(self) -> bool:
@@ -566,37 +588,41 @@ class Engine:
             # the Triton RoPE rotates all of d; its add + norm fuses the Llama form's norms
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
         for li in range(start, end):
-            lw = v.layers[li]
-            if lw.has_mixer:  # (a Nemotron-H MLP layer has none; its token-mixer layers no MLP)
-                x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
-                if lw.conv is not None:  # LFM2's convolution in place of attention (then the same MLP)
-                    o = mixers.short_conv(self, x, lw.conv, li, meta)
-                elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
-                    o = mixers.delta_net(self, x, lw.delta, li, meta)
-                elif lw.mamba is not None and lw.o is not None:  # Falcon-H1: Mamba2 and attention, summed
-                    a = self._attention_block(x * v.attention_in_multiplier, lw, li, meta, attend)
-                    o = mixers.mamba2(self, x, lw.mamba, li, meta) + a * v.attention_out_multiplier
-                elif lw.mamba is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2 mixer
-                    o = mixers.mamba2(self, x, lw.mamba, li, meta)
-                elif lw.mamba1 is not None:  # Mamba's, Falcon Mamba's mixer
-                    o = mixers.mamba1(self, x, lw.mamba1, li, meta)
-                else:
-                    o = self._attention_block(x, lw, li, meta, attend)
-                if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
-                    m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
-                    h = (o + m) + h if v.parallel_sum_first else (h + o) + m
-                    continue
-                if lw.attn_out_norm is not None:
-                    o = v.norm(o, lw.attn_out_norm)
-                h = h + v.residual(o)
-            if not lw.has_mlp:
-                continue
-            x = h if lw.post_norm is None else v.norm(h, lw.post_norm)
-            m = self._mlp(x, lw, n)
-            if lw.mlp_out_norm is not None:
-                m = v.norm(m, lw.mlp_out_norm)
-            h = h + v.residual(m)
+            with v.layer_weights(li) as lw:  # (an offloaded layer's weights, brought in for the step)
+                h = self._layer_step(h, lw, li, meta, attend, n)
         return h[:n]
+
+    def _layer_step(self, h: torch.Tensor, lw, li: int, meta: StepMeta, attend, n: int) -> torch.Tensor:
+        """Decoder layer `li` (weights `lw`) on the step's padded rows h [R, H]."""
+        v = self.view
+        if lw.has_mixer:  # (a Nemotron-H MLP layer has none; its token-mixer layers no MLP)
+            x = h if lw.input_norm is None else v.norm(h, lw.input_norm)
+            if lw.conv is not None:  # LFM2's convolution in place of attention (then the same MLP)
+                o = mixers.short_conv(self, x, lw.conv, li, meta)
+            elif lw.delta is not None:  # Qwen 3.5's / OLMo Hybrid's DeltaNet
+                o = mixers.delta_net(self, x, lw.delta, li, meta)
+            elif lw.mamba is not None and lw.o is not None:  # Falcon-H1: Mamba2 and attention, summed
+                a = self._attention_block(x * v.attention_in_multiplier, lw, li, meta, attend)
+                o = mixers.mamba2(self, x, lw.mamba, li, meta) + a * v.attention_out_multiplier
+            elif lw.mamba is not None:  # Granite 4.0-H's, Bamba's, Nemotron-H's Mamba2 mixer
+                o = mixers.mamba2(self, x, lw.mamba, li, meta)
+            elif lw.mamba1 is not None:  # Mamba's, Falcon Mamba's mixer
+                o = mixers.mamba1(self, x, lw.mamba1, li, meta)
+            else:
+                o = self._attention_block(x, lw, li, meta, attend)
+            if v.parallel is not None:  # both blocks read this layer's input (LayerWeights)
+                m = self._mlp(x if v.parallel == "shared" else v.norm(h, lw.post_norm), lw, n)
+                return (o + m) + h if v.parallel_sum_first else (h + o) + m
+            if lw.attn_out_norm is not None:
+                o = v.norm(o, lw.attn_out_norm)
+            h = h + v.residual(o)
+        if not lw.has_mlp:
+            return h
+        x = h if lw.post_norm is None else v.norm(h, lw.post_norm)
+        m = self._mlp(x, lw, n)
+        if lw.mlp_out_norm is not None:
+            m = v.norm(m, lw.mlp_out_norm)
+        return h + v.residual(m)
 
     def _attention_block(self, x: torch.Tensor, lw, li: int, meta: StepMeta, attend) -> torch.Tensor:
         """Layer `li`'s attention of its normed rows x [R, H], o_proj applied; writes the
@@ -790,8 +816,9 @@ class Engine:
         state after the final norm [n, H]), row-invariantly."""
         v = self.view
         n = h.shape[0]
-        x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
-        return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
+        with v.head_weights():  # (brought in where accelerate offloads them)
+            x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
+            return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """`logits` for a step that needs only each row's argmax: -> (None, argmax [n],
@@ -799,7 +826,8 @@ class Engine:
         there is no screen or it cannot decide. The argmax is the float32 logits' either way."""
         if self.screen is not None:
             v = self.view
-            final = v.norm(h, v.final_norm)
+            with v.head_weights():
+                final = v.norm(h, v.final_norm)
             argmax = self.screen.argmax(v.head_input(final))
             if argmax is not None:
                 return None, argmax, final
@@ -851,9 +879,10 @@ class Engine:
                 if found is not None and costs.measured_while_busy(self, found[1]):
                     found = None  # measured on a busy machine: measure again and store
                 if found is None:
-                    # (the layout choice timed the float32 products, not compact ones)
-                    estimated = None if self.compact is not None else costs.step_costs_from_products(
-                        self.width, self._products_seconds)
+                    # (the layout choice timed the float32 products, not compact ones, nor
+                    # the transfer of weights accelerate streams in: those steps are timed)
+                    estimated = None if self.compact is not None or self.streams_weights \
+                        else costs.step_costs_from_products(self.width, self._products_seconds)
                     found = estimated or costs.measure_step_costs(self)
                     self._measured.store_step_costs(self._costs_name, context, *found)
             self._step_costs, self._one_row_seconds = found
@@ -967,8 +996,9 @@ class Engine:
         v = self.view
         # the engine's chunks only where HF's own prefill can be slow (16-bit products on
         # the CPU) and they run on the row kernel; not for the hybrids' recurrent mixers,
-        # nor for longrope, whose long prompts only HF's prefill rotates as HF does
-        if (v.device.type != "cpu" or v.dtype not in (torch.float16, torch.bfloat16)
+        # nor for longrope, whose long prompts only HF's prefill rotates as HF does, nor
+        # where weights stream in (HF's prefill reads each offloaded layer once)
+        if (self.streams_weights or v.device.type != "cpu" or v.dtype not in (torch.float16, torch.bfloat16)
                 or self.layout.name != "kernel" or self.mixer_cache is not None
                 or longrope_short_positions(v.config)):
             return "hf"

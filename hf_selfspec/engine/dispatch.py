@@ -1,0 +1,211 @@
+"""Models dispatched by accelerate (`from_pretrained(..., device_map=..., offload_folder=...)`).
+
+accelerate places each module on an execution device and, for an offloaded module (its
+weights on the CPU or on disk while it executes elsewhere, or on disk while it executes on
+the CPU), leaves its parameters on the `meta` device and hooks its forward: the hook's
+`pre_forward` brings the weights to the execution device (from accelerate's weights map:
+CPU tensors, or the offload folder's files), `post_forward` drops them again.
+
+The engine never calls a module's forward, so it brings an offloaded part's weights the
+same way, through the part's own hooks, for exactly as long as one step reads them
+(`onloaded`): one part at a time, never a second copy of the model. What a part is made of
+(its execution device, whether it streams) is read once from the hooks (`ModelPlacement`).
+What the engine cannot run on a dispatched model is refused by `check_dispatch`, by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnsupportedModelError
+
+META = torch.device("meta")
+
+
+def _hooks(hook) -> list:
+    """The hooks inside one module's `_hf_hook` (a SequentialHook holds several)."""
+    if hook is None:
+        return []
+    inner = getattr(hook, "hooks", None)
+    return [h for sub in inner for h in _hooks(sub)] if inner is not None else [hook]
+
+
+def _align_hooks(module: torch.nn.Module) -> list:
+    """accelerate's device hooks (AlignDevicesHook: they carry `execution_device`) of one module."""
+    return [h for h in _hooks(getattr(module, "_hf_hook", None)) if hasattr(h, "execution_device")]
+
+
+def is_dispatched(model: torch.nn.Module) -> bool:
+    """Whether accelerate's hooks place `model`'s modules (a `device_map` load, dispatch_model,
+    cpu_offload, disk_offload)."""
+    return any(_align_hooks(m) for m in model.modules())
+
+
+def _device(value) -> torch.device:
+    return torch.device(value if not isinstance(value, int) else f"cuda:{value}")
+
+
+@dataclass(frozen=True)
+class PartPlacement:
+    """Where one part of the model (the embedding, a decoder layer, the final norm, the LM
+    head) executes, and the modules whose weights accelerate streams in for it (empty: its
+    weights stay resident on `device`)."""
+
+    device: torch.device
+    streamed: tuple[tuple[torch.nn.Module, object], ...] = ()
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.streamed)
+
+    @contextlib.contextmanager
+    def onloaded(self) -> Iterator[None]:
+        """The part's weights on its execution device inside the block, as accelerate's own
+        pre_forward puts them there (new tensors on each entry), offloaded again after."""
+        done = []
+        try:
+            for module, hook in self.streamed:
+                hook.pre_forward(module)
+                done.append((module, hook))
+            yield
+        finally:
+            for module, hook in reversed(done):
+                hook.post_forward(module, None)
+
+
+def _part(module: torch.nn.Module, name: str, fallback: torch.device | None) -> PartPlacement:
+    """The placement of `module` and everything under it; refuses a part split across devices."""
+    devices: set[torch.device] = set()
+    streamed = []
+    for sub in module.modules():
+        for hook in _align_hooks(sub):
+            if hook.execution_device is not None:
+                devices.add(_device(hook.execution_device))
+            if getattr(hook, "offload", False):
+                if getattr(hook, "place_submodules", False) and any(True for _ in sub.children()):
+                    raise UnsupportedModelError(
+                        f"{name} is offloaded as part of a bigger block (accelerate hook on "
+                        f"{type(sub).__name__} with place_submodules): the engine brings weights in one "
+                        "decoder layer at a time; load with a device_map that names each layer "
+                        "(device_map='auto' does), or use plain generate()")
+                streamed.append((sub, hook))
+        for p in sub.parameters(recurse=False):
+            if p.device != META:
+                devices.add(p.device)
+    held = [p for p in module.parameters() if p.device == META]
+    covered = {id(p) for sub, _ in streamed for p in sub.parameters(recurse=False)}
+    if any(id(p) not in covered for p in held):
+        raise UnsupportedModelError(
+            f"{name} has weights on the meta device that no accelerate hook brings in (a model made "
+            "with init_empty_weights and never loaded?): load its weights, or use plain generate()")
+    devices.discard(META)
+    if len(devices) > 1:
+        raise UnsupportedModelError(
+            f"{name} is split across devices ({', '.join(sorted(map(str, devices)))}): the engine runs "
+            "each decoder layer on one device. Load with a device_map whose entries are whole layers "
+            "(device_map='auto' with no_split_module_classes does), or use plain generate()")
+    device = next(iter(devices)) if devices else fallback
+    if device is None:
+        raise UnsupportedModelError(f"{name}: accelerate's hooks name no execution device for it; "
+                                    "use plain generate()")
+    return PartPlacement(device, tuple(streamed))
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Each part's placement, as accelerate dispatched the model."""
+
+    embedding: PartPlacement
+    layers: tuple[PartPlacement, ...]
+    final_norm: PartPlacement
+    lm_head: PartPlacement
+
+    @property
+    def parts(self) -> tuple[PartPlacement, ...]:
+        return (self.embedding, *self.layers, self.final_norm, self.lm_head)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return sorted({p.device for p in self.parts}, key=str)
+
+    @property
+    def offloaded_layers(self) -> int:
+        return sum(p.offloaded for p in self.layers)
+
+    @property
+    def any_offloaded(self) -> bool:
+        return any(p.offloaded for p in self.parts)
+
+    def key(self) -> str:
+        """What the engine's measurements depend on (engine/cache.py): the devices and which
+        parts stream their weights."""
+        marks = "".join("s" if p.offloaded else "r" for p in self.parts)
+        return f"{'+'.join(map(str, self.devices))}:{marks}"
+
+    def describe(self) -> str:
+        parts = [f"{self.offloaded_layers} of {len(self.layers)} decoder layers offloaded"]
+        for name, p in (("embedding", self.embedding), ("final norm", self.final_norm), ("LM head", self.lm_head)):
+            if p.offloaded:
+                parts.append(f"{name} offloaded")
+        return f"{', '.join(parts)}; executing on {', '.join(map(str, self.devices))}"
+
+
+def model_placement(model: torch.nn.Module, parts: tuple) -> ModelPlacement | None:
+    """The placement of a dispatched model's parts (embedding, decoder layers, final norm,
+    LM head: the modules in `parts`); None for a model accelerate did not dispatch (all its
+    weights resident where they are)."""
+    if not is_dispatched(model):
+        return None
+    check_dispatch(model)
+    embedding, layers, final_norm, lm_head = parts
+    first = _part(layers[0], "decoder layer 0", None)
+    return ModelPlacement(
+        embedding=_part(embedding, "the embedding", first.device),
+        layers=(first, *(_part(layer, f"decoder layer {i}", first.device) for i, layer in enumerate(layers) if i)),
+        final_norm=_part(final_norm, "the final norm", first.device),
+        lm_head=_part(lm_head, "the LM head", first.device))
+
+
+def check_dispatch(model: torch.nn.Module) -> None:
+    """Refuse, by name and with what to do, a dispatched model the engine cannot run: a
+    tensor-parallel plan, quantized weights that accelerate streams in."""
+    tp = getattr(model, "_tp_size", None) or getattr(model, "tp_size", None)
+    if (isinstance(tp, int) and tp > 1) or getattr(model, "_device_mesh", None) is not None:
+        raise UnsupportedModelError(
+            f"this model is split by a tensor-parallel plan (tp_size={tp}): the engine runs whole "
+            "matrices on one device per layer. Load it with device_map='auto' (layers spread over "
+            "devices, offloaded where they do not fit) instead of tp_plan, or use plain generate()")
+    for module in model.modules():
+        for hook in _align_hooks(module):
+            weights = getattr(hook, "weights_map", None) if getattr(hook, "offload", False) else None
+            if weights is None:
+                continue
+            for name, _ in module.named_parameters(recurse=False):
+                dtype = _stored_dtype(weights, name)
+                if dtype is not None and not dtype.is_floating_point:
+                    raise UnsupportedModelError(
+                        f"{type(module).__name__} streams quantized {dtype} weights from accelerate's "
+                        "offload: the engine runs float weights only. Load the model unquantized (a "
+                        "float dtype) or use plain generate()")
+
+
+def _stored_dtype(weights, name: str) -> torch.dtype | None:
+    """The dtype accelerate's weights map holds for `name`, without loading it where the map
+    says (its disk index); None where it cannot tell."""
+    dataset = getattr(weights, "dataset", None)
+    prefix = getattr(weights, "prefix", "")
+    index = getattr(dataset, "index", None)
+    state = getattr(dataset, "state_dict", None)
+    key = prefix + name
+    if isinstance(state, dict) and key in state:
+        return state[key].dtype
+    if isinstance(index, dict) and key in index:
+        dtype = str(index[key].get("dtype", ""))
+        return getattr(torch, dtype, None) if dtype else None
+    if isinstance(weights, dict) and name in weights:
+        return weights[name].dtype
+    return None
