@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .versions import version_counter
+
 CompactKernel = Callable[[torch.Tensor], torch.Tensor]
 # where q, k, v, o, gate, up and down sit among the weights rows_layer takes for one layer
 PROJECTIONS = (1, 2, 3, 4, 6, 7, 8)
@@ -53,7 +55,7 @@ class CompactWeights:
 
     def _encode(self, i: int) -> None:
         w = self.source[i]
-        self._versions[i] = w._version
+        self._versions[i] = version_counter(w)
         packed = self.kernel(w)
         self.kernel_weights[i] = packed if packed.numel() > 0 else w
 
@@ -80,7 +82,7 @@ class CompactWeights:
         """Encode again every matrix updated in place since it was encoded (its version
         counter moved: an optimizer step, `load_state_dict`, `copy_` under no_grad).
         Returns how many were."""
-        changed = [i for i in self.indices if self.source[i]._version != self._versions[i]]
+        changed = [i for i in self.indices if version_counter(self.source[i]) != self._versions[i]]
         for i in changed:
             self._encode(i)
         return len(changed)

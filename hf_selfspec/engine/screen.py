@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+from .versions import version_counter
+
 UNIT_ROUNDOFF = 2.0 ** -24  # float32
 # a row with more candidates than this is decided by the full float32 logits: each candidate
 # costs one float32 row (2.3 KB on SmolLM2), the full logits all 49,152 of them, so even a few
@@ -134,7 +136,7 @@ class ScreenedArgmax:
         """(Re)make the int8 copy and the bounds after the weight changed in place (its
         version counter moved); False where it cannot be screened (NaN / inf: no copy)."""
         w = self.weight.detach()
-        self._version = self.weight._version
+        self._version = version_counter(self.weight)
         self.rows = None
         low, high = (float(t) for t in torch.aminmax(w))
         if not (math.isfinite(low) and math.isfinite(high)):
@@ -145,7 +147,7 @@ class ScreenedArgmax:
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [n, K] float32 -> argmax [n] (long), or None where the caller must compute the
         float32 logits (screening not possible now)."""
-        if self.weight._version != self._version and not self._refresh():
+        if version_counter(self.weight) != self._version and not self._refresh():
             return None
         if self.rows is None:
             return None

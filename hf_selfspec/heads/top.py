@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checks
+from ..engine.versions import version_counter
 from .base import final_norm_weight, fingerprint, lm_head_weight, rms_norm, weight_probe
 
 TOP_KIND = "top_draft"
@@ -305,7 +306,7 @@ class TopDraftHeads(nn.Module):
         the shipped heads' storage), bfloat16 where a magnitude exceeds float16's range.
         The copy is made again whenever the weight changes (new storage, or an in-place
         update such as a training step bumps its version)."""
-        key = (weight.data_ptr(), weight._version)
+        key = (weight.data_ptr(), version_counter(weight))
         found = self._draft_copies.get(name)
         if found is not None and found[0] == key:
             return found[1]
