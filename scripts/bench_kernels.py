@@ -29,7 +29,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from hf_selfspec.kernels import row_attention, row_attention_reference
+from hf_selfspec.kernels.attention import row_attention
+from hf_selfspec.kernels.reference import row_attention_reference
 
 
 def time_ms(fn, repeats: int) -> float:

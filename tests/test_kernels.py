@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernel cannot run")
 
-from hf_selfspec.kernels import row_attention, row_attention_reference
+from hf_selfspec.kernels.attention import row_attention
+from hf_selfspec.kernels.reference import row_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # fp32: both sides accumulate in fp32, only the summation order differs.

@@ -5,6 +5,7 @@ top-level kernels/ folder, and no top-level module named `kernels` (Hugging Face
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import subprocess
 import sys
 import tomllib
@@ -87,9 +88,12 @@ def test_package_import_graph_is_acyclic():
 def test_pyproject_ships_every_package_folder():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert config["package-dir"] == {"hf_selfspec.kernels": "kernels"}
-    folders = {".".join(["hf_selfspec", *p.parent.relative_to(ROOT / "hf_selfspec").parts])
-               for p in (ROOT / "hf_selfspec").rglob("__init__.py")}
-    folders = {f.rstrip(".") for f in folders} | {"hf_selfspec.kernels"}
+    # every folder of the package, code or data (a data folder left out of `packages` makes
+    # setuptools warn that it "would be ignored"), plus the kernels mapped from kernels/
+    folders = {".".join(["hf_selfspec", *p.relative_to(ROOT / "hf_selfspec").parts])
+               for p in (ROOT / "hf_selfspec").rglob("*")
+               if p.is_dir() and p.name != "__pycache__"}
+    folders |= {"hf_selfspec", "hf_selfspec.kernels"}
     assert set(config["packages"]) == folders
 
 
@@ -97,6 +101,44 @@ def test_no_top_level_kernels_module():
     """Importing the package and its kernels never binds the top-level name `kernels`."""
     code = ("import sys, hf_selfspec, hf_selfspec.kernels, hf_selfspec.kernels.cpu_rows; "
             "assert 'kernels' not in sys.modules, sys.modules.get('kernels'); "
-            "assert hf_selfspec.kernels.__file__.endswith('kernels/__init__.py')")
+            "assert hf_selfspec.kernels.cpu_rows.__file__.endswith('kernels/cpu_rows.py')")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT / "tests")
     assert not (ROOT / "hf_selfspec" / "kernels").exists()  # one home for the kernels
+
+
+# Run from the repository root, where '' on sys.path puts the top-level kernels/ folder
+# ahead of site-packages. Prints whether `kernels` resolved to a regular package (a file
+# origin), the module transformers imported and whether transformers took it for HF's package.
+_ROOT_IMPORT = """
+import importlib.util, sys
+spec = importlib.util.find_spec("kernels")
+origin = spec.origin if spec is not None else None
+import transformers
+import transformers.integrations.hub_kernels  # imports HF's kernels when it is available
+from transformers.utils.import_utils import is_kernels_available
+import hf_selfspec, hf_selfspec.kernels.cpu_rows
+loaded = getattr(sys.modules.get("kernels"), "__file__", None)
+print(origin, loaded, is_kernels_available(), sep="\\n")
+"""
+
+
+def test_repository_root_never_shadows_hf_kernels():
+    """`import transformers` from the repository root works with or without Hugging Face's
+    `kernels` package installed (transformers >= 5.25 imports it at start-up): the folder
+    kernels/ has no __init__.py, so it is never a regular top-level package `kernels`;
+    without HF's package it is a namespace portion, which transformers reports as absent."""
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    try:
+        importlib.metadata.distribution("kernels")
+        hf_kernels = True
+    except importlib.metadata.PackageNotFoundError:
+        hf_kernels = False
+    out = subprocess.run([sys.executable, "-c", _ROOT_IMPORT], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.splitlines()[-3:]
+    origin, loaded, available = out
+    ours = str(ROOT / "kernels")
+    assert not origin.startswith(ours) and not loaded.startswith(ours), out
+    if hf_kernels:  # HF's package wins over the namespace portion and is the one imported
+        assert origin != "None", out
+    else:  # at most a namespace portion (origin None), never reported as HF's package
+        assert origin == "None" and available == "False", out

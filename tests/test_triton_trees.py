@@ -21,7 +21,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernel cannot run")
 
 from conftest import tiny_model
-from hf_selfspec.kernels import row_attention, row_attention_reference
+from hf_selfspec.kernels.attention import row_attention
+from hf_selfspec.kernels.reference import row_attention_reference
 from test_decoding import prompt, random_top_heads
 from test_gpu import _EagerGraph
 

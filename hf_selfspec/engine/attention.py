@@ -220,7 +220,7 @@ class TritonAttention:
         self.supports_batches = batches
 
     def bind(self, engine: Engine, meta: StepMeta) -> Attend:
-        from hf_selfspec.kernels import row_attention
+        from hf_selfspec.kernels.attention import row_attention
 
         rows = meta.rows
         anc, base = triton_row_keys(meta.path, meta.base, rows, engine.k_cache.device)
