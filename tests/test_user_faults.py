@@ -1,9 +1,17 @@
 """Faults users cause without meaning to: generate(assistant="self") under
 torch.inference_mode() (first call included: engine, heads and copies built there), a
-model or heads made under inference_mode, an earlier failed call, and a model left in
-train() mode with active dropout (refused before any work, with what to do)."""
+model or heads made under inference_mode, an earlier failed call, a model left in
+train() mode with active dropout (refused before any work, with what to do), and a
+measurement cache on disk that cannot be read (one warning naming it, measured again,
+rewritten atomically; two processes writing at once)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +19,9 @@ from conftest import tiny_model
 from test_decoding import random_top_heads
 
 from hf_selfspec import DecodeConfig, attach_heads
+from hf_selfspec.engine.programs import EngineConfig
 
-KW = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+KW = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "enable_grad": torch.enable_grad}
 
 
@@ -112,3 +121,129 @@ def test_train_mode_without_active_dropout_decodes_hf_tokens(build):
     expected = reference.generate(ids, attention_mask=torch.ones_like(ids), **KW)
     model = attach_heads(build().train(), heads=False)
     assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), assistant="self", **KW), expected)
+
+
+# ---- the measurement cache on disk -------------------------------------------------------
+
+@pytest.fixture
+def cache_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "selfspec_cache"
+    monkeypatch.setenv("HF_SELFSPEC_CACHE", str(folder))
+    monkeypatch.delenv("HF_SELFSPEC_NO_CACHE", raising=False)
+    return folder
+
+
+def _cache(key="a"):
+    from hf_selfspec.engine.cache import MeasurementCache
+
+    return MeasurementCache({"test": key}, ("fixed", "kernel"), width=8)
+
+
+def _bad_entry() -> dict:
+    """An entry of the right shape whose every part is wrong: types, names, values."""
+    return {"layout": ["kernel"], "prefill": "both", "step_costs": {"kernel@64": {"costs": [1.0, 1.0, -3.0]}},
+            "attention": {"kernel@64": float("inf")}, "batch_costs": [1]}
+
+
+CORRUPT = {
+    "bytes": b"\xff\xfe\x00\x9c" * 64 + bytes(range(256)),
+    "bad_encoding": '{"format": 1, "entries": {}, "note": "caf\u00e9"}'.encode("latin-1"),
+    "deep_nesting": b"[" * 100_000 + b"]" * 100_000,
+    "truncated": b'{"format": 1, "entries": {"x": {"layout": "ker',
+    "huge_integer": b'{"format": 1, "entries": {"x": ' + b"9" * 10_000 + b"}}",
+    "wrong_types": json.dumps({"format": 1, "entries": [["kernel"]]}).encode(),
+    "wrong_format": json.dumps({"format": "1", "entries": {}}).encode(),
+    "oversized": b" " * (5 << 20),
+    "bad_values": "BAD_ENTRY",
+}
+
+
+def _write_corrupt(path: Path, name: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if CORRUPT[name] == "BAD_ENTRY":  # our own entry, every part of it wrong
+        digest = _cache().digest
+        path.write_text(json.dumps({"format": 1, "entries": {digest: _bad_entry()}}, allow_nan=True))
+    else:
+        path.write_bytes(CORRUPT[name])
+
+
+@pytest.mark.parametrize("name", CORRUPT)
+def test_an_unreadable_cache_is_dropped_with_one_warning_and_rewritten(cache_folder, name):
+    from hf_selfspec.engine.cache import FILE_NAME
+
+    path = cache_folder / FILE_NAME
+    _write_corrupt(path, name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = _cache()
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and str(path) in said[0] and "ignored" in said[0], said
+    assert cache.layout is None and cache.prefill is None
+    assert cache.step_costs("kernel", 64) is None and cache.attention_seconds("kernel", 64) is None
+    # rewritten at once without what could not be read: the next process reads it quietly
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["format"] == 1 and cache.digest in data["entries"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _cache().layout is None
+    # measured again: stored and read back
+    cache.store_layout("kernel")
+    cache.store_attention_seconds("kernel", 64, 1e-6)
+    again = _cache()
+    assert again.layout == "kernel" and again.attention_seconds("kernel", 64) == 1e-6
+    assert sorted(p.name for p in cache_folder.iterdir()) == [FILE_NAME, FILE_NAME + ".lock"]  # no temp files
+
+
+def test_generate_measures_again_over_random_bytes(cache_folder):
+    """Through the public entry point: random bytes in the cache give HF's tokens, one
+    warning naming the file, and a valid file written back."""
+    from hf_selfspec.engine.cache import FILE_NAME
+
+    path = cache_folder / FILE_NAME
+    _write_corrupt(path, "bytes")
+    ids = _ids(4)
+    expected = tiny_model("llama", seed=3).generate(ids, attention_mask=torch.ones_like(ids), **KW)
+    # the fixed layout: no layout timing (the step costs are still measured and written)
+    model = attach_heads(tiny_model("llama", seed=3), heads=False, engine=EngineConfig(row_layout="fixed"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), assistant="self", **KW)
+    assert torch.equal(out, expected)
+    said = [str(w.message) for w in caught if "measurement cache" in str(w.message)]
+    assert len(said) == 1 and str(path) in said[0], said
+    entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
+    assert len(entries) == 1 and next(iter(entries.values()))["step_costs"]
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from hf_selfspec.engine.cache import MeasurementCache
+name, start = sys.argv[1], Path(sys.argv[2])
+while not start.exists():
+    time.sleep(0.005)
+cache = MeasurementCache({"writer": name}, ("fixed", "kernel"), width=8)
+for i in range(20):
+    cache.store_attention_seconds("kernel", i, 1e-6 * (i + 1))
+    MeasurementCache({"writer": "reader"}, ("fixed", "kernel"), width=8)  # reads while the other writes
+"""
+
+
+def test_two_processes_writing_at_once_keep_both_entries(cache_folder, tmp_path):
+    """Two processes storing measurements at the same time: every read sees a whole file
+    (no warning), and neither drops the other's entry."""
+    from hf_selfspec.engine.cache import FILE_NAME, MeasurementCache
+
+    start = tmp_path / "start"
+    writers = [subprocess.Popen([sys.executable, "-W", "error::RuntimeWarning", "-c", WRITER, name, str(start)],
+                                stderr=subprocess.PIPE, text=True) for name in ("one", "two")]
+    start.touch()
+    for writer in writers:
+        _, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("one", "two"):
+            cache = MeasurementCache({"writer": name}, ("fixed", "kernel"), width=8)
+            assert [cache.attention_seconds("kernel", i) for i in range(20)] == [1e-6 * (i + 1) for i in range(20)]
+    assert sorted(p.name for p in cache_folder.iterdir()) == [FILE_NAME, FILE_NAME + ".lock"]

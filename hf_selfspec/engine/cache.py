@@ -9,12 +9,19 @@ kernel source and whether it loads here, and the engine width. Any change gives 
 
 Where: `$HF_SELFSPEC_CACHE/measurements.json`, else `$XDG_CACHE_HOME/hf_selfspec/`, else
 `~/.cache/hf_selfspec/`. Off: `HF_SELFSPEC_NO_CACHE=1` or `EngineConfig(measurement_cache=False)`.
-The file is untrusted input: an entry whose types or ranges are wrong is ignored with one
-warning (and measured again), never used.
+The file is untrusted input (a crash, a disk error, another program, a user's edit): any
+content that cannot be read (bytes that are not UTF-8, JSON that does not parse or nests too
+deep, wrong types or values, a file larger than any cache this module writes) is ignored with
+one warning naming the file, never used: what it held is measured again, and the file is
+rewritten without it at once. Every write goes to a temporary file in the same folder, then
+replaces the cache (os.replace), so a process killed mid-write leaves the old file whole;
+writers in several processes take turns (an advisory lock on a `.lock` file beside it), so
+none drops another's entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -36,6 +43,8 @@ PREFILLS = ("hf", "engine")  # what `auto` may pick (EngineConfig.prefill)
 # plausibility bounds of a cached measurement (anything outside is corrupt)
 MAX_STEP_COST = 1000.0  # W rows at most this many 1-row steps
 MAX_ROW_SECONDS = 3600.0
+# MAX_ENTRIES entries of a few KB each: anything much larger was not written by this module
+MAX_FILE_BYTES = 4 << 20
 
 
 def cache_dir() -> Path:
@@ -101,10 +110,41 @@ def _digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+def read_entries(path: Path, problems: list[str]) -> dict[str, Any]:
+    """The entries by digest of the cache file `path`; {} where it is missing or cannot be
+    read, what was wrong then appended to `problems`. Never raises for its content."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as err:
+        problems.append(f"cannot be read ({err})")
+        return {}
+    if len(raw) > MAX_FILE_BYTES:
+        problems.append(f"is larger than {MAX_FILE_BYTES} bytes (not a cache this module wrote)")
+        return {}
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        problems.append(f"is not UTF-8 text ({err.reason} at byte {err.start})")
+        return {}
+    except ValueError as err:  # json.JSONDecodeError; an integer too long to convert
+        problems.append(f"is not valid JSON ({err})")
+        return {}
+    except RecursionError:
+        problems.append("nests too deep to be read")
+        return {}
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+        problems.append(f"is not a format-{FORMAT} measurement cache")
+        return {}
+    return data["entries"]
+
+
 class MeasurementCache:
     """The cached measurements of one key (see module docstring). Reads the file once at
-    construction; every `store_*` rewrites it atomically (a concurrent writer may win: the
-    loser's measurement is simply taken again later)."""
+    construction (and rewrites it at once without what could not be read); every `store_*`
+    merges this entry into the file as it is then, and replaces it atomically."""
 
     def __init__(self, key: dict[str, Any], layouts: tuple[str, ...], width: int, enabled: bool = True):
         self.enabled = enabled and not disabled_by_env()
@@ -114,28 +154,19 @@ class MeasurementCache:
         self._layouts = layouts
         self._width = width
         self.entry: dict[str, Any] = {}
+        self._problems: list[str] = []  # what could not be read, said in one warning
         if self.enabled:
             self.entry = self._valid_entry(self._read().get(self.digest))
+            if self._problems:
+                warnings.warn(f"the hf_selfspec measurement cache {self.path} {'; '.join(self._problems)}: "
+                              "ignored (the engine measures it again; the file is rewritten without it)",
+                              RuntimeWarning, stacklevel=3)
+                self._write()
 
     # ---- reading (untrusted input) ---------------------------------------------------------
 
     def _read(self) -> dict[str, Any]:
-        try:
-            raw = self.path.read_text()
-        except FileNotFoundError:
-            return {}
-        except OSError as err:
-            self._warn(f"cannot be read ({err})")
-            return {}
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            self._warn("is not valid JSON")
-            return {}
-        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-            self._warn(f"is not a format-{FORMAT} measurement cache")
-            return {}
-        return data["entries"]
+        return read_entries(self.path, self._problems)
 
     def _valid_entry(self, entry: Any) -> dict[str, Any]:
         """The entry's valid parts; a wrong part is dropped with a warning."""
@@ -150,7 +181,7 @@ class MeasurementCache:
                 if entry[choice] in known:
                     valid[choice] = entry[choice]
                 else:
-                    self._warn(f"names an unknown {what} {entry[choice]!r}")
+                    self._warn(f"names an unknown {what} {_short(entry[choice])}")
         sections = (("step_costs", "step costs", self._valid_costs),
                     ("attention", "attention cost", self._valid_seconds),
                     ("batch_costs", "batch step costs", self._valid_batch_costs))
@@ -164,7 +195,7 @@ class MeasurementCache:
                 if check(value):
                     valid[section][name] = value
                 else:
-                    self._warn(f"has invalid {what} for {name!r}")
+                    self._warn(f"has invalid {what} for {_short(name)}")
         return valid
 
     @staticmethod
@@ -200,8 +231,7 @@ class MeasurementCache:
         return type(seconds) in (int, float) and math.isfinite(seconds) and 0.0 < seconds <= MAX_ROW_SECONDS
 
     def _warn(self, what: str) -> None:
-        warnings.warn(f"the hf_selfspec measurement cache {self.path} {what}: ignored "
-                      "(the engine measures again and rewrites it)", RuntimeWarning, stacklevel=4)
+        self._problems.append(what)
 
     # ---- the entry -------------------------------------------------------------------------
 
@@ -252,23 +282,66 @@ class MeasurementCache:
         self._write()
 
     def _write(self) -> None:
-        """Merge this entry into the file (atomic replace). A cache that cannot be written
-        costs a measurement next time, nothing else: no error."""
+        """Merge this entry into the file as it is now and replace it atomically, holding the
+        writers' lock (another process's entry written meanwhile is kept). A cache that cannot
+        be written costs a measurement next time, nothing else: one warning, no error."""
         if not self.enabled:
             return
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the reader warned already, if at all
-                entries = self._read()
-            entries.pop(self.digest, None)
-            entries[self.digest] = {"key": self.key, **self.entry}  # newest last
-            while len(entries) > MAX_ENTRIES:
-                entries.pop(next(iter(entries)))
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".measurements.")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "entries": entries}, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError as err:
+            with _writers_lock(self.path):
+                entries = read_entries(self.path, [])  # as it is now (its problems were said at reading)
+                entries.pop(self.digest, None)
+                entries[self.digest] = {"key": self.key, **self.entry}  # newest last
+                while len(entries) > MAX_ENTRIES:
+                    entries.pop(next(iter(entries)))
+                try:
+                    text = json.dumps({"format": FORMAT, "entries": entries}, indent=1, allow_nan=False)
+                except (ValueError, RecursionError):  # another entry nests too deep to write back
+                    text = json.dumps({"format": FORMAT, "entries": {self.digest: entries[self.digest]}},
+                                      indent=1, allow_nan=False)
+                _replace_atomically(self.path, text)
+        except (OSError, ValueError) as err:  # ValueError: a NaN measured, not written
             warnings.warn(f"could not write the hf_selfspec measurement cache {self.path}: {err}",
                           RuntimeWarning, stacklevel=3)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: a warning quotes untrusted content."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, flush it to disk, then rename it over
+    `path`: a reader (or a crash) sees the old file or the new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _writers_lock(path: Path):
+    """Hold an exclusive advisory lock on `<path>.lock` while reading, merging and replacing
+    the file, so two processes' writes take turns instead of one dropping the other's entry.
+    The lock ends with its holder (a killed process holds nothing). Without fcntl (Windows),
+    writes are still atomic, only not serialised."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
