@@ -16,21 +16,26 @@ are widened exactly first). A row's result is bit-identical whatever the other r
 every dtype. Every entry point checks its arguments and raises RuntimeError saying what
 was wrong (dtype, device, contiguity, shape, empty size, a slot or limit outside the cache).
 
-A build lock (`lock` in the extension's build folder) left by a build that was killed
-would make torch's builder wait for ever: one older than `STALE_LOCK_SECONDS` is removed
-with a warning before loading, and one that goes stale while this process waits on it is
-removed too (the kernel is then not loaded in this process: `build_error()` says so).
+Build locks (`build_lock`): a process builds or loads the kernel holding an advisory lock
+(flock) on `selfspec.owner` in the build folder, which the operating system releases when
+the process ends, however it ends. torch's builder keeps its own lock, a plain file (`lock`)
+that a killed build leaves behind and that torch then waits on for ever; it is only ever
+made by a process holding ours, so a `lock` found once ours is held was left by a process
+that is gone: it is taken over at once, with one warning, and a finished build is loaded
+without waiting. A live process holding ours (building, ~1 min) is waited on, saying so at
+once (whose, where, for how long at most: `MAX_WAIT_SECONDS`); past that the kernel is not
+loaded in this process (`build_error()` says so) and the engine uses another row layout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import sys
 import sysconfig
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -41,9 +46,11 @@ SOURCE = Path(__file__).with_name("cpu_rows.cpp")
 # the hybrids' recurrent state updates, built into the same extension
 STATES_SOURCE = Path(__file__).with_name("cpu_states.cpp")
 NAME = "selfspec_cpu_rows"
-# a build takes ~1 min (a few on a loaded 2-core machine): a lock older than this was left
-# by a build that died
-STALE_LOCK_SECONDS = 600.0
+# a build takes ~1 min (a few on a loaded 2-core machine): a process still holding the build
+# lock after this long is stuck, and this process goes on without the kernel
+MAX_WAIT_SECONDS = 600.0
+OWNER_FILE = "selfspec.owner"  # the flock'ed file of `build_lock`; holds its owner's pid
+TORCH_LOCK_FILE = "lock"  # torch's builder's own lock file (torch.utils.file_baton)
 _error: str | None = None
 
 
@@ -78,59 +85,71 @@ def _build_needed(folder: Path, sources: list[str]) -> bool:
     return any(source not in built_from for source in sources)
 
 
-def remove_stale_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, *,
-                      created_before: float | None = None) -> bool:
-    """Remove the build lock `lock` if it is older than `max_age` seconds (and, with
-    `created_before`, was created before that time), with a warning; True if removed."""
-    try:
-        mtime = lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if time.time() - mtime <= max_age or (created_before is not None and mtime >= created_before):
-        return False
-    warnings.warn(f"removing the stale kernel build lock {lock} ({time.time() - mtime:.0f} s old: "
-                  "a build was killed mid-way)", RuntimeWarning, stacklevel=2)
-    try:
-        lock.unlink()
-    except FileNotFoundError:
-        pass
-    return True
+class BuildLockTimeout(RuntimeError):
+    """Another live process held the kernel's build lock longer than the wait allowed."""
 
 
-def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> None:
-    """Return once `lock` is gone: another process's build finished, or the lock went stale
-    (older than `max_age` seconds: its build died) and was removed with a warning. Never
-    waits longer than the lock's remaining time to staleness."""
-    while lock.exists():
-        if remove_stale_lock(lock, max_age):
-            return
+@contextlib.contextmanager
+def build_lock(folder: Path, max_wait: float = MAX_WAIT_SECONDS, poll: float = 0.1):
+    """Hold the build lock of the extension built in `folder` (see the module docstring):
+    at once where no live process holds it, else after a wait announced by one warning;
+    raises BuildLockTimeout past `max_wait` seconds. Once held, torch's `lock` file there
+    was left by a process that is gone: removed, with one warning. Without fcntl (not a
+    POSIX system) nothing is locked and torch's own lock alone applies."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    owner = folder / OWNER_FILE
+    fd = os.open(owner, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the compiler's processes
+    try:
+        if not _try_lock(fcntl, fd):
+            _wait_for_lock(fcntl, fd, folder, _owner_pid(owner), max_wait, poll)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        torch_lock = folder / TORCH_LOCK_FILE
+        if torch_lock.exists():
+            warnings.warn(f"hf_selfspec: taking over the kernel build lock {torch_lock}: the process that left "
+                          "it is gone (killed while building or loading the C++ row kernel)",
+                          RuntimeWarning, stacklevel=3)
+            with contextlib.suppress(FileNotFoundError):
+                torch_lock.unlink()
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fcntl, fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _owner_pid(owner: Path) -> int | None:
+    """The pid the lock's holder wrote (None where unreadable: it may not have written yet)."""
+    try:
+        text = owner.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and len(text) < 12 else None
+
+
+def _wait_for_lock(fcntl, fd: int, folder: Path, pid: int | None, max_wait: float, poll: float) -> None:
+    who = f"process {pid}" if pid is not None else "another process"
+    warnings.warn(f"hf_selfspec: {who} is building or loading the C++ row kernel in {folder}; waiting for it "
+                  f"to finish (at most {max_wait:.0f} s, then this process goes on without the kernel)",
+                  RuntimeWarning, stacklevel=4)
+    deadline = time.monotonic() + max_wait
+    while not _try_lock(fcntl, fd):
+        if time.monotonic() >= deadline:
+            raise BuildLockTimeout(
+                f"{who} held the C++ row kernel's build lock in {folder} for more than {max_wait:.0f} s; the "
+                "kernel is not loaded in this process (another row layout is used). If that process is stuck, "
+                "end it: the next process loads (or builds) the kernel")
         time.sleep(poll)
-
-
-class _LockWatch:
-    """While torch's builder runs (it waits for ever on a lock it did not create), remove
-    a lock created before the load began once it is older than `max_age`; `fired` says
-    whether it did (the build that owned it died: what it left is not trusted)."""
-
-    def __init__(self, lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 1.0):
-        self.lock, self.max_age, self.poll = lock, max_age, poll
-        self.start = time.time()
-        self.fired = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu_rows-lock-watch", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll):
-            if remove_stale_lock(self.lock, self.max_age, created_before=self.start):
-                self.fired = True
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def cpu_supports_kernel() -> bool:
@@ -166,25 +185,22 @@ def _load_module():
             os.environ["PATH"] = scripts + os.pathsep + path
         flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
         folder = build_directory()
-        lock = folder / "lock"
-        wait_for_build_lock(lock)  # a lock left by a killed build: removed, never waited on
         sources = [SOURCE.read_text(), STATES_SOURCE.read_text()]
-        if _build_needed(folder, sources):  # a first call would otherwise pause a minute unexplained
-            from hf_selfspec.logs import logger
+        with build_lock(folder):
+            if _build_needed(folder, sources):  # a first call would otherwise pause a minute unexplained
+                from hf_selfspec.logs import logger
 
-            logger.warning(f"hf_selfspec: compiling the C++ row kernel for this machine and Python "
-                           f"environment (once, ~1 min; kept in {folder})")
-        with _LockWatch(lock) as watch:
+                logger.warning(f"hf_selfspec: compiling the C++ row kernel for this machine and Python "
+                               f"environment (once, ~1 min; kept in {folder})")
             module = load_inline(
                 name=NAME, build_directory=str(folder), cpp_sources=sources,
                 functions=["rows_linear", "rows_compact", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
                            "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
-        if watch.fired:
-            _error = (f"the kernel build lock {lock} went stale while this process waited on it "
-                      "(the build that held it died); a new process rebuilds the kernel")
-            return None
+    except BuildLockTimeout as e:
+        _error = str(e)
+        return None
     except Exception as e:  # noqa: BLE001 (no compiler / ninja: another layout is used)
         _error = _failure_reason(e)
         return None

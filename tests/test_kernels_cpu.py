@@ -1,23 +1,19 @@
 """The CPU row kernels (kernels/cpu_rows.cpp): x @ w^T, attention over the KV cache and a
 whole decoder layer to fp32 rounding, with float32, bfloat16 and float16 weights and
 caches, a row's result bit for bit the same whatever the other rows (the engine's `kernel`
-layout); every bad argument refused with words that say what was wrong; a stale build lock
-never waited on."""
+layout); every bad argument refused with words that say what was wrong (the build lock: see
+test_user_faults.py)."""
 
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
-import time
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hf_selfspec.kernels.cpu_rows import (
-    _LockWatch,
     build_directory,
     build_error,
     cpu_supports_kernel,
@@ -31,12 +27,10 @@ from hf_selfspec.kernels.cpu_rows import (
     load_rows_linear_t,
     NO_BASE,
     NO_PATH,
-    remove_stale_lock,
     rows_attention_reference,
     rows_linear_reference,
     use_avx512,
     use_work_pool,
-    wait_for_build_lock,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -892,59 +886,6 @@ def test_attention_half_cache(attention, dtype, hq, hkv, d):
             assert torch.equal(part, o[:n]), n
             one = attention(q[n - 1:n], k, v, lim[n - 1:n], d ** -0.5, p[n - 1:n] if p.shape[1] else p)
             assert torch.equal(one[0], o[n - 1]), n
-
-
-# ---- a build lock left by a killed build is never waited on ------------------------------
-
-def test_stale_build_lock_is_removed_with_a_warning(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = build_directory("selfspec_lock_test")
-    assert folder.is_dir() and tmp_path in folder.parents
-    lock = folder / "lock"
-    lock.touch()
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    start = time.monotonic()
-    with pytest.warns(RuntimeWarning, match="stale kernel build lock"):
-        wait_for_build_lock(lock, max_age=300)
-    assert not lock.exists() and time.monotonic() - start < 5
-
-
-def test_fresh_build_lock_is_waited_on_until_released_or_stale(tmp_path):
-    lock = tmp_path / "lock"
-    lock.touch()
-    # another process's build finishes: its lock goes away, no warning
-    threading.Timer(0.3, lock.unlink).start()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        wait_for_build_lock(lock, max_age=60, poll=0.05)
-    assert not lock.exists()
-    # a build that died after we began waiting: removed once stale, not waited on for ever
-    lock.touch()
-    start = time.monotonic()
-    with pytest.warns(RuntimeWarning, match="stale"):
-        wait_for_build_lock(lock, max_age=0.5, poll=0.05)
-    assert not lock.exists() and time.monotonic() - start < 5
-    # no lock: returns at once; a fresh lock is kept
-    wait_for_build_lock(lock)
-    lock.touch()
-    assert not remove_stale_lock(lock, max_age=300) and lock.exists()
-
-
-def test_lock_watch_removes_only_a_foreign_stale_lock(tmp_path):
-    """During a load, a lock that existed before it began and goes stale is removed (the
-    load is then not trusted); a lock created after it began (our own build's) is kept."""
-    lock = tmp_path / "lock"
-    lock.touch()
-    with pytest.warns(RuntimeWarning, match="stale"):
-        with _LockWatch(lock, max_age=0.3, poll=0.05) as watch:
-            time.sleep(1.5)
-    assert watch.fired and not lock.exists()
-    with _LockWatch(lock, max_age=0.3, poll=0.05) as watch:
-        time.sleep(0.1)
-        lock.touch()  # our own build's lock
-        time.sleep(1.0)
-    assert not watch.fired and lock.exists()
 
 
 # ---- threads: the work-sharing pool computes the same bits as OpenMP ---------------------

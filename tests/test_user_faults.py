@@ -8,8 +8,11 @@ rewritten atomically; two processes writing at once)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -220,10 +223,11 @@ import sys, time
 from pathlib import Path
 from hf_selfspec.engine.cache import MeasurementCache
 name, start = sys.argv[1], Path(sys.argv[2])
+print("ready", flush=True)  # imported: both start writing together
 while not start.exists():
     time.sleep(0.005)
 cache = MeasurementCache({"writer": name}, ("fixed", "kernel"), width=8)
-for i in range(20):
+for i in range(100):
     cache.store_attention_seconds("kernel", i, 1e-6 * (i + 1))
     MeasurementCache({"writer": "reader"}, ("fixed", "kernel"), width=8)  # reads while the other writes
 """
@@ -236,7 +240,8 @@ def test_two_processes_writing_at_once_keep_both_entries(cache_folder, tmp_path)
 
     start = tmp_path / "start"
     writers = [subprocess.Popen([sys.executable, "-W", "error::RuntimeWarning", "-c", WRITER, name, str(start)],
-                                stderr=subprocess.PIPE, text=True) for name in ("one", "two")]
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("one", "two")]
+    assert [writer.stdout.readline().strip() for writer in writers] == ["ready", "ready"]
     start.touch()
     for writer in writers:
         _, err = writer.communicate(timeout=120)
@@ -245,5 +250,122 @@ def test_two_processes_writing_at_once_keep_both_entries(cache_folder, tmp_path)
         warnings.simplefilter("error")
         for name in ("one", "two"):
             cache = MeasurementCache({"writer": name}, ("fixed", "kernel"), width=8)
-            assert [cache.attention_seconds("kernel", i) for i in range(20)] == [1e-6 * (i + 1) for i in range(20)]
+            assert [cache.attention_seconds("kernel", i) for i in range(100)] == [1e-6 * (i + 1) for i in range(100)]
     assert sorted(p.name for p in cache_folder.iterdir()) == [FILE_NAME, FILE_NAME + ".lock"]
+
+
+# ---- the C++ kernel's build lock -----------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from torch.utils.file_baton import FileBaton
+from hf_selfspec.kernels.cpu_rows import build_lock
+folder = Path(sys.argv[1])
+with build_lock(folder):
+    FileBaton(str(folder / "lock")).try_acquire()  # torch's own lock, as its builder takes it
+    print("held", flush=True)
+    time.sleep(600)  # building: killed here
+"""
+
+
+@pytest.fixture
+def build_folder(tmp_path, monkeypatch):
+    """An empty build folder of the kernel's layout (build_directory) under a temporary root."""
+    from hf_selfspec.kernels.cpu_rows import build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    folder = build_directory("selfspec_lock_test")
+    assert folder.is_dir() and tmp_path in folder.parents
+    return folder
+
+
+@pytest.fixture
+def holder(build_folder):
+    """A live process holding the build lock of `build_folder` mid-build (torch's `lock` file
+    made); the test kills it with SIGKILL. Killed at the end in any case."""
+    process = subprocess.Popen([sys.executable, "-c", HOLDER, str(build_folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "held"
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def _kill(process) -> None:
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+
+def test_a_lock_left_by_a_killed_build_is_taken_over_at_once(build_folder, holder, monkeypatch):
+    """The process building the kernel is killed (SIGKILL): the next load takes its lock over
+    at once with one warning and loads the finished build without waiting (here a stand-in
+    for torch's load_inline; the locking is the real loader's)."""
+    import torch.utils.cpp_extension
+    from hf_selfspec.kernels import cpu_rows
+    from torch.utils.file_baton import FileBaton
+
+    _kill(holder)
+    torch_lock = build_folder / "lock"
+    assert torch_lock.exists()  # what a killed build leaves: torch itself would wait on it for ever
+
+    def load_inline(name, build_directory, **kwargs):
+        # what torch's builder does first: take its own lock, which must be free now
+        baton = FileBaton(str(Path(build_directory) / "lock"))
+        assert baton.try_acquire(), "torch's lock left by the killed build was not taken over"
+        baton.release()
+        return "the finished build"
+
+    if not cpu_rows.cpu_supports_kernel():
+        pytest.skip("the kernel needs an AVX2/FMA CPU: the loader stops before the lock")
+    monkeypatch.setattr(cpu_rows, "build_directory", lambda: build_folder)
+    monkeypatch.setattr(cpu_rows, "_build_needed", lambda folder, sources: False)  # built: no compile message
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", load_inline)
+    cpu_rows._load_module.cache_clear()
+    try:
+        start = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = cpu_rows._load_module()
+        assert module == "the finished build", cpu_rows.build_error()
+    finally:
+        cpu_rows._load_module.cache_clear()  # the next caller loads the real kernel
+    assert time.monotonic() - start < 5
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and "taking over" in said[0] and str(torch_lock) in said[0] and "gone" in said[0], said
+    assert not torch_lock.exists()
+
+
+def test_a_live_build_is_waited_on_saying_so_at_once(build_folder, holder):
+    """A live process holding the lock: the wait is announced at once (whose, where, for how
+    long at most), ends in a clear error past its limit, and ends as soon as the holder does
+    (here killed mid-build: its torch lock is then taken over)."""
+    from hf_selfspec.kernels.cpu_rows import BuildLockTimeout, build_lock
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        timeout = pytest.raises(BuildLockTimeout, match=rf"process {holder.pid} held .* for more than 1 s.*not loaded")
+        with timeout, build_lock(build_folder, max_wait=1.0):
+            pass
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1, said
+    assert f"process {holder.pid} is building or loading" in said[0] and str(build_folder) in said[0]
+    assert "at most 1 s" in said[0]
+
+    threading.Timer(0.5, _kill, (holder,)).start()
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with build_lock(build_folder, max_wait=60):
+            held = time.monotonic() - start
+    assert held < 10  # when the holder ended, not at the limit
+    said = [str(w.message) for w in caught]
+    assert len(said) == 2 and "waiting for it" in said[0] and "taking over" in said[1], said
+    # released on leaving: taken again at once, quietly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with build_lock(build_folder, max_wait=0.1):
+            pass
