@@ -16,6 +16,9 @@ What the engine cannot run on a dispatched model is refused by `check_dispatch`,
 from __future__ import annotations
 
 import contextlib
+import json
+import mmap
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,31 +56,152 @@ def _device(value) -> torch.device:
 class PartPlacement:
     """Where one part of the model (the embedding, a decoder layer, the final norm, the LM
     head) executes, and the modules whose weights accelerate streams in for it (empty: its
-    weights stay resident on `device`)."""
+    weights stay resident on `device`). `mapped`: on a CPU execution device, each streamed
+    parameter as a parameter over the bytes accelerate's offload index names (the
+    checkpoint's safetensors file or the offload folder's file, mapped, or the CPU tensor
+    accelerate keeps), beside the module's own meta parameter; None where any has no
+    such view (a dtype converted at load: then accelerate's hooks copy it in)."""
 
     device: torch.device
     streamed: tuple[tuple[torch.nn.Module, object], ...] = ()
+    mapped: tuple[tuple[torch.nn.Module, str, torch.nn.Parameter], ...] | None = None
 
     @property
     def offloaded(self) -> bool:
         return bool(self.streamed)
 
-    @contextlib.contextmanager
-    def onloaded(self) -> Iterator[None]:
-        """The part's weights on its execution device inside the block, as accelerate's own
-        pre_forward puts them there (new tensors on each entry), offloaded again after."""
-        done = []
+    def onloaded(self) -> contextlib.AbstractContextManager:
+        """The part's weights on its execution device inside the block, offloaded again
+        after: the mapped views swapped in (no copy), else accelerate's own pre_forward /
+        post_forward (new tensors on each entry)."""
+        if self.mapped is not None:
+            return _swapped(self.mapped)
+        return _onloaded(self.streamed)
+
+
+@contextlib.contextmanager
+def _swapped(mapped) -> Iterator[None]:
+    held = [(module, name, module._parameters[name]) for module, name, _ in mapped]
+    try:
+        for module, name, view in mapped:
+            module._parameters[name] = view
+        yield
+    finally:
+        for module, name, param in held:
+            module._parameters[name] = param
+
+
+class OffloadFiles:
+    """Read-only views of the tensors accelerate's offload index points to, without
+    copying: a checkpoint's safetensors file, or an offload folder's `.dat` file, mapped
+    copy-on-write (a page is read from the file, or the page cache, when a product reads
+    it; nothing is written back). Each view is checked against the parameter it stands
+    for (dtype, shape, bytes inside the file) before use: these files are input."""
+
+    def __init__(self):
+        self._files: dict[str, tuple[mmap.mmap, dict, int]] = {}
+
+    def view(self, weights_map, name: str, like: torch.Tensor) -> torch.Tensor | None:
+        dataset, prefix = getattr(weights_map, "dataset", None), getattr(weights_map, "prefix", "")
+        key = prefix + name
+        state, index = getattr(dataset, "state_dict", None), getattr(dataset, "index", None)
+        if isinstance(state, dict) and key in state:  # accelerate's CPU copy: already in memory
+            t = state[key]
+            return t if _fits(t, like) and t.device.type == "cpu" else None
+        info = index.get(key) if isinstance(index, dict) else None
+        if not isinstance(info, dict) or info.get("dtype") != str(like.dtype).removeprefix("torch."):
+            return None
         try:
-            for module, hook in self.streamed:
-                hook.pre_forward(module)
-                done.append((module, hook))
-            yield
-        finally:
-            for module, hook in reversed(done):
-                hook.post_forward(module, None)
+            if info.get("safetensors_file") is not None:
+                return self._safetensors_view(str(info["safetensors_file"]), str(info.get("weight_name", key)), like)
+            folder = getattr(dataset, "save_folder", None)
+            if folder is not None:
+                return self._dat_view(os.path.join(folder, f"{key}.dat"), info, like)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+            return None  # not readable as expected: accelerate's own loader reads it
+        return None
+
+    def _safetensors_view(self, path: str, tensor: str, like: torch.Tensor) -> torch.Tensor | None:
+        if path not in self._files:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                header_len = int.from_bytes(f.read(8), "little")
+                if header_len <= 0 or 8 + header_len > size or header_len > _MAX_HEADER:
+                    raise ValueError(f"{path}: not a safetensors file")
+                header = json.loads(f.read(header_len))
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._files[path] = (mapped, header, 8 + header_len)
+        mapped, header, start = self._files[path]
+        entry = header.get(tensor)
+        if not isinstance(entry, dict) or _SAFETENSORS_DTYPES.get(entry.get("dtype")) != like.dtype:
+            return None
+        lo, hi = (int(x) for x in entry["data_offsets"])
+        return _view(mapped, start + lo, start + hi, like)
+
+    def _dat_view(self, path: str, info: dict, like: torch.Tensor) -> torch.Tensor | None:
+        if list(info.get("shape", ())) != list(like.shape) or like.dim() == 0:
+            return None
+        if path not in self._files:
+            with open(path, "rb") as f:
+                self._files[path] = (mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), {}, 0)
+        mapped = self._files[path][0]
+        return _view(mapped, 0, like.numel() * like.element_size(), like)
 
 
-def _part(module: torch.nn.Module, name: str, fallback: torch.device | None) -> PartPlacement:
+# safetensors' dtype names the engine maps (others: accelerate's loader)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on its JSON header
+
+
+def _fits(t: torch.Tensor, like: torch.Tensor) -> bool:
+    return t.dtype == like.dtype and tuple(t.shape) == tuple(like.shape)
+
+
+def _view(mapped: mmap.mmap, lo: int, hi: int, like: torch.Tensor) -> torch.Tensor | None:
+    nbytes = like.numel() * like.element_size()
+    if lo < 0 or hi - lo != nbytes or hi > len(mapped) or lo % like.element_size():
+        return None
+    return torch.frombuffer(mapped, dtype=like.dtype, count=like.numel(), offset=lo).view(like.shape)
+
+
+def _mapped_views(streamed, device: torch.device, files: OffloadFiles):
+    """Every streamed parameter's view (PartPlacement.mapped), or None."""
+    if device.type != "cpu":
+        return None  # (a copy to the execution device is needed anyway: accelerate's hooks)
+    out = []
+    for module, hook in streamed:
+        if getattr(hook, "offload_buffers", False) and any(True for _ in module.buffers(recurse=False)):
+            return None
+        for name, param in module.named_parameters(recurse=False):
+            view = files.view(getattr(hook, "weights_map", None), name, param)
+            if view is None:
+                return None
+            out.append((module, name, torch.nn.Parameter(view, requires_grad=False)))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _onloaded(streamed) -> Iterator[None]:
+    done = []
+    try:
+        for module, hook in streamed:
+            hook.pre_forward(module)
+            done.append((module, hook))
+        yield
+    finally:
+        for module, hook in reversed(done):
+            hook.post_forward(module, None)
+
+
+def onloaded(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """`module`'s weights readable inside the block: those accelerate offloads brought in by
+    its hooks (one module at a time: the caller reads a part, then lets it go); nothing to
+    do for resident weights."""
+    return _onloaded([(m, h) for m in module.modules() for h in _align_hooks(m) if getattr(h, "offload", False)])
+
+
+def _part(module: torch.nn.Module, name: str, fallback: torch.device | None,
+          files: OffloadFiles | None = None) -> PartPlacement:
     """The placement of `module` and everything under it; refuses a part split across devices."""
     devices: set[torch.device] = set()
     streamed = []
@@ -112,7 +236,8 @@ def _part(module: torch.nn.Module, name: str, fallback: torch.device | None) -> 
     if device is None:
         raise UnsupportedModelError(f"{name}: accelerate's hooks name no execution device for it; "
                                     "use plain generate()")
-    return PartPlacement(device, tuple(streamed))
+    mapped = None if not streamed or files is None else _mapped_views(streamed, device, files)
+    return PartPlacement(device, tuple(streamed), mapped)
 
 
 @dataclass(frozen=True)
@@ -154,20 +279,22 @@ class ModelPlacement:
         return f"{', '.join(parts)}; executing on {', '.join(map(str, self.devices))}"
 
 
-def model_placement(model: torch.nn.Module, parts: tuple) -> ModelPlacement | None:
+def model_placement(model: torch.nn.Module, parts: tuple, map_files: bool = False) -> ModelPlacement | None:
     """The placement of a dispatched model's parts (embedding, decoder layers, final norm,
     LM head: the modules in `parts`); None for a model accelerate did not dispatch (all its
-    weights resident where they are)."""
+    weights resident where they are). map_files: find each streamed weight's zero-copy view
+    (PartPlacement.mapped; what an engine reads), not only where it executes."""
     if not is_dispatched(model):
         return None
     check_dispatch(model)
     embedding, layers, final_norm, lm_head = parts
-    first = _part(layers[0], "decoder layer 0", None)
+    files = OffloadFiles() if map_files else None
+    device = _part(layers[0], "decoder layer 0", None).device
     return ModelPlacement(
-        embedding=_part(embedding, "the embedding", first.device),
-        layers=(first, *(_part(layer, f"decoder layer {i}", first.device) for i, layer in enumerate(layers) if i)),
-        final_norm=_part(final_norm, "the final norm", first.device),
-        lm_head=_part(lm_head, "the LM head", first.device))
+        embedding=_part(embedding, "the embedding", device, files),
+        layers=tuple(_part(layer, f"decoder layer {i}", device, files) for i, layer in enumerate(layers)),
+        final_norm=_part(final_norm, "the final norm", device, files),
+        lm_head=_part(lm_head, "the LM head", device, files))
 
 
 def check_dispatch(model: torch.nn.Module) -> None:

@@ -636,6 +636,16 @@ def _conv1d_class():
     return Conv1D
 
 
+def _dequantized_gguf(quantization) -> bool:
+    """A quantization_config (dict or object) of method GGUF: transformers' `gguf_file=` loader
+    dequantises every block to float weights and only leaves this marker (and its quantizer)
+    on the model, so nothing quantized remains; each projection's float dtype is still checked
+    (_check_plain_linear), and compact reads pick up the blocks (engine/compact.py)."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) \
+        else getattr(quantization, "quant_method", None)
+    return str(getattr(method, "value", method)).lower() == "gguf"
+
+
 def _check_plain_linear(name: str, module, model_type: str | None = None) -> None:
     """The engine runs a projection as `x @ weight^T (+ bias)` on the module's own float
     weight (GPT-2's transformers Conv1D: x @ weight + bias; Falcon's FalconLinear, an
@@ -1522,7 +1532,7 @@ class LayeredModel:
         # a model accelerate dispatched (device_map, offload): each part's execution device,
         # and the parts whose weights its hooks bring in at each use (dispatch.py); the
         # engine runs on the one execution device (_check_placement)
-        self.placement = model_placement(model, decoder_placement_parts(model))
+        self.placement = model_placement(model, decoder_placement_parts(model), map_files=True)
         self.device = self.embed.device if self.placement is None else self.placement.devices[0]
         # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model, whatever
         # keys its config carries): the embedding rows are scaled, attention scores scaled by
@@ -1662,7 +1672,7 @@ class LayeredModel:
         cls._check_features(config, cls._table_positions(config, max_positions, model.lm_head.weight.device))
         cls._check_quantization(model.config)  # an image-text model's is its top config's
         quantizer = getattr(model, "hf_quantizer", None)
-        if quantizer is not None:
+        if quantizer is not None and not _dequantized_gguf(getattr(quantizer, "quantization_config", None)):
             raise UnsupportedModelError(
                 f"this model is quantized ({type(quantizer).__name__}); the engine runs float "
                 "weights only (fp32/bf16/fp16): load the model unquantized, or use plain "
@@ -1777,7 +1787,7 @@ class LayeredModel:
     @staticmethod
     def _check_quantization(config) -> None:
         quantization = getattr(config, "quantization_config", None)
-        if quantization:  # attach_heads calls this before the model's modules are looked at
+        if quantization and not _dequantized_gguf(quantization):  # before any module is looked at
             method = quantization.get("quant_method") if isinstance(quantization, dict) \
                 else getattr(quantization, "quant_method", type(quantization).__name__)
             raise UnsupportedModelError(

@@ -127,21 +127,25 @@ def model_dims(model) -> dict:
 def probe_parts(model) -> list[torch.Tensor]:
     """The weight sample, one float32 CPU tensor per sampled weight: evenly spaced
     embedding rows, the first row of each matrix of three decoder layers, the final norm."""
-    parts = []
-    embed = model.get_input_embeddings().weight
-    rows = torch.linspace(0, embed.shape[0] - 1, _PROBE_EMBED_ROWS).long()
-    parts.append(embed[rows.to(embed.device), :_PROBE_VALUES].reshape(-1))
+    from hf_selfspec.engine.dispatch import onloaded
     from hf_selfspec.engine.layered import decoder_layers, text_decoder
 
+    # (a model accelerate offloads: each part's weights brought in while it is sampled)
+    parts = []
+    with onloaded(model.get_input_embeddings()):
+        embed = model.get_input_embeddings().weight
+        rows = torch.linspace(0, embed.shape[0] - 1, _PROBE_EMBED_ROWS).long()
+        parts.append(embed[rows.to(embed.device), :_PROBE_VALUES].reshape(-1).float().cpu())
     layers = decoder_layers(text_decoder(model))
     for i in sorted({0, len(layers) // 2, len(layers) - 1}):
-        for _name, p in layers[i].named_parameters():
-            if p.ndim == 2:
-                parts.append(p[0, :_PROBE_VALUES])
-    norm_weight = getattr(final_norm(model), "weight", None)
-    if norm_weight is not None:  # OLMo's final LayerNorm has none
-        parts.append(norm_weight[:_PROBE_VALUES])
-    return [p.detach().float().cpu() for p in parts]
+        with onloaded(layers[i]):
+            parts += [p[0, :_PROBE_VALUES].float().cpu().clone() for _name, p in layers[i].named_parameters()
+                      if p.ndim == 2]
+    with onloaded(final_norm(model)):
+        norm_weight = getattr(final_norm(model), "weight", None)
+        if norm_weight is not None:  # OLMo's final LayerNorm has none
+            parts.append(norm_weight[:_PROBE_VALUES].float().cpu())
+    return [p.detach() for p in parts]
 
 
 def probe_tensor(model) -> torch.Tensor:
