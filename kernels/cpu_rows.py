@@ -22,7 +22,8 @@ the process ends, however it ends. torch's builder keeps its own lock, a plain f
 that a killed build leaves behind and that torch then waits on for ever; it is only ever
 made by a process holding ours, so a `lock` found once ours is held was left by a process
 that is gone: it is taken over at once, with one warning, and a finished build is loaded
-without waiting. A live process holding ours (building, ~1 min) is waited on, saying so at
+without waiting. (The one exception: an older hf_selfspec, which took no lock of ours,
+building in the same environment at that very moment.) A live process holding ours (building, ~1 min) is waited on, saying so at
 once (whose, where, for how long at most: `MAX_WAIT_SECONDS`); past that the kernel is not
 loaded in this process (`build_error()` says so) and the engine uses another row layout.
 """
