@@ -218,10 +218,22 @@ def test_generate_measures_again_over_random_bytes(cache_folder):
     assert len(entries) == 1 and next(iter(entries.values()))["step_costs"]
 
 
-WRITER = """
+REPO = Path(__file__).resolve().parent.parent
+# A child process loads the one module under test from its file: importing the package
+# (transformers) would cost each child seconds. The code run is the module's own.
+LOAD = """
+import importlib.util
+def load(path):
+    spec = importlib.util.spec_from_file_location("module_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+"""
+
+WRITER = LOAD + """
 import sys, time
 from pathlib import Path
-from hf_selfspec.engine.cache import MeasurementCache
+MeasurementCache = load(CACHE_PY).MeasurementCache
 name, start = sys.argv[1], Path(sys.argv[2])
 print("ready", flush=True)  # imported: both start writing together
 while not start.exists():
@@ -230,7 +242,7 @@ cache = MeasurementCache({"writer": name}, ("fixed", "kernel"), width=8)
 for i in range(100):
     cache.store_attention_seconds("kernel", i, 1e-6 * (i + 1))
     MeasurementCache({"writer": "reader"}, ("fixed", "kernel"), width=8)  # reads while the other writes
-"""
+""".replace("CACHE_PY", repr(str(REPO / "hf_selfspec" / "engine" / "cache.py")))
 
 
 def test_two_processes_writing_at_once_keep_both_entries(cache_folder, tmp_path):
@@ -256,17 +268,17 @@ def test_two_processes_writing_at_once_keep_both_entries(cache_folder, tmp_path)
 
 # ---- the C++ kernel's build lock -----------------------------------------------------------
 
-HOLDER = """
+HOLDER = LOAD + """
 import sys, time
 from pathlib import Path
 from torch.utils.file_baton import FileBaton
-from hf_selfspec.kernels.cpu_rows import build_lock
+build_lock = load(CPU_ROWS_PY).build_lock
 folder = Path(sys.argv[1])
 with build_lock(folder):
     FileBaton(str(folder / "lock")).try_acquire()  # torch's own lock, as its builder takes it
     print("held", flush=True)
     time.sleep(600)  # building: killed here
-"""
+""".replace("CPU_ROWS_PY", repr(str(REPO / "kernels" / "cpu_rows.py")))
 
 
 @pytest.fixture
