@@ -70,6 +70,24 @@ def test_model_and_heads_made_under_inference_mode():
     assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), assistant="self", **KW), expected)
 
 
+def test_weight_copies_follow_normal_weights_and_accept_inference_tensors():
+    """The copies' version check: an in-place update of a normal weight is seen; an
+    inference tensor (no counter) counts as never updated instead of raising."""
+    from hf_selfspec.engine.compact import CompactWeights
+    from hf_selfspec.engine.versions import version_counter
+
+    with torch.inference_mode():
+        frozen = torch.randn(4, 64)
+    assert version_counter(frozen) == 0
+    weight = torch.randn(4, 64)
+    encoded = []
+    compact = CompactWeights([weight, frozen], [0, 1], lambda w: encoded.append(w) or torch.zeros(4, 48, dtype=torch.uint8))
+    assert compact.count == 2 and compact.refresh() == 0
+    with torch.no_grad():
+        weight.add_(1.0)
+    assert compact.refresh() == 1 and encoded[-1] is weight
+
+
 def test_a_failed_call_inside_inference_mode_does_not_poison_the_model():
     class Raising:
         def put(self, value):
