@@ -279,6 +279,12 @@ class SelfSpecState:
             self.engine.next_request()
         return self.engine
 
+    def step_width(self, model) -> int:
+        """Rows per engine step for `model`: EngineConfig.width, or its streamed_width where
+        accelerate streams weights in (a step then costs its weights' transfer, nearly
+        whatever its rows: wide draft trees pay)."""
+        return self.engine_config.streamed_width if _streams_weights(model) else self.engine_config.width
+
     @staticmethod
     def _current(engine: Engine | None, model) -> bool:
         """Whether `engine` still serves `model` as it is now (not stale)."""
@@ -297,7 +303,8 @@ class SelfSpecState:
         # a graph cannot replay accelerate's hooks, which bring offloaded weights in
         device = torch.device("cpu") if _streams_weights(model) else model_device(model)
         executor = resolve_executor(requested, device)
-        config = replace(self.engine_config, capacity=capacity, executor=executor)
+        config = replace(self.engine_config, capacity=max(capacity, 2 * self.step_width(model)), executor=executor,
+                         width=self.step_width(model))
         if requested != "auto" or executor != "cuda_graphs":
             return Engine(model, config)
         try:  # graphs chosen for the caller, not asked for: eager where they cannot be set up
@@ -936,8 +943,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     stopping_criteria = _with_stop_strings(stopping_criteria, call)
     state: SelfSpecState = model._selfspec
     # this call's drafting options (bad values refused here, before any work)
-    config = _per_call_config(state.decode_config, call.options, state.engine_config.width,
-                              selfspec_draft_model is not None)
+    width = state.step_width(model)
+    config = _per_call_config(state.decode_config, call.options, width, selfspec_draft_model is not None)
     if gc.do_sample and config.lossy_top_k > 1:  # the loop's own check would come after the build
         raise ValueError("lossy_top_k > 1 is a greedy option; sampling is exact only (set lossy_top_k=1)")
     prompt_len = input_ids.shape[1]
@@ -963,8 +970,8 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     # the engine (built on the first call, or rebuilt for a larger request): its build time
     # and step-cost measurement are reported as stats.build_time, not as decoding time
     started, engine_before, draft_before = time.perf_counter(), state.engine, state.draft_engine
-    limit = served_positions(text_config(model), _windowed(model)) or need + state.engine_config.width
-    engine = state.engine_for(model, min(need + state.engine_config.width, limit))
+    limit = served_positions(text_config(model), _windowed(model)) or need + width
+    engine = state.engine_for(model, min(need + width, limit))
     getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
     # the attention per row-key: for rows past the measured context, or for any request
     # where it is cheap to measure (then a short one plans with its rows' cheaper attention)

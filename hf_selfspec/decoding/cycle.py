@@ -44,7 +44,7 @@ from .drafters import (
     PartialRows,
     TopHeadsDrafter,
 )
-from .policy import DraftBudget, select_tree_rows
+from .policy import DraftBudget, select_tree_rows, tree_shape
 from .sampling import RowScorer, sample, speculative_tokens
 from .tree import DraftTree
 
@@ -161,8 +161,8 @@ class SelfSpecDecoder:
         if draft_engine is not None:
             self.drafter = DraftModelDrafter(draft_engine, self.config.draft_confidence)
         elif use_heads and kind == "top_draft":
-            self.drafter = TopHeadsDrafter(self.heads, self.thresholds, self.config.siblings + 1,
-                                           self.config.tree_beam, self.config.sibling_min_prob)
+            children, beam, min_prob = tree_shape(self.config, width)
+            self.drafter = TopHeadsDrafter(self.heads, self.thresholds, children, beam, min_prob)
         elif use_heads:
             self.drafter = ExitHeadsDrafter(engine, self.heads, self.thresholds, self.config.gamma)
         self.lookup = None

@@ -138,6 +138,28 @@ class DraftBudget:
         return self.calibrations[drafter]
 
 
+# A tree step of more rows than this (an engine whose weights stream in: a step costs about
+# the same whatever its rows) drafts a wider tree: WIDE_TREE_ROWS_PER_BEAM rows per expanded
+# node, WIDE_TREE_CHILDREN tokens per node at least, siblings down to WIDE_TREE_MIN_PROB; the
+# rows that pay are still chosen by select_tree_rows on the measured costs.
+WIDE_TREE_FROM = 16
+WIDE_TREE_ROWS_PER_BEAM = 4
+WIDE_TREE_CHILDREN = 6
+WIDE_TREE_MIN_PROB = 0.01
+
+
+def tree_shape(config, width: int) -> tuple[int, int, float]:
+    """(children per node, beam, sibling minimum path probability) of the heads' dynamic
+    tree for an engine `width` rows wide: the DecodeConfig's (siblings + 1, tree_beam,
+    sibling_min_prob), widened on a wide engine so that dozens of candidates compete for
+    its rows."""
+    children, beam, min_prob = config.siblings + 1, config.tree_beam, config.sibling_min_prob
+    if width < WIDE_TREE_FROM:
+        return children, beam, min_prob
+    return (max(children, WIDE_TREE_CHILDREN), max(beam, width // WIDE_TREE_ROWS_PER_BEAM),
+            min(min_prob, WIDE_TREE_MIN_PROB))
+
+
 @dataclass
 class TreeRows:
     """The rows a tree cycle verifies, and each drafter's first-chain rows among them (what

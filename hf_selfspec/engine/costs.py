@@ -181,7 +181,8 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     The timing writes KV in the last W slots of the cache, which any later use overwrites
     before reading; more rows never cost less (relative_costs: timing noise is averaged out)."""
     layout = engine.layout
-    key = {n: (layout.rows(n), layout.attention_chunks(n)) for n in range(1, engine.width + 1)}
+    sizes = timed_sizes(engine.width)
+    key = {n: (layout.rows(n), layout.attention_chunks(n)) for n in sizes}
     widest = {k: max(n for n in key if key[n] == k) for k in set(key.values())}
     base = engine.position_limit - engine.width
     limit = cost_context(engine)
@@ -189,9 +190,35 @@ def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
     medians = median_seconds(engine, {
         k: (lambda n=n: (h[:n], engine.make_meta(range(base, base + n), [limit] * n))) for k, n in widest.items()},
         STEP_COST_ROUNDS)
-    seconds = [medians[key[n]] for n in range(1, engine.width + 1)]
+    seconds = interpolated({n: medians[key[n]] for n in sizes}, engine.width)
     costs = relative_costs(seconds)
     return tuple([1.0] + costs), seconds[0]
+
+
+# An engine wider than this (a streamed model's: STREAMED_WIDTH) times the step sizes of
+# WIDE_TIMED_SIZES only, the others interpolated: each size is a whole step, and a wide
+# engine's steps read weights that stream in.
+WIDE_FROM = 9
+WIDE_TIMED_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def timed_sizes(width: int) -> list[int]:
+    """The step sizes measure_step_costs times for an engine `width` rows wide."""
+    if width < WIDE_FROM:
+        return list(range(1, width + 1))
+    return sorted({n for n in WIDE_TIMED_SIZES if n < width} | {width})
+
+
+def interpolated(seconds: dict[int, float], width: int) -> list[float]:
+    """Seconds of every step size 1..width, linear between the timed sizes in `seconds`."""
+    sizes = sorted(seconds)
+    out = []
+    for n in range(1, width + 1):
+        hi = next(m for m in sizes if m >= n)
+        lo = max((m for m in sizes if m <= n), default=hi)
+        share = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append(seconds[lo] + share * (seconds[hi] - seconds[lo]))
+    return out
 
 
 def non_decreasing(values: Sequence[float]) -> list[float]:

@@ -194,10 +194,13 @@ def _onloaded(streamed) -> Iterator[None]:
 
 
 def onloaded(module: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """`module`'s weights readable inside the block: those accelerate offloads brought in by
-    its hooks (one module at a time: the caller reads a part, then lets it go); nothing to
-    do for resident weights."""
-    return _onloaded([(m, h) for m in module.modules() for h in _align_hooks(m) if getattr(h, "offload", False)])
+    """`module`'s weights readable inside the block, where accelerate offloads them (one
+    part at a time: the caller reads it, then lets it go; PartPlacement.onloaded); nothing
+    to do for resident weights."""
+    streamed = [(m, h) for m in module.modules() for h in _align_hooks(m) if getattr(h, "offload", False)]
+    if not streamed:
+        return contextlib.nullcontext()
+    return _part(module, type(module).__name__, None, OffloadFiles()).onloaded()
 
 
 def _part(module: torch.nn.Module, name: str, fallback: torch.device | None,

@@ -52,12 +52,17 @@ from .memory import zeroed
 from .meta import StepMeta, StepRows
 from .screen import ScreenedArgmax, screen_refusal
 
-__all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_WIDTH", "STREAMED_WIDTH", "Engine", "EngineConfig", "RowLayout", "StepMeta",
            "StepRows", "row_chunks", "weight_signature"]
 
 # Most rows one step takes (row 0 + drafts): enough room for long copies where they pay
 # (docs/benchmarks.md, scripts/bench.py --widths).
 DEFAULT_WIDTH = 8
+# The width of an engine whose model accelerate streams in (offload): each step reads every
+# streamed weight once whatever its rows, so a verify of dozens of rows costs about what one
+# row does, and wide draft trees pay (the measured step costs decide how many rows a cycle
+# takes; integration.SelfSpecState.step_width).
+STREAMED_WIDTH = 32
 DEFAULT_CAPACITY = 2048
 # A request-sized cache holds whole key blocks. `ensure_capacity(..., release=True)`
 # shrinks a cache that is more than SHRINK_RATIO times what a request needs back to
@@ -84,6 +89,8 @@ class EngineConfig:
 
     width: int = DEFAULT_WIDTH
     capacity: int = DEFAULT_CAPACITY
+    # the width of the engine of a model whose weights accelerate streams in (offload)
+    streamed_width: int = STREAMED_WIDTH
     row_layout: RowLayoutName = "auto"  # auto: the cheapest layout whose self-test passes, else fixed
     # "hf": the prompt goes through the HF model's own forward (wide GEMMs, one pass) and
     # its KV is copied into the engine's cache, so the prompt KV and the first new token
@@ -110,8 +117,10 @@ class EngineConfig:
             removed = (f" ({self.row_layout!r} was removed; see docs/engine_layouts_history.md)"
                        if self.row_layout in REMOVED_LAYOUTS else "")
             raise ValueError(f"row_layout must be one of {ROW_LAYOUTS}, got {self.row_layout!r}{removed}")
-        if not isinstance(self.width, int) or not 1 <= self.width <= 64:
-            raise ValueError(f"width must be an int in [1, 64], got {self.width!r}")
+        for name in ("width", "streamed_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+                raise ValueError(f"{name} must be an int in [1, 64], got {value!r}")
         if not isinstance(self.capacity, int) or self.capacity < 2 * self.width:
             raise ValueError(f"capacity must be an int >= 2*width, got {self.capacity!r}")
         if self.measurement_cache not in (True, False):

@@ -98,7 +98,12 @@ class ExitHead(nn.Module):
 
     def bind(self, model) -> ExitHead:
         """Gather E[V_k] from `model`'s LM head and move the head to its device and dtype."""
-        weight = lm_head_weight(model)
+        from hf_selfspec.engine.dispatch import onloaded
+
+        with onloaded(model.get_output_embeddings()):  # (brought in where accelerate offloads it)
+            return self._bind(lm_head_weight(model))
+
+    def _bind(self, weight: torch.Tensor) -> ExitHead:
         if int(self.vocab_ids.max()) >= weight.shape[0]:
             raise ValueError(
                 f"head at layer {self.layer} proposes token id {int(self.vocab_ids.max())} but "

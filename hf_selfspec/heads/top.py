@@ -195,9 +195,16 @@ class TopDraftHeads(nn.Module):
 
     def bind(self, model) -> TopDraftHeads:
         """Gather the LM-head rows of the reduced vocabulary and the input embeddings from
-        `model`, and move the heads to its device and dtype."""
-        lm = lm_head_weight(model)
-        emb = model.get_input_embeddings().weight
+        `model`, and move the heads to its device and dtype. Where accelerate offloads the
+        LM head or the embedding, they are read while brought in: the reduced rows are the
+        heads' own copy as always; the embedding the heads keep is a view of the mapped
+        file (or, where accelerate's hooks must copy it in, that copy)."""
+        from hf_selfspec.engine.dispatch import onloaded
+
+        with onloaded(model.get_output_embeddings()), onloaded(model.get_input_embeddings()):
+            return self._bind(lm_head_weight(model), model.get_input_embeddings().weight)
+
+    def _bind(self, lm: torch.Tensor, emb: torch.Tensor) -> TopDraftHeads:
         if lm.shape[1] != self.config.hidden_size:
             raise ValueError(f"heads have hidden size {self.config.hidden_size}, the model {lm.shape[1]}")
         if int(self.vocab_ids.max()) >= lm.shape[0]:
