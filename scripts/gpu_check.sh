@@ -14,7 +14,7 @@ status=0
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| cuda', torch.cuda.is_available())"
 
-# Timeouts: 190 + 180 + 100 s = 470 s, so that the whole run stays under 8 minutes even
+# Timeouts: 190 + 180 + 100 + 60 s = 530 s, so that the whole run stays under 9 minutes even
 # when a phase hangs; the replay also stops itself (--replay-budget) before its timeout.
 echo "== tests (CUDA graphs, Triton kernels, trees and batches on the Triton path, fused small kernels) =="
 timeout 190 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_triton_trees.py tests/test_triton_fused.py -q -p no:cacheprovider || status=1
@@ -24,6 +24,9 @@ timeout 180 python scripts/gpu_check.py "$@" || status=1
 
 echo "== gpu_check.py --replay-only (recorded traces of the default model, replayed) =="
 timeout 100 python scripts/gpu_check.py --replay-only --replay-budget 80 "$@" || status=1
+
+echo "== gpu_offload_check.py (a model dispatched over GPU 0, the CPU and the disk) =="
+timeout 60 python scripts/gpu_offload_check.py || status=1
 
 echo "== gpu_check.sh: $([ $status -eq 0 ] && echo OK || echo FAILED) =="
 exit $status

@@ -596,9 +596,13 @@ class Engine:
                 and v.rms_sequential_gated and not (v.norm_plus_one or v.gelu or v.rope_pairs):
             # the Triton RoPE rotates all of d; its add + norm fuses the Llama form's norms
             return self._run_layers_fused(h, start, end, meta, attend)[:n]
+        streamed = v.streamed_layers
         for li in range(start, end):
-            with v.layer_weights(li) as lw:  # (an offloaded layer's weights, brought in for the step)
-                h = self._layer_step(h, lw, li, meta, attend, n)
+            if li in streamed:  # an offloaded layer: its weights brought in for the step
+                with v.layer_weights(li) as lw:
+                    h = self._layer_step(h, lw, li, meta, attend, n)
+            else:
+                h = self._layer_step(h, v.layers[li], li, meta, attend, n)
         return h[:n]
 
     def _layer_step(self, h: torch.Tensor, lw, li: int, meta: StepMeta, attend, n: int) -> torch.Tensor:
