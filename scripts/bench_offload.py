@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hf_selfspec  # noqa: E402
-from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
-from hf_selfspec.defaults import default_model_dir  # noqa: E402
+import hf_selfspec
+from hf_selfspec.data import prompt_sets, render_prompt
+from hf_selfspec.defaults import default_model_dir
 
 PARTS = ("default_all", "default_half", "big")
 CATEGORIES = ("chat", "code", "summarize", "qa", "math", "translate")

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hf_selfspec  # noqa: E402
+import hf_selfspec
 
 
 def main() -> int:

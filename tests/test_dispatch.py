@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_selfspec
 from hf_selfspec.engine.dispatch import model_placement
 from hf_selfspec.engine.layered import UnsupportedModelError, decoder_placement_parts
 from hf_selfspec.engine.programs import Engine, EngineConfig
-
-from conftest import tiny_model
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7, 8, 11]
 
