@@ -222,11 +222,11 @@ class Engine:
         parameters: the same storage, no copy. With linear biases anywhere (Qwen2's q/k/v),
         every layer gives all 20: its 13 weights and norms, then its 7 projections' biases
         (an empty tensor where it has none)."""
-        if self.layout.kernel_layers is None or not self.view.rms_sequential_gated or self.view.streamed_layers:
+        if self.layout.kernel_layers is None or not self.view.rms_sequential_gated:
             return None
         biased = any(lin.bias is not None for lw in self.view.layers for lin in lw.linears)
         fused = []
-        for lw in self.view.layers:
+        for li, lw in enumerate(self.view.layers):
             # a norm (or bias) the layer does not have goes as an empty tensor (rows_layer skips it)
             w = [lw.input_norm, lw.q.weight, lw.k.weight, lw.v.weight, lw.o.weight, lw.post_norm,
                  lw.gate.weight, lw.up.weight, lw.down.weight]
@@ -236,7 +236,9 @@ class Engine:
                 w += [lw.attn_out_norm, lw.mlp_out_norm]
             if biased:
                 w += [lin.bias for lin in (lw.q, lw.k, lw.v, lw.o, lw.gate, lw.up, lw.down)]
-            fused.append([self._no_norm if t is None else t.detach() for t in w])
+            # a layer accelerate offloads runs as ops (run_layers): empty tensors hold its place
+            streamed = li in self.view.streamed_layers
+            fused.append([self._no_norm if t is None or streamed else t.detach() for t in w])
         return fused
 
     def _make_screen(self, first_request: bool = False) -> None:
@@ -564,33 +566,57 @@ class Engine:
 
     def run_layers(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
         """h [n, H] (the step's real rows) after `start` layers -> [n, H] after `end`
-        layers; writes the KV of layers [start, end) at meta.slots."""
+        layers; writes the KV of layers [start, end) at meta.slots. On the kernel layout the
+        resident layers run as C++ calls; a layer accelerate offloads always runs as
+        PyTorch ops with its weights brought in for the step (the same way at every step, so
+        AR and speculative rows compute it alike)."""
         v = self.view
-        R, n = meta.rows, h.shape[0]
         if start == 0:  # GPT-2: the tokens' rows plus their positions'; Bloom: normed
             h = v.first_layer_input(h, meta.positions)
-        if self._fused_weights is not None:  # kernel layout: one C++ call per step, no padding
-            slots, limits = meta.slots[:n], meta.key_limit[:n]
-            # rows_layers computes in float32 (bf16/fp16 weights and caches widened in
-            # registers); the residual stream rounds to the model's dtype at EVERY layer
-            # boundary, so a row's bits never depend on where a seg ends (AR: one run of all
-            # layers; a chain: several segs), as with the PyTorch layers in that dtype
-            dtype = h.dtype
-            h = h.float().contiguous()
-            offset, softcap = 1.0 if v.norm_plus_one else 0.0, v.attention_softcap or 0.0
-            # one call unless layers differ in RoPE (SmolLM3's unrotated, Gemma 3's per type)
-            # or window (the sliding layers of Gemma 2/3, Qwen2, ...); each table widened once
-            widened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for lo, hi, table, window in self._layer_runs(start, end):
-                if table not in widened:
-                    widened[table] = self._float_tables(meta, table, n)
-                c, s = widened[table]
-                h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
-                                              self.v_cache, c, s, slots, limits, v.eps, v.scaling,
-                                              v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
-                                              softcap, window, v.rope_pairs)
-            return h.to(dtype)
-        h = self._pad(h, R)
+        if self._fused_weights is None:
+            return self._run_ops(h, start, end, meta)
+        streamed = v.streamed_layers
+        lo = start
+        while lo < end:  # runs of resident layers (C++) and of streamed ones (ops)
+            hi = lo + 1
+            while hi < end and (hi in streamed) == (lo in streamed):
+                hi += 1
+            h = (self._run_ops if lo in streamed else self._run_kernel)(h, lo, hi, meta)
+            lo = hi
+        return h
+
+    def _run_kernel(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
+        """Layers [start, end) on the kernel layout: one C++ call per run of alike layers, no
+        padding; h [n, H] -> [n, H]."""
+        v = self.view
+        n = h.shape[0]
+        slots, limits = meta.slots[:n], meta.key_limit[:n]
+        # rows_layers computes in float32 (bf16/fp16 weights and caches widened in
+        # registers); the residual stream rounds to the model's dtype at EVERY layer
+        # boundary, so a row's bits never depend on where a seg ends (AR: one run of all
+        # layers; a chain: several segs), as with the PyTorch layers in that dtype
+        dtype = h.dtype
+        h = h.float().contiguous()
+        offset, softcap = 1.0 if v.norm_plus_one else 0.0, v.attention_softcap or 0.0
+        # one call unless layers differ in RoPE (SmolLM3's unrotated, Gemma 3's per type)
+        # or window (the sliding layers of Gemma 2/3, Qwen2, ...); each table widened once
+        widened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for lo, hi, table, window in self._layer_runs(start, end):
+            if table not in widened:
+                widened[table] = self._float_tables(meta, table, n)
+            c, s = widened[table]
+            h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
+                                          self.v_cache, c, s, slots, limits, v.eps, v.scaling,
+                                          v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
+                                          softcap, window, v.rope_pairs)
+        return h.to(dtype)
+
+    def _run_ops(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
+        """Layers [start, end) as PyTorch ops with the layout's products, on the step's rows
+        padded as the layout needs; h [n, H] -> [n, H]."""
+        v = self.view
+        n = h.shape[0]
+        h = self._pad(h, meta.rows)
         attend = self.attention.bind(self, meta)  # attention.py: row-invariant backends
         if self.fused_small_ops and v.cos.shape[-1] == v.head_dim and self._inputs_normed \
                 and v.rms_sequential_gated and not (v.norm_plus_one or v.gelu or v.rope_pairs):
