@@ -221,8 +221,11 @@ def test_unsupported_architecture():
 
     model = RwkvForCausalLM(RwkvConfig(num_hidden_layers=2, hidden_size=32, vocab_size=64, attention_hidden_size=32,
                                        intermediate_size=64))  # RWKV: not served
-    with pytest.raises(ValueError, match="rwkv"):
+    with pytest.raises(ValueError, match="rwkv") as refused:
         attach_heads(model, heads=False)
+    # the cause and what to do lead; the list of supported types comes last
+    assert str(refused.value).startswith("RwkvForCausalLM (model_type='rwkv') is not a model type "
+                                         "hf_selfspec runs: use plain model.generate()")
 
 
 def test_auto_class_and_detach(tmp_path):

@@ -1455,10 +1455,11 @@ def check_model_type(model: torch.nn.Module) -> str:
             "serves its text model: load the checkpoint with AutoModelForCausalLM.from_pretrained(name) "
             "(Llama4ForCausalLM), or use plain model.generate() for this one")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        # the model's own type and what to do first; the long list of supported types last
         raise UnsupportedModelError(
-            f"hf_selfspec supports {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs; "
-            f"got model_type={model_type!r} ({type(model).__name__}). "
-            "Use plain model.generate() for this model."
+            f"{type(model).__name__} (model_type={model_type!r}) is not a model type hf_selfspec "
+            "runs: use plain model.generate() for this model. Supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     return model_type
 
