@@ -169,7 +169,10 @@ def _run_script(name: str, rest: list[str]) -> int:
         return 2
     if rest[:1] == ["--"]:  # `hf-selfspec bench -- --flag`: the separator is ours, not the script's
         rest = rest[1:]
-    return subprocess.call([sys.executable, str(script), *rest], env=os.environ.copy())
+    command = next(c for c, (file, _) in SCRIPT_COMMANDS.items() if file == name)
+    # the script's --help names the command the user typed, not the script file
+    env = dict(os.environ, HF_SELFSPEC_PROG=f"hf-selfspec {command}")
+    return subprocess.call([sys.executable, str(script), *rest], env=env)
 
 
 def cmd_push_heads(args) -> int:

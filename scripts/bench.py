@@ -14,8 +14,9 @@
 Every method runs on the same prompt side by side in one process (methods rotated per
 prompt, so drift in machine speed hits all alike); the table gives per category the median
 tokens/s, the ratio of total time to HF greedy, tau (tokens per verification), how many
-outputs are identical to HF greedy, and where self-spec time goes. Results are saved as
-JSON (and a PNG plot when matplotlib is installed).
+outputs are identical to HF greedy, and where self-spec time goes. With --out FILE.json the
+records are saved there as JSON (and a PNG plot beside it when matplotlib is installed);
+without it nothing is written.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import sys
@@ -257,7 +259,11 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # run as `hf-selfspec bench` (cli.py names itself in HF_SELFSPEC_PROG): usage and examples
+    # in the command the user typed
+    prog = os.environ.get("HF_SELFSPEC_PROG")
+    doc = __doc__.replace("python scripts/bench.py", prog.ljust(len("python scripts/bench.py"))) if prog else __doc__
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-category", type=int, default=3)
     ap.add_argument("--categories", default="chat,code,summarize,adversarial",
                     help="comma-separated prompt_sets categories; also qa, math, translate "
@@ -274,9 +280,14 @@ def main(argv=None):
                     help="HF model folder or id instead of the embedded default (heads: --heads, else none)")
     ap.add_argument("--draft-model", default=None,
                     help="a smaller HF model of the same tokenizer: adds hf_assisted and self_draft_model")
-    ap.add_argument("--out", default="docs/bench.json")
-    ap.add_argument("--report", default=None, help="also write a markdown report here (e.g. docs/benchmarks.md)")
+    ap.add_argument("--out", default=None,
+                    help="save the records here as JSON and the plot beside it (.png), e.g. "
+                         "docs/bench.json; without it nothing is written")
+    ap.add_argument("--report", default=None,
+                    help="also write a markdown report here (e.g. docs/benchmarks.md); needs --out")
     args = ap.parse_args(argv)
+    if args.report and not args.out:  # before the model loads: the report shows the --out plot
+        ap.error("--report needs --out (the report shows the plot saved beside the --out JSON)")
     torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.draft_model:
@@ -352,6 +363,9 @@ def main(argv=None):
     print_table(records, categories, methods)
     widths = width_curve(model, [1, 2, 3, 4, 6, 8], text_context(tokenizer, sets, 200)) if args.widths else None
     bound = roofline(model, text_context(tokenizer, sets, 300)) if args.roofline else None
+    if not args.out:
+        print("\nnothing saved: pass --out FILE.json to keep the records and the plot")
+        return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",

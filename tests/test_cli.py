@@ -43,7 +43,7 @@ def test_generate_a_base_model_without_a_chat_template(tmp_path, capsys, default
 
 
 @pytest.mark.slow
-def test_generate_with_a_draft_model(tmp_path, capsys, default_model):
+def test_generate_with_a_draft_model(tmp_path, capsys, default_model, monkeypatch):
     """--model and --draft-model: two HF folders of the same tokenizer (tiny random models
     with the default model's vocabulary and tokenizer); the output equals HF greedy."""
     from conftest import perturbed_copy
@@ -81,6 +81,17 @@ def test_generate_with_a_draft_model(tmp_path, capsys, default_model):
     # a "draft" model as big as the model costs a full step per draft: the measured cost
     # keeps the draft budget at 0 except for probes, so this row mostly decodes with copies
     assert by_method["self_draft_model"]["stats"]["cycles"] > 0
+    # without --out the benchmark writes nothing: not in the working directory, not the
+    # tracked docs/bench.json it once wrote by default
+    tracked = Path(__file__).parent.parent / "docs" / "bench.json"
+    before = tracked.stat().st_mtime_ns if tracked.exists() else None
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    bench.main(["--model", str(tmp_path / "main"), "--methods", "hf_greedy", "--categories", "chat",
+                "--per-category", "1", "--max-new-tokens", "4"])
+    assert "nothing saved" in capsys.readouterr().out
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert (tracked.stat().st_mtime_ns if tracked.exists() else None) == before
 
 
 def _entry_point(*args, timeout=300):
@@ -102,6 +113,10 @@ def test_bench_and_train_heads_take_their_flags():
     real flag reaches the script (which refuses a bad value with its own message)."""
     bench = _entry_point("bench", "--help")
     assert bench.returncode == 0, bench.stderr
+    # named as the user typed it, examples included, not as the script file
+    assert bench.stdout.startswith("usage: hf-selfspec bench") and "scripts/bench.py" not in bench.stdout
+    no_out = _entry_point("bench", "--report", "report.md")  # refused before any model loads
+    assert no_out.returncode == 2 and "--report needs --out" in no_out.stderr
     for flag in ("--per-category", "--model", "--draft-model", "--methods", "--max-new-tokens"):
         assert flag in bench.stdout
     train = _entry_point("train-exit-heads", "--help")
