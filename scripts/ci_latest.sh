@@ -17,7 +17,12 @@ bash scripts/install_torch.sh
 # within the ranges
 DIST=$(mktemp -d)
 pip install -q build
-python -m build -q --outdir "$DIST" . >/dev/null
+python -m build --outdir "$DIST" . > "$DIST/build.log" 2>&1 || { cat "$DIST/build.log"; exit 1; }
+# a quiet build: setuptools' warnings (a deprecated field, a folder left out of `packages`)
+# are what `pip install` shows a user as a broken-looking install
+if grep -E "Warning|would be ignored" "$DIST/build.log"; then
+  echo "setuptools warned while building the package (above): fix pyproject.toml"; exit 1
+fi
 pip install -q "$DIST"/hf_selfspec-*.whl pytest
 # the installed wheel on its own, outside the source tree: the CLI starts, the kernels ship
 # as hf_selfspec.kernels and nothing binds a top-level `kernels` but Hugging Face's package

@@ -10,6 +10,7 @@ import torch
 from conftest import hf_greedy, tiny_model
 from transformers import AutoModelForCausalLM, GgufConfig
 
+import hf_selfspec
 from hf_selfspec import attach_heads
 from hf_selfspec.defaults import gguf_path
 from hf_selfspec.engine.layered import LayeredModel, UnsupportedModelError
@@ -53,3 +54,13 @@ def test_gguf_loaded_model_attaches_and_decodes_exactly(default_model):
     # Q4_1 blocks: every projection is read compactly where the row kernel runs
     assert engine.layout.name != "kernel" or engine.compact.count == 7 * model.config.num_hidden_layers
     assert model._selfspec.heads is not None and model.selfspec_stats.new_tokens == len(ref)
+
+
+@pytest.mark.slow
+def test_default_model_path_loads_with_plain_transformers(default_model):
+    """hf_selfspec.default_model_path(): the embedded model's folder, loaded as any checkpoint
+    (no heads attached, no quantization marker), the same weights load_default() gives."""
+    reference, _ = default_model
+    model = AutoModelForCausalLM.from_pretrained(hf_selfspec.default_model_path())
+    assert getattr(model.config, "quantization_config", None) is None and "_selfspec" not in model.__dict__
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
