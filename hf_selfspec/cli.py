@@ -12,6 +12,7 @@ says so in one line. Any error prints one line and exits with status 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -27,6 +28,33 @@ def _colour(source: str) -> str:
     if source.startswith("head"):
         return _HEAD_COLOURS[int(source[4:]) % len(_HEAD_COLOURS)]
     return _COLOURS.get(source, _RESET)
+
+
+@contextlib.contextmanager
+def _after_the_reply():
+    """Warnings and log records (transformers' loggers, ours among them) raised while a reply
+    streams are written to stderr once the block ends: written at once, on a terminal, they
+    would land in the middle of the streamed text."""
+    import io
+    import logging
+    import warnings
+
+    handlers = [h for name in ("", "transformers", "hf_selfspec") for h in logging.getLogger(name).handlers
+                if type(h) is logging.StreamHandler]  # a FileHandler's lines split no reply
+    held = [(h, h.setStream(io.StringIO())) for h in handlers]  # setStream returns the old stream
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the filters as they were: "once" holds
+            yield
+    finally:
+        sys.stdout.flush()
+        for handler, stream in held:
+            text = handler.setStream(stream).getvalue()
+            if text:
+                stream.write(text)
+                stream.flush()
+        for w in caught:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 def model_source(value: str, flag: str) -> str:
@@ -121,8 +149,9 @@ def cmd_generate(args) -> int:
                                         f"they hold, {compact.copy_bytes / 2**20:.0f} MiB")
     print(f"[hf-selfspec] engine ready in {time.perf_counter() - t0:.1f} s (once per process, untimed{held})")
     t0 = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
-                         assistant="self", assistant_model=draft_model, streamer=SourceStreamer())
+    with _after_the_reply():
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False,
+                             assistant="self", assistant_model=draft_model, streamer=SourceStreamer())
     elapsed = time.perf_counter() - t0
     stats = model.selfspec_stats
     if colour:

@@ -175,3 +175,28 @@ def test_generate_counts_are_checked_before_the_model_loads(monkeypatch, capsys,
         main(["generate", "Hi", flag, value])
     assert exit_info.value.code == 2
     assert f"argument {flag}: must be a positive integer, got {value}" in capsys.readouterr().err
+
+
+def test_warnings_wait_until_the_streamed_reply_ends(monkeypatch):
+    """A warning or a log record raised while generate streams is written after the reply,
+    never into the middle of its text."""
+    import io
+    import logging
+    import warnings
+
+    from hf_selfspec.cli import _after_the_reply
+    from hf_selfspec.logs import logger
+
+    shown = []  # what reaches the user, in order
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *rest: shown.append(str(message)))
+    terminal = io.StringIO()
+    handler = logging.StreamHandler(terminal)  # as transformers' own handler on stderr
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with _after_the_reply():
+            warnings.warn("held warning", UserWarning)
+            logger.warning("held log record")
+            assert shown == [] and terminal.getvalue() == ""  # the reply is still streaming
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert shown == ["held warning"] and terminal.getvalue() == "held log record\n"
