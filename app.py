@@ -32,7 +32,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import gradio as gr
+try:
+    import gradio as gr
+except ImportError as e:  # scripts/setup.sh installs the library and its tests, not the demo's UI
+    raise SystemExit("app.py needs gradio, which scripts/setup.sh does not install: "
+                     "pip install \"$(grep '^gradio==' requirements.txt)\" (the version the Space "
+                     "runs), or pip install -e '.[demo]'") from e
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 

@@ -97,3 +97,12 @@ def test_upload_selects_what_the_space_needs_and_nothing_else():
     assert package & tracked <= set(files)
     assert not [f for f in files if f.startswith(("tests/", "docs/", "scripts/", ".venv"))]
 
+
+
+def test_app_without_gradio_says_how_to_install_it():
+    """setup.sh installs no gradio: app.py then stops with one line saying how to get it."""
+    code = "import runpy, sys; sys.modules['gradio'] = None; runpy.run_path('app.py', run_name='__main__')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "app.py needs gradio" in result.stderr and "requirements.txt" in result.stderr
