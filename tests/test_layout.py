@@ -142,3 +142,14 @@ def test_repository_root_never_shadows_hf_kernels():
         assert origin != "None", out
     else:  # at most a namespace portion (origin None), never reported as HF's package
         assert origin == "None" and available == "False", out
+
+
+def test_pyproject_metadata_builds_without_setuptools_warnings():
+    """What setuptools warns about at `pip install` (a TOML-table license is deprecated) and
+    what a user's Python must be (the pinned numpy needs 3.11); the version is written once."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert isinstance(project["project"]["license"], str)  # an SPDX expression
+    assert project["project"]["requires-python"] == ">=3.11"
+    assert project["project"]["dynamic"] == ["version"] and "version" not in project["project"]
+    version = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert version == "hf_selfspec._version.__version__"
