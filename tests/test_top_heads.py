@@ -108,6 +108,8 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     assert "Reproduce: `python x.py`" in card
     assert "| chat | 1.7 | 1.9x |" in card and "Reproduce: `python bench.py`" in card
     assert "| 3 | 2.01 | 1.92 |" in card and "4 likeliest nodes of each step" in card
+    # the chain's figure says what it is, and where to measure what decoding gets
+    assert "no\nconfidence threshold: 1.68" in card and "not what decoding gets" in card
 
 
 def test_float16_storage_round_trip(tmp_path):

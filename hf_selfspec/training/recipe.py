@@ -199,7 +199,9 @@ def train_top_heads(model, tokenizer, config: RecipeConfig, log=print) -> dict:
         report["reproduce"] = config.command
     heads.config.training = report
     save_heads(heads, Path(config.out))
-    log(f"saved {config.out}: held-out tau {report.get('own_eval_tau_thr0.0')} over "
+    # the chain alone (all drafts, no threshold): decoding's tau differs (thresholds, lookup)
+    log(f"saved {config.out}: held-out tau of the full chain without thresholds "
+        f"{report.get('own_eval_tau_thr0.0')} (decoding: hf-selfspec generate --compare) over "
         f"{report.get('own_eval_positions')} positions, per-step top-1 "
         f"{[report.get(f'own_eval_step{i}_top1_given_reached') for i in range(settings.depth)]}")
     return report
