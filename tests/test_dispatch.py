@@ -223,3 +223,38 @@ def test_refuses_offloaded_recurrent_layers(tmp_path_factory, tmp_path):
 def test_undispatched_model_has_no_placement():
     model = tiny_model("llama", layers=2)
     assert model_placement(model, decoder_placement_parts(model)) is None
+
+
+def test_offload_files_are_checked_before_use(tmp_path):
+    """The bytes an offload index points to are input: a view is made only where the file's
+    header agrees with the parameter (dtype, shape, byte range); anything else (another
+    shape, a header that is not a table, random bytes, a range past the end) gives no view,
+    and accelerate's own loader is used instead."""
+    from accelerate.utils import OffloadedWeightsLoader, PrefixedDataset
+    from safetensors.torch import save_file
+
+    from hf_selfspec.engine.dispatch import OffloadFiles
+
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    good = tmp_path / "good.safetensors"
+    save_file({"w": weight}, str(good))
+
+    def view(path, like, name="w"):
+        index = {"layer.weight": {"safetensors_file": str(path), "weight_name": name, "dtype": "float32"}}
+        loader = OffloadedWeightsLoader(index=index, save_folder=str(tmp_path))
+        return OffloadFiles().view(PrefixedDataset(loader, "layer."), "weight", like)
+
+    found = view(good, torch.empty(3, 4, device="meta"))
+    assert found is not None and torch.equal(found, weight)
+    assert view(good, torch.empty(4, 3, device="meta")) is None  # same bytes, another shape
+    assert view(good, torch.empty(3, 4, dtype=torch.bfloat16, device="meta")) is None
+    assert view(good, torch.empty(3, 4, device="meta"), name="other") is None
+    raw = good.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    for name, data in (("random", bytes(range(256)) * 8),
+                       ("list_header", (2).to_bytes(8, "little") + b"[]"),
+                       ("truncated", raw[:8 + header_len + 8]),
+                       ("deep", (4000).to_bytes(8, "little") + b"[" * 2000 + b"]" * 2000)):
+        bad = tmp_path / f"{name}.safetensors"
+        bad.write_bytes(data)
+        assert view(bad, torch.empty(3, 4, device="meta")) is None, name

@@ -117,7 +117,7 @@ class OffloadFiles:
             folder = getattr(dataset, "save_folder", None)
             if folder is not None:
                 return self._dat_view(os.path.join(folder, f"{key}.dat"), info, like)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError, RecursionError):
             return None  # not readable as expected: accelerate's own loader reads it
         return None
 
@@ -129,11 +129,14 @@ class OffloadFiles:
                 if header_len <= 0 or 8 + header_len > size or header_len > _MAX_HEADER:
                     raise ValueError(f"{path}: not a safetensors file")
                 header = json.loads(f.read(header_len))
+                if not isinstance(header, dict):
+                    raise ValueError(f"{path}: not a safetensors header")
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._files[path] = (mapped, header, 8 + header_len)
         mapped, header, start = self._files[path]
         entry = header.get(tensor)
-        if not isinstance(entry, dict) or _SAFETENSORS_DTYPES.get(entry.get("dtype")) != like.dtype:
+        if (not isinstance(entry, dict) or _SAFETENSORS_DTYPES.get(entry.get("dtype")) != like.dtype
+                or list(entry.get("shape", ())) != list(like.shape)):
             return None
         lo, hi = (int(x) for x in entry["data_offsets"])
         return _view(mapped, start + lo, start + hi, like)
