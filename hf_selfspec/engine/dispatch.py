@@ -130,7 +130,7 @@ class OffloadFiles:
                     raise ValueError(f"{path}: not a safetensors file")
                 header = json.loads(f.read(header_len))
                 if not isinstance(header, dict):
-                    raise ValueError(f"{path}: not a safetensors header")
+                    raise TypeError(f"{path}: not a safetensors header")
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
             self._files[path] = (mapped, header, 8 + header_len)
         mapped, header, start = self._files[path]
