@@ -58,8 +58,8 @@ def streamed_bytes(placement) -> int:
     return total
 
 
-def run_part(name: str, model, prompts: list[list[int]], max_new: int, heads) -> dict:
-    hf_selfspec.attach_heads(model, heads=heads)
+def run_part(name: str, model, prompts: list[list[int]], max_new: int, heads, streamed_width: int) -> dict:
+    hf_selfspec.attach_heads(model, heads=heads, engine=hf_selfspec.EngineConfig(streamed_width=streamed_width))
     warm = torch.tensor([prompts[0]])
     started = time.perf_counter()
     model.generate(warm, max_new_tokens=4, do_sample=False, assistant="self")  # engine build, costs
@@ -134,6 +134,8 @@ def main(argv=None) -> None:
     ap.add_argument("--big-prompts", type=int, default=2)
     ap.add_argument("--big-max-new-tokens", type=int, default=32)
     ap.add_argument("--big-cpu-gb", type=float, default=1.5, help="max_memory for the CPU in the big part")
+    ap.add_argument("--streamed-width", type=int, default=hf_selfspec.EngineConfig().streamed_width,
+                    help="EngineConfig.streamed_width: rows per step where weights stream in")
     ap.add_argument("--work", default=None, help="folder for the offload folders and the big model "
                     "(default: a temporary folder, removed after)")
     args = ap.parse_args(argv)
@@ -157,7 +159,7 @@ def main(argv=None) -> None:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=torch.float32, device_map=layer_map(30, set(on_disk)),
                 offload_folder=str(work / f"offload_{part}")).eval()
-            results.append(run_part(part, model, prompts, args.max_new_tokens, heads=None))
+            results.append(run_part(part, model, prompts, args.max_new_tokens, None, args.streamed_width))
         else:
             big = big_model_folder(work / "big_llama")
             model = AutoModelForCausalLM.from_pretrained(
@@ -166,7 +168,7 @@ def main(argv=None) -> None:
             # token ids that repeat a 24-token phrase: prompt lookup has something to copy
             phrase = [100 + (7 * i) % 3000 for i in range(24)]
             big_prompts = [[1] + (phrase * 3)[:48 + 8 * k] for k in range(args.big_prompts)]
-            results.append(run_part(part, model, big_prompts, args.big_max_new_tokens, heads=False))
+            results.append(run_part(part, model, big_prompts, args.big_max_new_tokens, False, args.streamed_width))
         del model
         gc.collect()
     print()
