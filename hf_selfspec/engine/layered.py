@@ -1535,6 +1535,9 @@ class LayeredModel:
         # engine runs on the one execution device (_check_placement)
         self.placement = model_placement(model, decoder_placement_parts(model), map_files=True)
         self.device = self.embed.device if self.placement is None else self.placement.devices[0]
+        # whether the final norm or the LM head streams in (head_weights)
+        self.head_streamed = self.placement is not None and (
+            self.placement.final_norm.offloaded or self.placement.lm_head.offloaded)
         # Granite's four multipliers (1.0 and head_dim^-0.5 for every other model, whatever
         # keys its config carries): the embedding rows are scaled, attention scores scaled by
         # attention_multiplier, each block's output joins the residual stream scaled, the
@@ -2194,7 +2197,7 @@ class LayeredModel:
     def head_weights(self) -> Iterator[None]:
         """The final norm's and the LM head's weights inside the block (`final_norm` the
         weight brought in where accelerate offloads it)."""
-        if self.placement is None or not (self.placement.final_norm.offloaded or self.placement.lm_head.offloaded):
+        if not self.head_streamed:
             yield
             return
         with self.placement.final_norm.onloaded(), self.placement.lm_head.onloaded():
@@ -2244,13 +2247,17 @@ class LayeredModel:
     def embed_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [W] -> hidden [W, H] (times embedding_multiplier or Gemma's scale, as
         HF's model)."""
+        if self.placement is None:
+            return self._scale_embedding(F.embedding(token_ids, self.embed))
         with self.embedding_weights():
             return self._scale_embedding(F.embedding(token_ids, self.embed))
 
     def embed_row(self, token: int) -> torch.Tensor:
         """One token's hidden row [H], as embed_rows gives it (no index tensor made)."""
-        with self.embedding_weights():
-            return self._scale_embedding(self.embed[token].clone() if self.placement is not None else self.embed[token])
+        if self.placement is None:
+            return self._scale_embedding(self.embed[token])
+        with self.embedding_weights():  # (a copy: the brought-in weight goes after the block)
+            return self._scale_embedding(self.embed[token].clone())
 
     def _scale_embedding(self, rows: torch.Tensor) -> torch.Tensor:
         if self.scaled_embedding:

@@ -855,9 +855,15 @@ class Engine:
         state after the final norm [n, H]), row-invariantly."""
         v = self.view
         n = h.shape[0]
-        with v.head_weights():  # (brought in where accelerate offloads them)
-            x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
-            return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
+        if v.head_streamed:
+            with v.head_weights():  # (brought in where accelerate offloads them)
+                return self._logits(h, n)
+        return self._logits(h, n)
+
+    def _logits(self, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.view
+        x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
+        return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """`logits` for a step that needs only each row's argmax: -> (None, argmax [n],
@@ -865,7 +871,10 @@ class Engine:
         there is no screen or it cannot decide. The argmax is the float32 logits' either way."""
         if self.screen is not None:
             v = self.view
-            with v.head_weights():
+            if v.head_streamed:
+                with v.head_weights():
+                    final = v.norm(h, v.final_norm)
+            else:
                 final = v.norm(h, v.final_norm)
             argmax = self.screen.argmax(v.head_input(final))
             if argmax is not None:
