@@ -258,6 +258,19 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
             "bandwidth_gbs": gbs, "steps": rows}
 
 
+@torch.no_grad()
+def off_the_gguf_grid(model, scale: float = 1e-3, seed: int = 0) -> None:
+    """Every 2-D decoder weight plus Gaussian noise of `scale` x its std, rounded to bfloat16
+    values (kept in the model's dtype), in place: the model an ordinary bf16 checkpoint
+    loaded in float32 is, whose matrices hold no GGUF blocks (the engine's compact reads,
+    compact.py, find none)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.model.layers.parameters():
+        if p.dim() == 2:
+            p.add_(torch.randn(p.shape, generator=gen) * float(p.std()) * scale)
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+
+
 def main(argv=None):
     # run as `hf-selfspec bench` (cli.py names itself in HF_SELFSPEC_PROG): usage and examples
     # in the command the user typed
@@ -278,6 +291,10 @@ def main(argv=None):
     ap.add_argument("--heads", default=None, help="heads folder (default: shipped heads)")
     ap.add_argument("--model", default=None,
                     help="HF model folder or id instead of the embedded default (heads: --heads, else none)")
+    ap.add_argument("--ordinary", action="store_true",
+                    help="run the model off the GGUF grid, as an ordinary checkpoint: every decoder "
+                         "projection jittered by 1e-3 of its std and rounded to bfloat16 values (kept "
+                         "float32), so no matrix holds GGUF blocks and compact reads cannot apply")
     ap.add_argument("--draft-model", default=None,
                     help="a smaller HF model of the same tokenizer: adds hf_assisted and self_draft_model")
     ap.add_argument("--out", default=None,
@@ -307,6 +324,8 @@ def main(argv=None):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32").eval()
     else:
         model, tokenizer = load_default_model_and_tokenizer()
+    if args.ordinary:
+        off_the_gguf_grid(model)
     heads = args.heads if args.heads or not args.model else False
     try:
         attach_heads(model, heads)
@@ -363,13 +382,18 @@ def main(argv=None):
     print_table(records, categories, methods)
     widths = width_curve(model, [1, 2, 3, 4, 6, 8], text_context(tokenizer, sets, 200)) if args.widths else None
     bound = roofline(model, text_context(tokenizer, sets, 300)) if args.roofline else None
+    engine = model._selfspec.engine
+    compact = None if engine is None or engine.compact is None else engine.compact.count
+    print(f"\nweights: {'ordinary checkpoint (off the GGUF grid)' if args.ordinary else 'as loaded'}; "
+          f"projections read compactly: {compact or 0}")
     if not args.out:
         print("\nnothing saved: pass --out FILE.json to keep the records and the plot")
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-            "torch": torch.__version__, "max_new_tokens": args.max_new_tokens,
+            "torch": torch.__version__, "max_new_tokens": args.max_new_tokens, "ordinary": args.ordinary,
+            "compact_projections": compact or 0,
             "engine_layout": model._selfspec.engine.layout.name if model._selfspec.engine else None}
     out.write_text(json.dumps({"meta": meta, "records": records, "width_curve": widths, "roofline": bound},
                               indent=1))
