@@ -285,7 +285,7 @@ __attribute__((noinline)) void tile(const T* __restrict w, const float* __restri
   // distance is at least one whole tile (NW rows: the next tile's same column) and at least
   // 8 KiB (short rows, SmolLM2's 576 columns). Into L2 only (T1): 3-4 weight rows 8 KiB
   // ahead would fill a 32 KiB L1 (AMD EPYC's) and push out the x rows. Measured
-  // (docs/benchmarks_2026-12-05.md, sessions 7 and 21): 8 KiB against 1-4 KiB on SmolLM2's
+  // (docs/changelog.md, sessions 7 and 21): 8 KiB against 1-4 KiB on SmolLM2's
   // shapes; one tile against 8 KiB on a 0.82B model's (2048 and 5632 columns), 1-30% faster
   // products in float32 and bf16 from 1 to 8 rows, SmolLM2's unchanged.
   static_assert(NX <= 4, "the tiles hold at most 4 x rows (run_blocks for more)");

@@ -53,7 +53,7 @@ SAFETY = 1.001
 MAX_COPY_BYTES = 320 * 2 ** 20
 # ... and one over this size not at the engine's first request but at its second: making it
 # writes fresh pages, whose first touch right after a big model was built cost a 0.82B
-# model's first call ~2 s here (docs/benchmarks_2026-12-05.md, session 6)
+# model's first call ~2 s here (docs/changelog.md, session 6)
 EAGER_COPY_BYTES = 32 * 2 ** 20
 
 # the row kernel's rows_screen(x, q, scale, bound, qnorm, w, max_candidates) -> argmax [n]
