@@ -330,7 +330,7 @@ class Engine:
             else:
                 reason = missing or "its bitwise self-test failed or another layout measured faster"
             # without the kernel a step is BLAS products and PyTorch ops: speculation then
-            # barely pays (README, "C++ row kernel")
+            # barely pays (docs/usage.md, "The first call, and the C++ kernel")
             effect = ("the same tokens, at about plain generate()'s speed (slower on a model of "
                       "gigabytes) instead of several times faster" if missing else "the same tokens")
             logger.warning_once(f"hf_selfspec: the C++ row kernel is not used ({reason}); the engine runs "
