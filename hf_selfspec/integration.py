@@ -39,10 +39,10 @@ from .decoding.sampling import (
     unsupported_processors,
 )
 from .engine import costs
-from .engine.dispatch import is_dispatched, model_placement
+from .engine.dispatch import is_dispatched
 from .engine.layered import (
     TOKEN_TYPE_EMBEDDING_TYPES,
-    decoder_placement_parts,
+    dispatch_placement,
     attention_window,
     query_scaling_positions,
     served_positions,
@@ -301,10 +301,10 @@ class SelfSpecState:
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
         requested = self.engine_config.executor
         # a graph cannot replay accelerate's hooks, which bring offloaded weights in
-        device = torch.device("cpu") if _streams_weights(model) else model_device(model)
+        streams, width = _streams_weights(model), self.step_width(model)
+        device = torch.device("cpu") if streams else model_device(model)
         executor = resolve_executor(requested, device)
-        config = replace(self.engine_config, capacity=max(capacity, 2 * self.step_width(model)), executor=executor,
-                         width=self.step_width(model))
+        config = replace(self.engine_config, capacity=max(capacity, 2 * width), executor=executor, width=width)
         if requested != "auto" or executor != "cuda_graphs":
             return Engine(model, config)
         try:  # graphs chosen for the caller, not asked for: eager where they cannot be set up
@@ -322,7 +322,7 @@ def _streams_weights(model) -> bool:
     """Whether accelerate brings some of `model`'s weights in at each forward (offload)."""
     if not is_dispatched(model):
         return False
-    placement = model_placement(model, decoder_placement_parts(model))
+    placement = dispatch_placement(model)
     return placement is not None and placement.any_offloaded
 
 
@@ -330,7 +330,7 @@ def model_device(model) -> torch.device:
     """The device `model` computes on: its parameters', or for a model accelerate dispatched
     the execution device of its layers (offloaded parameters sit on the meta device)."""
     if is_dispatched(model):
-        return model_placement(model, decoder_placement_parts(model)).devices[0]
+        return dispatch_placement(model).devices[0]
     return next(model.parameters()).device
 
 

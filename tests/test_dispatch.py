@@ -15,8 +15,7 @@ from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_selfspec
-from hf_selfspec.engine.dispatch import model_placement
-from hf_selfspec.engine.layered import UnsupportedModelError, decoder_placement_parts
+from hf_selfspec.engine.layered import UnsupportedModelError, dispatch_placement
 from hf_selfspec.engine.programs import Engine, EngineConfig
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7, 8, 11]
@@ -222,7 +221,7 @@ def test_refuses_offloaded_recurrent_layers(tmp_path_factory, tmp_path):
 
 def test_undispatched_model_has_no_placement():
     model = tiny_model("llama", layers=2)
-    assert model_placement(model, decoder_placement_parts(model)) is None
+    assert dispatch_placement(model) is None
 
 
 def test_offload_files_are_checked_before_use(tmp_path):

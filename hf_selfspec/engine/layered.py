@@ -1464,10 +1464,12 @@ def check_model_type(model: torch.nn.Module) -> str:
     return model_type
 
 
-def decoder_placement_parts(model) -> tuple:
-    """(embedding, decoder layers, final norm, LM head) modules: the parts dispatch.py places."""
+def dispatch_placement(model, map_files: bool = False) -> ModelPlacement | None:
+    """dispatch.model_placement of `model`'s (embedding, decoder layers, final norm, LM
+    head): None for a model accelerate did not dispatch."""
     inner = text_decoder(model)
-    return _embedding(inner), decoder_layers(inner), decoder_final_norm(inner), model.lm_head
+    parts = _embedding(inner), decoder_layers(inner), decoder_final_norm(inner), model.lm_head
+    return model_placement(model, parts, map_files)
 
 
 def _check_placement(placement: ModelPlacement, model_type: str) -> None:
@@ -1533,7 +1535,7 @@ class LayeredModel:
         # a model accelerate dispatched (device_map, offload): each part's execution device,
         # and the parts whose weights its hooks bring in at each use (dispatch.py); the
         # engine runs on the one execution device (_check_placement)
-        self.placement = model_placement(model, decoder_placement_parts(model), map_files=True)
+        self.placement = dispatch_placement(model, map_files=True)
         self.device = self.embed.device if self.placement is None else self.placement.devices[0]
         # whether the final norm or the LM head streams in (head_weights)
         self.head_streamed = self.placement is not None and (
@@ -1717,7 +1719,7 @@ class LayeredModel:
             for i, layer in enumerate(layers):
                 _check_latent(f"model.layers.{i}.{_attention_name(layer)}", _attention(layer), config.num_attention_heads)
         _check_plain_linear("lm_head", model.lm_head)
-        placement = model_placement(model, decoder_placement_parts(model))  # accelerate's dispatch: refusals by name
+        placement = dispatch_placement(model)  # accelerate's dispatch: refusals by name
         if placement is not None:
             _check_placement(placement, model_type)
         device = model.lm_head.weight.device if placement is None else placement.devices[0]

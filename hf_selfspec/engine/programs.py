@@ -576,6 +576,8 @@ class Engine:
         if self._fused_weights is None:
             return self._run_ops(h, start, end, meta)
         streamed = v.streamed_layers
+        if not streamed:  # (a resident model: no per-layer look at the placement per step)
+            return self._run_kernel(h, start, end, meta)
         lo = start
         while lo < end:  # runs of resident layers (C++) and of streamed ones (ops)
             hi = lo + 1
