@@ -264,6 +264,15 @@ class ModelPlacement:
         return sorted({p.device for p in self.parts}, key=str)
 
     @property
+    def main_device(self) -> torch.device:
+        """Where the first decoder layer executes: where a step's metadata is made."""
+        return self.layers[0].device
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        return [p.device for p in self.layers]
+
+    @property
     def offloaded_layers(self) -> int:
         return sum(p.offloaded for p in self.layers)
 
@@ -275,7 +284,10 @@ class ModelPlacement:
         """What the engine's measurements depend on (engine/cache.py): the devices and which
         parts stream their weights."""
         marks = "".join("s" if p.offloaded else "r" for p in self.parts)
-        return f"{'+'.join(map(str, self.devices))}:{marks}"
+        devices = self.devices
+        if len(devices) > 1:  # which part executes where
+            marks += ":" + "".join(str(devices.index(p.device)) for p in self.parts)
+        return f"{'+'.join(map(str, devices))}:{marks}"
 
     def describe(self) -> str:
         parts = [f"{self.offloaded_layers} of {len(self.layers)} decoder layers offloaded"]

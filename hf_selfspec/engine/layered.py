@@ -1474,13 +1474,19 @@ def dispatch_placement(model, map_files: bool = False) -> ModelPlacement | None:
 
 def _check_placement(placement: ModelPlacement, model_type: str) -> None:
     """What the engine cannot run on a model accelerate dispatched, refused by name."""
-    if len(placement.devices) > 1:
+    devices = placement.devices
+    if len({d.type for d in devices}) > 1:
         raise UnsupportedModelError(
-            f"this model executes on several devices ({', '.join(map(str, placement.devices))}; "
-            f"device_map {placement.describe()}): the engine runs a dispatched model on one execution "
-            "device, with any share of its weights offloaded to the CPU or disk. Load it with one "
-            "device and offload for the rest (e.g. device_map='auto', max_memory={0: ..., 'cpu': ...} "
-            "puts what does not fit on GPU 0 in CPU memory, streamed to GPU 0), or use plain generate()")
+            f"this model executes on devices of several kinds ({', '.join(map(str, devices))}; device_map "
+            f"{placement.describe()}): the engine follows a map over devices of one kind (several GPUs), "
+            "with any share of the weights offloaded to the CPU or disk and streamed to them. Load it with "
+            "device_map='auto' (accelerate then runs CPU- and disk-offloaded layers on the GPU), or use plain "
+            "generate()")
+    if len(devices) > 1 and model_type in STATEFUL_MIXER_TYPES:
+        raise UnsupportedModelError(
+            f"{model_type} over several devices ({', '.join(map(str, devices))}): the engine keeps the "
+            "recurrent and latent layers' state on one device; load it on one device (with offload where it "
+            "does not fit), or use plain generate()")
     if placement.any_offloaded and model_type in STATEFUL_MIXER_TYPES:
         raise UnsupportedModelError(
             f"{model_type} with offloaded weights: the engine streams weights of attention models "
@@ -1536,7 +1542,7 @@ class LayeredModel:
         # and the parts whose weights its hooks bring in at each use (dispatch.py); the
         # engine runs on the one execution device (_check_placement)
         self.placement = dispatch_placement(model, map_files=True)
-        self.device = self.embed.device if self.placement is None else self.placement.devices[0]
+        self.device = self.embed.device if self.placement is None else self.placement.main_device
         # whether the final norm or the LM head streams in (head_weights)
         self.head_streamed = self.placement is not None and (
             self.placement.final_norm.offloaded or self.placement.lm_head.offloaded)
@@ -1722,8 +1728,8 @@ class LayeredModel:
         placement = dispatch_placement(model)  # accelerate's dispatch: refusals by name
         if placement is not None:
             _check_placement(placement, model_type)
-        device = model.lm_head.weight.device if placement is None else placement.devices[0]
-        if device.type == "cuda" and cpu_only(config, inner):
+        devices = [model.lm_head.weight.device] if placement is None else placement.devices
+        if any(d.type == "cuda" for d in devices) and cpu_only(config, inner):
             raise UnsupportedModelError(CPU_ONLY_REFUSAL)
 
     def set_max_positions(self, max_positions: int) -> None:

@@ -7,7 +7,7 @@ and the CUDA-graph executor (runner.py) can all name it without importing each o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -54,6 +54,28 @@ class StepMeta:
     # rows of a prompt (the engine's own prefill): Mamba2 bounds their time steps by the
     # model's time_step_limit there, as HF's chunked prefill does (its decode steps do not)
     prompt: bool = False
+    # this step's metadata on the other devices of a model over several (`on`), by device
+    copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def on(self, device: torch.device) -> StepMeta:
+        """This step's metadata for layers executing on `device`: the device tensors copied
+        there once per step (a model accelerate spreads over several devices); the host
+        tensors (paths, bases, recurrent rows) as they are."""
+        if device == self.positions.device:
+            return self
+        found = self.copies.get(device)
+        if found is None:
+            def to(t):
+                return None if t is None else t.to(device, non_blocking=True)
+
+            found = replace(
+                self, positions=to(self.positions), slots=to(self.slots), key_limit=to(self.key_limit),
+                biases=[to(b) for b in self.biases], cos=to(self.cos), sin=to(self.sin),
+                extra_cos=tuple(map(to, self.extra_cos)), extra_sin=tuple(map(to, self.extra_sin)),
+                window_biases={w: [to(b) for b in bs] for w, bs in self.window_biases.items()},
+                conv_rows=to(self.conv_rows), conv_sources=to(self.conv_sources), copies={})
+            self.copies[device] = found
+        return found
 
 
 @dataclass
