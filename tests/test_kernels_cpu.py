@@ -1,4 +1,4 @@
-"""The CPU row kernels (kernels/cpu_rows.cpp): x @ w^T, attention over the KV cache and a
+"""The CPU row kernels (kernels/cpu_rows/, in sections): x @ w^T, attention over the KV cache and a
 whole decoder layer to fp32 rounding, with float32, bfloat16 and float16 weights and
 caches, a row's result bit for bit the same whatever the other rows (the engine's `kernel`
 layout); every bad argument refused with words that say what was wrong (the build lock: see
@@ -958,7 +958,13 @@ def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch)
     keyed by the environment. Whether a load compiles (and says so) is read from it."""
     import sys
 
-    from hf_selfspec.kernels.cpu_rows import NAME, SOURCE, STATES_SOURCE, _build_needed
+    from hf_selfspec.kernels.cpu_rows import (
+        NAME,
+        SOURCES,
+        STATES_SOURCE,
+        _build_needed,
+        kernel_sources,
+    )
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     here = build_directory()
@@ -966,16 +972,54 @@ def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch)
     assert build_directory() == here
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
     assert build_directory() != here
-    sources = [SOURCE.read_text(), STATES_SOURCE.read_text()]
+    sources = kernel_sources()
+    assert sources[-1] == STATES_SOURCE.read_text() and len(sources) == len(SOURCES)
     assert _build_needed(here, sources)  # nothing built
     (here / f"{NAME}.so").write_bytes(b"")
-    (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n// bindings")
+    rows_only = "\n".join(sources[:-1])
+    (here / "main.cpp").write_text("#include <torch/extension.h>\n" + rows_only + "\n// bindings")
     assert _build_needed(here, sources)  # the recurrent-state source is part of the module too
-    (here / "main.cpp").write_text("#include <torch/extension.h>\n" + SOURCE.read_text() + "\n"
-                                   + STATES_SOURCE.read_text() + "\n// bindings")
+    (here / "main.cpp").write_text("#include <torch/extension.h>\n" + "\n".join(sources) + "\n// bindings")
     assert not _build_needed(here, sources)
     (here / "main.cpp").write_text("#include <torch/extension.h>\n// the sources of an older version")
     assert _build_needed(here, sources)
+
+
+def test_every_section_is_compiled_and_an_edit_to_any_rebuilds(tmp_path, monkeypatch):
+    """The C++ sections of kernels/cpu_rows/ are compiled as one unit in the order of
+    SECTIONS: every file of the folder is listed there (a file left out would not be
+    compiled), and an edit to any source (a section or cpu_states.cpp) makes the next load
+    rebuild and changes source_digest()."""
+    import shutil
+
+    from hf_selfspec.kernels import cpu_rows
+
+    files = sorted(p.name for p in cpu_rows.SOURCE_DIR.iterdir() if p.is_file())
+    assert files == sorted(cpu_rows.SECTIONS) and len(set(cpu_rows.SECTIONS)) == len(cpu_rows.SECTIONS)
+    assert cpu_rows.SECTIONS[0] == "common.h"  # the includes and what every section uses
+    assert cpu_rows.SOURCES[-1] == cpu_rows.STATES_SOURCE and cpu_rows.SOURCE == cpu_rows.SOURCES[0]
+    sources = cpu_rows.kernel_sources()
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / f"{cpu_rows.NAME}.so").write_bytes(b"")
+    (built / "main.cpp").write_text("#include <torch/extension.h>\n" + "\n".join(sources) + "\n// bindings")
+    assert not cpu_rows._build_needed(built, sources)
+    copies = []
+    for path in cpu_rows.SOURCES:
+        copy = tmp_path / "src" / path.parent.name / path.name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, copy)
+        copies.append(copy)
+    digest = cpu_rows.source_digest()
+    monkeypatch.setattr(cpu_rows, "SOURCES", tuple(copies))
+    assert cpu_rows.source_digest() == digest
+    for copy in copies:
+        text = copy.read_text()
+        copy.write_text(text.replace("\n", "\n// an edit\n", 1))
+        assert cpu_rows._build_needed(built, cpu_rows.kernel_sources()), copy.name
+        assert cpu_rows.source_digest() != digest, copy.name
+        copy.write_text(text)
+    assert cpu_rows.source_digest() == digest
 
 
 # ---- a kernel that cannot be built says why in one line -----------------------------------

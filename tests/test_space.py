@@ -18,6 +18,8 @@ from pathlib import Path
 import tomllib
 import yaml
 
+from hf_selfspec.kernels.cpu_rows import SECTIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 # import name -> the distribution requirements.txt must name
 DISTRIBUTIONS = {"gradio": "gradio", "torch": "torch", "transformers": "transformers",
@@ -86,7 +88,8 @@ def test_requirements_cover_what_app_imports():
 
 def test_upload_selects_what_the_space_needs_and_nothing_else():
     files = space_files()
-    for needed in ("app.py", "requirements.txt", "README.md", "kernels/cpu_rows.cpp",
+    kernel = [f"kernels/cpu_rows/{name}" for name in SECTIONS] + ["kernels/cpu_states.cpp"]
+    for needed in ("app.py", "requirements.txt", "README.md", *kernel,
                    "hf_selfspec/default_heads/heads.safetensors",
                    "hf_selfspec/model_cards/top_heads_card.md.j2"):
         assert needed in files, needed
