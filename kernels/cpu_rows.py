@@ -1,8 +1,8 @@
-"""Row-invariant kernels for the CPU engine (C++, in sections: cpu_rows/): `rows_linear(x, w)` =
+"""Row-invariant kernels for the CPU engine (C++, in sections: cpu-rows/): `rows_linear(x, w)` =
 x @ w^T, `rows_attention(q, k, v, limit, scale, path, base, softcap, window)` and a whole decoder layer built from them,
 `rows_layer`, each computed so that a row's result is bit-identical whatever the other rows.
 
-The C++ sections (`SECTIONS`, in cpu_rows/) and cpu_states.cpp are compiled together, as one
+The C++ sections (`SECTIONS`, in cpu-rows/) and cpu_states.cpp are compiled together, as one
 translation unit, once per machine and Python environment with torch's own extension builder
 (ninja + the system C++ compiler; ~45 s, cached under ~/.cache/torch_extensions, see
 `build_directory`; a one-line message says so) the first time `load_rows_linear()` is
@@ -49,8 +49,10 @@ import torch
 # The row kernel's sections, in the order they are compiled: one translation unit, each
 # section using what those before it declare (common.h says why one unit). A section file
 # left out of this list is not compiled (tests/test_kernels_cpu.py checks the list against
-# the folder); pyproject's package-data ships the folder.
-SOURCE_DIR = Path(__file__).with_name("cpu_rows")
+# the folder); pyproject's package-data ships the folder. Its name is no Python identifier, so
+# nothing takes it for a package: not the import system (beside this module of the same
+# stem) nor setuptools (which warns of a package left out of `packages` otherwise).
+SOURCE_DIR = Path(__file__).with_name("cpu-rows")
 SECTIONS = ("common.h", "pool.h", "products.cpp", "compact.cpp", "linear.cpp", "transposed.cpp",
             "attention_math.cpp", "attention.cpp", "layers.cpp", "draft.cpp", "screen.cpp")
 # the hybrids' recurrent state updates, built into the same extension (last)
@@ -252,7 +254,7 @@ def use_work_pool(on: bool | None = None) -> bool | None:
     """Which threads the kernels use: False (the default) torch's OpenMP team; True the
     kernel's own work-sharing pool, where a thread the OS has not scheduled leaves its share
     to the others instead of stalling every call (2.5-10x faster steps on a 2-core machine
-    that other processes keep busy; within ~0-12% of OpenMP on idle cores: see cpu_rows/pool.h
+    that other processes keep busy; within ~0-12% of OpenMP on idle cores: see cpu-rows/pool.h
     and docs/kernels.md). Results are bit for bit the same either way. HF_SELFSPEC_ROWS_POOL=1 turns
     it on at load. `on=None` only asks. Returns the previous setting (None: no kernel)."""
     module = _load_module()
@@ -263,7 +265,7 @@ def use_work_pool(on: bool | None = None) -> bool | None:
 
 def use_avx512(on: bool | None = None) -> bool | None:
     """Whether products of 16-bit weights with 32 or more rows pair their rows in AVX-512
-    registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu_rows/products.cpp, "AVX-512"),
+    registers (the default where the CPU has AVX-512 F/DQ/BW/VL; see cpu-rows/products.cpp, "AVX-512"),
     compact products with 7-8 rows per block run 2 x 8 tiles in 32 registers, and the
     LM-head screen sums in 16 lanes (with VNNI: quantised x, `screen_uses_vnni`).
     Results are bit for bit the same either way; False keeps the 8-lane tiles everywhere.
@@ -324,7 +326,7 @@ def load_rows_attention():
     and v float32, bfloat16 or float16, the same; contiguous CPU tensors): row r sees
     logical keys [0, limit[r]]; key j is slot base[r] + j (`NO_BASE`: base 0), except that
     with P > 0 the row's last c_r keys are its c_r path slots (draft trees; -1 pads: see
-    cpu_rows/attention.cpp). With a base per row, the rows of several sequences (each in its own KV
+    cpu-rows/attention.cpp). With a base per row, the rows of several sequences (each in its own KV
     region) share one call, each computing exactly what it computes alone. softcap > 0
     caps every score s at softcap * tanh(s / softcap) (Gemma 2); 0: none. window > 0: row r
     sees only its keys j > limit[r] - window (a sliding window); 0: all up to limit[r].
@@ -358,7 +360,7 @@ def load_rows_layer():
     residual_multiplier, 1.0 elsewhere; cos, sin [R, rot]: RoPE on each head's first rot
     dimensions, rot = head_dim but for partial rotary; h, cos, sin float32; the
     projections one of float32 / bfloat16 / float16, the norms any of them; the cache float32,
-    bfloat16 or float16, written rounded to nearest even; see cpu_rows/layers.cpp), or None when
+    bfloat16 or float16, written rounded to nearest even; see cpu-rows/layers.cpp), or None when
     this machine cannot build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_layer
@@ -376,7 +378,7 @@ def load_rows_layers():
 def load_rows_draft_step():
     """The compiled `rows_draft_step(h [n, H], e [n, H], h_norm, e_norm, down, up, out_norm,
     lm, eps, out_eps, k) -> [h', probs [n, k], ids [n, k]]`: one step of a top-layer draft
-    head and its k likeliest tokens (see cpu_rows/draft.cpp), or None when this machine cannot
+    head and its k likeliest tokens (see cpu-rows/draft.cpp), or None when this machine cannot
     build or run it (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_draft_step
@@ -386,7 +388,7 @@ def load_rows_screen():
     """The compiled `rows_screen(x [n, K] float32, q [V, K] int8, scale [V], bound [V], qnorm [V],
     w [V, K] float32, max_candidates) -> int64 [n]` (engine/screen.py's quantize_rows gives q ..
     qnorm): each row's exact argmax of x . w from the int8
-    rows and their bounds (-1: not screenable; engine/screen.py, cpu_rows/screen.cpp), or None when
+    rows and their bounds (-1: not screenable; engine/screen.py, cpu-rows/screen.cpp), or None when
     this machine cannot build or run it."""
     module = _load_module()
     return None if module is None else module.rows_screen

@@ -1,4 +1,4 @@
-"""The CPU row kernels (kernels/cpu_rows/, in sections): x @ w^T, attention over the KV cache and a
+"""The CPU row kernels (kernels/cpu-rows/, in sections): x @ w^T, attention over the KV cache and a
 whole decoder layer to fp32 rounding, with float32, bfloat16 and float16 weights and
 caches, a row's result bit for bit the same whatever the other rows (the engine's `kernel`
 layout); every bad argument refused with words that say what was wrong (the build lock: see
@@ -986,7 +986,7 @@ def test_each_python_environment_builds_in_its_own_folder(tmp_path, monkeypatch)
 
 
 def test_every_section_is_compiled_and_an_edit_to_any_rebuilds(tmp_path, monkeypatch):
-    """The C++ sections of kernels/cpu_rows/ are compiled as one unit in the order of
+    """The C++ sections of kernels/cpu-rows/ are compiled as one unit in the order of
     SECTIONS: every file of the folder is listed there (a file left out would not be
     compiled), and an edit to any source (a section or cpu_states.cpp) makes the next load
     rebuild and changes source_digest()."""

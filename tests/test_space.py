@@ -88,7 +88,7 @@ def test_requirements_cover_what_app_imports():
 
 def test_upload_selects_what_the_space_needs_and_nothing_else():
     files = space_files()
-    kernel = [f"kernels/cpu_rows/{name}" for name in SECTIONS] + ["kernels/cpu_states.cpp"]
+    kernel = [f"kernels/cpu-rows/{name}" for name in SECTIONS] + ["kernels/cpu_states.cpp"]
     for needed in ("app.py", "requirements.txt", "README.md", *kernel,
                    "hf_selfspec/default_heads/heads.safetensors",
                    "hf_selfspec/model_cards/top_heads_card.md.j2"):
