@@ -1,12 +1,11 @@
 """The `hf-selfspec` command: generate (streaming, tokens coloured by source), train-heads,
 push-heads, bench, train-exit-heads.
 
-`train-heads` trains top-layer draft heads for any supported model (hf_selfspec.training,
-part of the package). `bench` and `train-exit-heads` run scripts/bench.py and
-scripts/train_heads.py of a source checkout with every argument passed through
-(`hf-selfspec bench --help` is the script's own help); a pip install has no scripts/ and
-says so in one line. Any error prints one line and exits with status 2
-(HF_SELFSPEC_DEBUG=1 shows the traceback).
+`train-heads` (top-layer draft heads) and `train-exit-heads` (exit heads) train heads for a
+model with hf_selfspec.training, part of the package. `bench` runs scripts/bench.py of a
+source checkout with every argument passed through (`hf-selfspec bench --help` is the
+script's own help); a pip install has no scripts/ and says so in one line. Any error
+prints one line and exits with status 2 (HF_SELFSPEC_DEBUG=1 shows the traceback).
 """
 
 from __future__ import annotations
@@ -175,13 +174,13 @@ SCRIPT_COMMANDS = {
     "bench": ("bench.py", "benchmark vs HF greedy / prompt lookup / early exit, side by side "
                           "(--model, --heads, --draft-model, --methods, --per-category, "
                           "--max-new-tokens, ...)"),
-    "train-exit-heads": ("train_heads.py", "train exit heads (early layers) for a model by "
-                                           "self-distillation (--model, --out, --num-heads, ...)"),
 }
 # subcommands of the package itself, all arguments passed to their own parser
 PACKAGE_COMMANDS = {
     "train-heads": ("hf_selfspec.training.cli", "train top-layer draft heads for a model on its own "
                                                 "greedy replies: MODEL --out DIR --minutes N"),
+    "train-exit-heads": ("hf_selfspec.training.exit_heads", "train exit heads (early layers) for a model by "
+                                                            "self-distillation (--model, --out, --num-heads, ...)"),
 }
 
 

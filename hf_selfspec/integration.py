@@ -462,9 +462,9 @@ def _check_attach_arguments(heads, decode, engine) -> None:
     settings) would fail deep in a path join, or only at the first generate() call."""
     import os
 
-    from .heads import ExitHeads, TopDraftHeads
+    from .heads import is_heads
 
-    if not (heads is None or heads is False or isinstance(heads, (str, os.PathLike, ExitHeads, TopDraftHeads))):
+    if not (heads is None or heads is False or isinstance(heads, (str, os.PathLike)) or is_heads(heads)):
         raise TypeError(
             f"heads must be a heads folder, a Hub repo id ('org/name'), loaded heads, None (the shipped "
             f"heads for the default model, else prompt lookup) or False (no heads), got {heads!r}")
@@ -527,11 +527,11 @@ def _read_base(path) -> dict | None:
 
 def _load_heads(model, heads, revision):
     """Heads of any kind (config.json says which) from a folder, a Hub id or an object."""
-    from .heads import ExitHeads, TopDraftHeads, check_compatible, default_heads_path, load_heads
+    from .heads import check_compatible, default_heads_path, is_heads, load_heads
 
     if heads is False:
         return None
-    if isinstance(heads, (ExitHeads, TopDraftHeads)):
+    if is_heads(heads):  # loaded heads of any kind (heads/kinds.py)
         heads.config.validate()
         check_compatible(heads.config, model)  # refuses another shape, warns if near-identical
         return heads.bind(model)

@@ -85,8 +85,7 @@ def test_streamer_and_stop_strings_on_real_text(model_and_prompts):
 def test_shipped_default_heads_exact_and_drafting(model_and_prompts):
     """attach_heads(model) with the shipped default heads: HF greedy's tokens on every
     category, and the heads really draft and get accepted on real text."""
-    from hf_selfspec.heads import default_heads_path
-    from hf_selfspec.heads.top_repo import read_kind
+    from hf_selfspec.heads import default_heads_path, read_kind
 
     model, tokenizer, prompts, refs = model_and_prompts
     assert read_kind(default_heads_path()) == "top_draft"

@@ -557,4 +557,76 @@ def test_heads_package_has_no_import_cycle():
 
     for name in graph:
         visit(name, [])
-    assert graph["base"] == set() and "repo" not in graph["kinds"] | graph["top"]
+    assert graph["base"] <= {"checks"} and "repo" not in graph["kinds"] | graph["top"] | graph["exit"]
+
+
+# --------------------------------------------------------------------------- the kind table
+
+
+def _subclasses(cls) -> set[type]:
+    found = set()
+    for sub in cls.__subclasses__():
+        found |= {sub} | _subclasses(sub)
+    return found
+
+
+def test_kind_table_covers_every_kind(model, tmp_path):
+    """Every heads config class (a HeadsIdentity) and every heads class of the package has
+    its entry in the kind table, under its own kind string; each entry's heads save, load
+    back as that kind and get their drafter from the one factory (make_drafter)."""
+    from conftest import engine_or_skip
+    from test_decoding import random_heads, random_top_heads
+
+    import hf_selfspec.heads as heads_package
+    from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
+    from hf_selfspec.decoding.drafters import ExitHeadsDrafter, TopHeadsDrafter
+    from hf_selfspec.engine.programs import EngineConfig
+    from hf_selfspec.heads import KINDS, HeadsIdentity, is_heads, kind_of, make_drafter
+
+    configs = {c for c in _subclasses(HeadsIdentity) if c.__module__.startswith("hf_selfspec.")}
+    assert configs == {kind.config for kind in KINDS.values()}
+    modules = {v for v in vars(heads_package).values()
+               if isinstance(v, type) and issubclass(v, torch.nn.Module) and isinstance(getattr(v, "kind", None), str)}
+    assert modules == {kind.module for kind in KINDS.values()}
+    for name, kind in KINDS.items():
+        assert kind.name == name == kind.config.KIND == kind.module.kind
+    engine = engine_or_skip(model, EngineConfig(width=4, capacity=64, row_layout="fixed"))
+    drafters = {"exit_head": ExitHeadsDrafter, "top_draft": TopHeadsDrafter}
+    assert drafters.keys() == KINDS.keys()
+    made = {"exit_head": random_heads(model, [1, 2]), "top_draft": random_top_heads(model, depth=2)}
+    for name, heads in made.items():
+        assert is_heads(heads) and kind_of(heads) is KINDS[name]
+        save_heads(heads, tmp_path / name)
+        loaded = load_heads(tmp_path / name, model, kind=name)
+        assert type(loaded) is KINDS[name].module
+        assert type(loaded.config).from_dict(loaded.config.to_dict()) == loaded.config
+        config = DecodeConfig(thresholds=0.5)
+        assert type(make_drafter(engine, loaded, [0.5, 0.5], config)) is drafters[name]
+        decoder = SelfSpecDecoder(engine, loaded, config)
+        assert type(decoder.drafter) is drafters[name] and decoder.num_sources == 2
+    other = "top_draft" if name == "exit_head" else "exit_head"
+    with pytest.raises(ValueError, match=f"field 'kind' is {name!r}, not {other!r}"):
+        load_heads(tmp_path / name, kind=other)
+
+
+def test_unknown_kind_is_a_clear_error(model, tmp_path):
+    """config.json naming a kind the table lacks: one ValueError naming the file, the field,
+    the kind found and the kinds there are; heads objects of no known kind likewise."""
+    from types import SimpleNamespace
+
+    from hf_selfspec.heads import KINDS, kind_of, read_kind
+
+    save_heads(trained_like_heads(model), tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    config["kind"] = "medusa"
+    path.write_text(json.dumps(config))
+    assert read_kind(tmp_path) == "medusa"
+    with pytest.raises(ValueError) as error:
+        load_heads(tmp_path, model)
+    message = str(error.value)
+    assert str(path) in message and "field 'kind'" in message and "'medusa'" in message
+    assert all(repr(name) in message for name in KINDS)
+    for bad in (SimpleNamespace(kind="medusa"), SimpleNamespace(), SimpleNamespace(kind=3)):
+        with pytest.raises(ValueError, match="not heads of a known kind"):
+            kind_of(bad)

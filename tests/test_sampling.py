@@ -119,10 +119,10 @@ def test_residual_and_point_mass():
 
 
 def test_generate_sampling_is_reproducible_and_honours_processors(tmp_path):
-    from hf_selfspec.heads.top_repo import save_top_heads
+    from hf_selfspec.heads import save_heads
 
     model = tiny_model("qwen3", seed=2, layers=4)
-    save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
+    save_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
     attach_heads(model, str(tmp_path))
     ids = torch.tensor([PROMPT])
     kw = dict(max_new_tokens=24, do_sample=True, top_k=5, top_p=0.9, temperature=0.8,
@@ -142,11 +142,11 @@ def test_generate_sampling_is_reproducible_and_honours_processors(tmp_path):
 @pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2),
                                 dict(suppress_tokens=[7, 8, 9], min_new_tokens=5)])
 def test_greedy_with_processors_matches_hf(kw, tmp_path):
-    from hf_selfspec.heads.top_repo import save_top_heads
+    from hf_selfspec.heads import save_heads
 
     ref = tiny_model("llama", seed=3, layers=4)
     model = tiny_model("llama", seed=3, layers=4)
-    save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
+    save_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
     attach_heads(model, str(tmp_path))
     for seed in range(2):
         ids = torch.randint(3, 40, (1, 20), generator=torch.Generator().manual_seed(seed))
@@ -159,11 +159,11 @@ def test_greedy_with_processors_matches_hf(kw, tmp_path):
 def test_prefix_allowed_tokens_fn_per_batch_row(tmp_path):
     """Constrained decoding: HF asks prefix_allowed_tokens_fn with each row's batch index; a
     batch row decoded with drafts gets the answers HF batch-1 greedy gets for that index."""
-    from hf_selfspec.heads.top_repo import save_top_heads
+    from hf_selfspec.heads import save_heads
 
     ref = tiny_model("llama", seed=3, layers=4)
     model = tiny_model("llama", seed=3, layers=4)
-    save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
+    save_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
     attach_heads(model, str(tmp_path))
     calls = []
 

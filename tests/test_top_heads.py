@@ -8,15 +8,16 @@ from conftest import tiny_model
 from test_decoding import random_top_heads
 
 from hf_selfspec import DecodeConfig, attach_heads
-from hf_selfspec.heads.top_repo import load_top_heads, read_kind, save_top_heads
+from hf_selfspec.heads.repo import load_heads, read_kind, save_heads
+from hf_selfspec.heads.top import TOP_KIND
 
 
 def test_round_trip_is_bit_exact(tmp_path):
     model = tiny_model("llama", seed=0, layers=4)
     heads = random_top_heads(model)
-    save_top_heads(heads, tmp_path, thresholds=[0.1, 0.2])
+    save_heads(heads, tmp_path, thresholds=[0.1, 0.2])
     assert read_kind(tmp_path) == "top_draft"
-    loaded = load_top_heads(tmp_path, model)
+    loaded = load_heads(tmp_path, model, kind=TOP_KIND)
     assert loaded.calibration.thresholds == [0.1, 0.2]
     f = torch.randn(1, model.config.hidden_size)
     assert loaded.draft(f[0], 5, 2, [0.0, 0.0]) == heads.draft(f[0], 5, 2, [0.0, 0.0])
@@ -33,34 +34,34 @@ def test_deepened_heads_keep_their_steps_and_copy_the_last(tmp_path):
     f = torch.randn(model.config.hidden_size)
     assert deeper.draft(f, 5, 2, [0.0] * 3) == heads.draft(f, 5, 2, [0.0, 0.0])
     assert len(deeper.draft(f, 5, 3, [0.0] * 3)) == 3
-    save_top_heads(deeper, tmp_path)
-    assert load_top_heads(tmp_path, model).draft(f, 5, 3, [0.0] * 3) == deeper.draft(f, 5, 3, [0.0] * 3)
+    save_heads(deeper, tmp_path)
+    assert load_heads(tmp_path, model, kind=TOP_KIND).draft(f, 5, 3, [0.0] * 3) == deeper.draft(f, 5, 3, [0.0] * 3)
     with pytest.raises(ValueError, match="not deeper"):
         heads.deepened(2)
 
 
 def test_heads_for_another_model_are_refused(tmp_path):
-    save_top_heads(random_top_heads(tiny_model("llama", seed=0, layers=4)), tmp_path)
+    save_heads(random_top_heads(tiny_model("llama", seed=0, layers=4)), tmp_path)
     with pytest.raises(ValueError, match="fingerprint"):
         attach_heads(tiny_model("llama", seed=1, layers=4), str(tmp_path))
 
 
 def test_corrupt_and_missing_files(tmp_path):
     model = tiny_model("llama", seed=0, layers=4)
-    save_top_heads(random_top_heads(model), tmp_path)
+    save_heads(random_top_heads(model), tmp_path)
     weights = tmp_path / "heads.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match="corrupt"):
-        load_top_heads(tmp_path, model)
+        load_heads(tmp_path, model, kind=TOP_KIND)
     weights.unlink()
     with pytest.raises(FileNotFoundError, match="heads.safetensors"):
-        load_top_heads(tmp_path, model)
+        load_heads(tmp_path, model, kind=TOP_KIND)
 
 
 def test_generate_with_top_heads_matches_hf_greedy(tmp_path):
     ref = tiny_model("qwen3", seed=2, layers=4)
     model = tiny_model("qwen3", seed=2, layers=4)
-    save_top_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
+    save_heads(random_top_heads(model), tmp_path, thresholds=[0.0, 0.0])
     attach_heads(model, str(tmp_path), decode=DecodeConfig(lookup="first"))
     drafted = 0
     for seed in range(3):
@@ -94,7 +95,7 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
         "own_eval_dynamic_tree_tau": {"beam": 4, "children": 4, "tree": {"1": 1.5, "3": 2.01},
                                       "chain": {"1": 1.5, "3": 1.92}},
     }
-    save_top_heads(heads, tmp_path)
+    save_heads(heads, tmp_path)
     card = (tmp_path / "README.md").read_text()
     metadata = yaml.safe_load(card.split("---")[1])
     assert metadata["library_name"] == "hf_selfspec" and metadata["base_model_relation"] == "adapter"
@@ -119,12 +120,12 @@ def test_float16_storage_round_trip(tmp_path):
 
     model = tiny_model("llama", seed=0, layers=4)
     heads = random_top_heads(model)
-    save_top_heads(heads, tmp_path / "fp32")
+    save_heads(heads, tmp_path / "fp32")
     heads.config.storage_dtype = "float16"
-    save_top_heads(heads, tmp_path / "fp16")
+    save_heads(heads, tmp_path / "fp16")
     size = lambda d: (tmp_path / d / "heads.safetensors").stat().st_size  # noqa: E731
     assert size("fp16") < 0.6 * size("fp32")
-    loaded = load_top_heads(tmp_path / "fp16", model)
+    loaded = load_heads(tmp_path / "fp16", model, kind=TOP_KIND)
     assert loaded.out_norm.dtype == torch.float32
     with torch.no_grad():
         for p in heads.parameters():
@@ -157,7 +158,7 @@ def test_drafting_reads_16bit_copies_kept_current():
     import torch.nn.functional as F
     from hf_selfspec.kernels.cpu_rows import load_rows_linear
 
-    from hf_selfspec.heads.base import rms_norm
+    from hf_selfspec.engine.layered import rms_norm
 
     kernel, model, heads = _kernel_model_and_heads(load_rows_linear)
     assert heads._fast_linear is not None

@@ -32,6 +32,7 @@ import torch
 
 from ..engine.meta import StepRows
 from ..engine.programs import Engine
+from ..heads.kinds import kind_of, make_drafter
 from ..stats import DecodeStats
 from .candidates import Candidate, DraftContext, Proposal, Source
 from .config import DecodeConfig
@@ -42,9 +43,8 @@ from .drafters import (
     ExitHeadsDrafter,
     LookupDrafter,
     PartialRows,
-    TopHeadsDrafter,
 )
-from .policy import DraftBudget, select_tree_rows, tree_shape
+from .policy import DraftBudget, select_tree_rows
 from .sampling import RowScorer, sample, speculative_tokens
 from .tree import DraftTree
 
@@ -152,19 +152,14 @@ class SelfSpecDecoder:
         # lookup "only" is exact PLD: the heads are not consulted
         self.heads = None if draft_engine is not None else heads
         use_heads = self.heads is not None and self.config.lookup != "only"
-        kind = getattr(self.heads, "kind", None) if use_heads else None
-        self.num_sources = 0
-        if use_heads:
-            self.num_sources = self.heads.config.depth if kind == "top_draft" else len(self.heads.heads)
+        # the heads' kind (heads/kinds.py) says how many thresholds they take and builds their drafter
+        self.num_sources = kind_of(self.heads).sources(self.heads.config) if use_heads else 0
         self.thresholds = self._resolve_thresholds()
         self.drafter = None  # the drafter besides prompt lookup
         if draft_engine is not None:
             self.drafter = DraftModelDrafter(draft_engine, self.config.draft_confidence)
-        elif use_heads and kind == "top_draft":
-            children, beam, min_prob = tree_shape(self.config, width)
-            self.drafter = TopHeadsDrafter(self.heads, self.thresholds, children, beam, min_prob)
         elif use_heads:
-            self.drafter = ExitHeadsDrafter(engine, self.heads, self.thresholds, self.config.gamma)
+            self.drafter = make_drafter(engine, self.heads, self.thresholds, self.config)
         self.lookup = None
         if self.config.lookup != "off":
             self.lookup = LookupDrafter(self.config.lookup_max_ngram, self.config.lookup_min_ngram,

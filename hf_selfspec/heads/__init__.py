@@ -1,9 +1,11 @@
 """Draft heads of every kind behind one repo format.
 
-    base        model identity (fingerprint, weight probe, final norm, LM head), RMSNorm,
-                the one compatibility check, the protocols decoding relies on
-    kinds       exit heads (ExitHeads, kind "exit_head")
+    base        model identity (fingerprint, weight probe, final norm, LM head), the config
+                identity every kind's config extends (HeadsIdentity), the one
+                compatibility check, the protocols decoding relies on
+    exit        exit heads (ExitHeads, kind "exit_head")
     top         top-layer draft heads (TopDraftHeads, kind "top_draft")
+    kinds       the kind table: kind -> config, heads, calibration, drafter (make_drafter)
     calibrate   confidence -> P(accept) maps and thresholds
     checks      field checks of untrusted config / calibration files
     card        the model card of every kind (huggingface_hub ModelCard)
@@ -14,6 +16,7 @@
 from .base import (
     DraftCalibration,
     ExitHeadsProtocol,
+    HeadsIdentity,
     HeadsMismatchWarning,
     TopHeadsProtocol,
     check_compatible,
@@ -22,7 +25,8 @@ from .base import (
 )
 from .calibrate import Calibration, ChainCalibration, HeadCalibration, isotonic_fit
 from .card import render_card
-from .kinds import ExitHead, ExitHeads, HeadsConfig
+from .exit import ExitHead, ExitHeads, ExitHeadsConfig, HeadsConfig
+from .kinds import KINDS, HeadKind, is_heads, kind_named, kind_of, make_drafter
 from .repo import (
     default_heads_path,
     exit_heads_path,
@@ -35,14 +39,18 @@ from .repo import (
 from .top import TopDraftHeads, TopHeadsConfig
 
 __all__ = [
+    "KINDS",
     "Calibration",
     "ChainCalibration",
     "DraftCalibration",
     "ExitHead",
     "ExitHeads",
+    "ExitHeadsConfig",
     "ExitHeadsProtocol",
     "HeadCalibration",
+    "HeadKind",
     "HeadsConfig",
+    "HeadsIdentity",
     "HeadsMismatchWarning",
     "TopDraftHeads",
     "TopHeadsConfig",
@@ -51,8 +59,12 @@ __all__ = [
     "default_heads_path",
     "exit_heads_path",
     "fingerprint",
+    "is_heads",
     "isotonic_fit",
+    "kind_named",
+    "kind_of",
     "load_heads",
+    "make_drafter",
     "push_heads",
     "read_kind",
     "render_card",

@@ -1,5 +1,6 @@
-"""What every head kind needs to know about its base model: one RMSNorm, the final norm and
-LM head, a weight fingerprint, and the one compatibility check.
+"""What every head kind needs to know about its base model: the config identity every
+kind's config extends (HeadsIdentity), the final norm and LM head, a weight fingerprint,
+and the one compatibility check. (The heads' RMSNorm is the engine's, engine.layered.)
 
 Heads only propose tokens; the model verifies every one of them, so heads for a slightly
 different checkpoint cost speed, never exactness. The check therefore refuses only what
@@ -25,11 +26,14 @@ import hashlib
 import json
 import math
 import warnings
-from typing import Literal, Protocol, runtime_checkable
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch import nn
+
+from . import checks
 
 # Weight sample of the fingerprint: these many leading values of the first row of each
 # sampled matrix, from this many evenly spaced embedding rows and three decoder layers.
@@ -48,16 +52,6 @@ class HeadsMismatchWarning(UserWarning):
     """Heads load on a checkpoint whose weights differ a little from their base model's."""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF's LlamaRMSNorm computes it: normalise in float32, then scale.
-
-    x [..., H], weight [H] -> [..., H] in weight's dtype (the heads cast their inputs to
-    their own dtype first, so for them this is exactly HF's maths)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(weight.dtype)
-
-
 def final_norm(model) -> nn.Module:
     """The final norm module of an HF causal LM (`model.model.norm`; Phi's final_layernorm,
     GPT-NeoX's final_layer_norm; an image-text model's language model's)."""
@@ -74,7 +68,7 @@ def final_norm(model) -> nn.Module:
 
 
 def final_norm_weight(model) -> torch.Tensor:
-    """The final norm's scale as `rms_norm` takes it: its weight, or 1 + weight for models
+    """The final norm's scale as the engine's `rms_norm` takes it: its weight, or 1 + weight for models
     whose norm scales by (1 + w) (Gemma), in float32 there; ones for a norm without a weight
     (OLMo's LayerNorm). A head's own RMSNorm starts from it."""
     from hf_selfspec.engine.layered import NORM_PLUS_ONE_TYPES, text_config
@@ -170,18 +164,83 @@ def fingerprint(model) -> str:
     return h.hexdigest()
 
 
-class BaseIdentity(Protocol):
-    """The config.json fields of every head kind that name the base model."""
+# --------------------------------------------------------------------------- identity
+
+FORMAT_VERSION = 1  # of every kind's config.json
+
+
+@dataclass(kw_only=True)
+class HeadsIdentity:
+    """The config.json fields every head kind shares, and their checks: which base model
+    (name, fingerprint, weight probe, dimensions), its RMSNorm epsilon, the kind, the
+    format version and free-form training provenance. Each kind's config extends it with
+    its own fields (`KIND`, `REQUIRED` and `_validate_own`); `from_dict` / `to_dict` /
+    `validate` are this class's for every kind."""
+
+    KIND: ClassVar[str] = ""  # the kind's "kind" string
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # the kind's own fields a config.json must hold
+    MIN_LAYERS: ClassVar[int] = 1  # the fewest base-model layers the kind works with
 
     base_model: str
     base_fingerprint: str
     num_layers: int
     hidden_size: int
     vocab_size: int
-    base_probe: list[float]
+    rms_norm_eps: float = 1e-5
+    kind: str = ""
+    format_version: int = FORMAT_VERSION
+    # Free-form provenance for the model card: data, positions, time, measured agreement.
+    training: dict = field(default_factory=dict)
+    # The fingerprint's weight sample: says how far another checkpoint of the same shape
+    # is from the heads' base model (see check_compatible). Heads saved before it existed
+    # have none and load on a near-identical checkpoint with a warning.
+    base_probe: list[float] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field of a wrong type, shape or range.
+
+        Sizes are bounded by the config's own dimensions (checked against the base model
+        by check_compatible before anything is allocated) and by checks.MAX_*."""
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"heads format_version {self.format_version!r} is not supported (this "
+                f"hf_selfspec reads version {FORMAT_VERSION}); upgrade hf_selfspec or re-save the heads"
+            )
+        if self.kind != self.KIND:
+            raise ValueError(
+                f"heads kind {self.kind!r} is not supported here (this config class reads {self.KIND!r})"
+            )
+        checks.need_model_identity(self, min_layers=self.MIN_LAYERS)
+        self._validate_own()
+        checks.need_number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, open_lo=True)
+        checks.need_list("base_probe", self.base_probe, checks.MAX_PROBE)
+        if not all(checks.is_number(v) for v in self.base_probe):
+            raise ValueError("field 'base_probe' must hold finite numbers only")
+        checks.need_dict("training", self.training)
+
+    def _validate_own(self) -> None:
+        """The kind's own fields (ValueError naming the field)."""
+
+    def to_dict(self) -> dict:
+        """The config.json fields: the base model's identity, the kind's own fields, then
+        the shared rest (the long probe and provenance last)."""
+        data = asdict(self)
+        shared = [f.name for f in fields(HeadsIdentity)]
+        own = [k for k in data if k not in shared]
+        return {k: data[k] for k in [*shared[:5], *own, *shared[5:]]}
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        """Build and validate; ValueError on missing or malformed fields (unknown keys ignored)."""
+        checks.need_object(data, "a heads config")
+        checks.need_fields(data, checks.IDENTITY_FIELDS + cls.REQUIRED)
+        names = {f.name for f in fields(cls)}
+        config = cls(**{k: v for k, v in data.items() if k in names})
+        config.validate()
+        return config
 
 
-def weight_distance(config: BaseIdentity, model) -> float | None:
+def weight_distance(config: HeadsIdentity, model) -> float | None:
     """How far `model`'s weights are from the heads' base model: per sampled weight the
     relative distance ||probe_model - base_probe|| / ||base_probe||, root-mean-square over
     the sampled weights (so the final norm's values near 1 do not swamp the matrices').
@@ -200,7 +259,7 @@ def weight_distance(config: BaseIdentity, model) -> float | None:
     return math.sqrt(sum(squares) / len(squares))
 
 
-def _same_up_to_dtype(config: BaseIdentity, model) -> bool:
+def _same_up_to_dtype(config: HeadsIdentity, model) -> bool:
     """The stored probe equals the model's up to rounding to the model's dtype (the same
     checkpoint loaded in fp16 has another fingerprint, though not other weights)."""
     probe = probe_tensor(model).numpy().astype(np.float64)
@@ -213,7 +272,7 @@ def _same_up_to_dtype(config: BaseIdentity, model) -> bool:
     return bool(np.all(np.abs(probe - stored) <= rtol * np.abs(stored) + atol))
 
 
-def check_compatible(config: BaseIdentity, model) -> None:
+def check_compatible(config: HeadsIdentity, model) -> None:
     """Refuse heads that cannot fit `model`; warn (HeadsMismatchWarning) when they were
     trained on slightly different weights. See the module docstring for the rule.
 

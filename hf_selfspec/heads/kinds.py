@@ -1,372 +1,123 @@
-"""Exit heads: cheap predictors of the model's final greedy token from an early layer.
+"""The kind table: every kind of heads, by the "kind" string of its config.json.
 
-A head reads the residual stream after `layer` decoder layers (HF's
-`output_hidden_states[layer]`, 1 <= layer < num_layers) and scores a reduced vocabulary
-V_k (the most frequent greedy targets), optionally plus one reject class ⊥:
+    kind         config class      heads class      calibration        drafter (decoding)
+    "exit_head"  ExitHeadsConfig   ExitHeads        Calibration        ExitHeadsDrafter
+    "top_draft"  TopHeadsConfig    TopDraftHeads    ChainCalibration   TopHeadsDrafter
 
-    h = RMSNorm(x) * w_in                       # (n, H)  the raw residual stream, normalised
-    h = h + up(silu(down(h)))                   # (n, H)  small residual adapter H -> r -> H
-    h = RMSNorm(h) * w_out                      # (n, H)  w_out starts as the model's final norm
-    logits = h @ E[V_k].T  (| h @ w_rej + b)    # (n, V_k (+1))  E = the model's LM head, frozen
-
-The LM-head rows E[V_k] are not part of a head's weights: `bind(model)` gathers them from
-the base model, so head files stay small and always match the model they run on. With
-`up` initialised to zero a fresh head is the "logit lens" over V_k.
-
-Confidence is the head's top probability among V_k (softmax over V_k and ⊥), and 0 when
-⊥ wins. In training ⊥ is the label of targets outside V_k, so a head says "not mine"
-instead of guessing a wrong in-vocabulary token.
+The repo loader (repo.py) reads and writes every kind through its entry; the decoder gets
+its drafter from `make_drafter`, the one factory, through the same entry. A new kind is
+one entry here (its config extends base.HeadsIdentity).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from . import checks
-from .base import (
-    final_norm_weight,
-    fingerprint,
-    lm_head_weight,
-    model_name,
-    norm_eps,
-    rms_norm,
-    weight_probe,
-)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .calibrate import Calibration
-
-FORMAT_VERSION = 1
-HEAD_KIND = "exit_head"
+from .base import HeadsIdentity
+from .calibrate import Calibration, ChainCalibration
+from .exit import HEAD_KIND, ExitHeads, ExitHeadsConfig
+from .top import STORAGE_DTYPES, TOP_KIND, TopDraftHeads, TopHeadsConfig
 
 
-class ExitHead(nn.Module):
-    """One exit head at `layer`: hidden [n, H] -> logits over V_k (+ reject).
+@dataclass(frozen=True)
+class HeadKind:
+    """How one kind of heads is read, written and drafted with."""
 
-    Args:
-        layer: number of decoder layers before the head (reads hidden_states[layer]).
-        hidden_size: H of the base model.
-        vocab_ids: LongTensor[V_k] of full-vocabulary ids the head can propose.
-        adapter_dim: r of the residual adapter.
-        reject_class: add the reject class ⊥.
-        eps: RMSNorm epsilon (the base model's).
-    """
+    name: str
+    config: type[HeadsIdentity]  # from_dict, validate, to_dict
+    module: type  # the heads, built from a config alone: Module(config)
+    weights_dtype: Callable[[Any], torch.dtype]  # config -> dtype of the stored floats
+    # thresholds the heads draft with: one per head (exit heads) or chain step (top)
+    sources: Callable[[Any], int]  # config -> count
+    calibration: type  # from_dict(calibration.json data, sources) -> calibration
+    # (heads, thresholds or None) -> the calibration to save
+    calibration_of: Callable[[Any, list[float] | None], Any]
+    # (engine, heads, thresholds, DecodeConfig) -> the decoder's drafter for these heads
+    drafter: Callable[[Any, Any, list[float], Any], Any]
 
-    def __init__(
-        self,
-        layer: int,
-        hidden_size: int,
-        vocab_ids: torch.Tensor,
-        adapter_dim: int = 256,
-        reject_class: bool = True,
-        eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        vocab_ids = torch.as_tensor(vocab_ids, dtype=torch.long)
-        if vocab_ids.ndim != 1 or vocab_ids.numel() == 0:
-            raise ValueError("vocab_ids must be a non-empty 1-D tensor of token ids")
-        self.layer = int(layer)
-        self.hidden_size = int(hidden_size)
-        self.adapter_dim = int(adapter_dim)
-        self.reject_class = bool(reject_class)
-        self.eps = float(eps)
-        self.in_norm = nn.Parameter(torch.ones(hidden_size))
-        self.down = nn.Linear(hidden_size, adapter_dim, bias=False)
-        self.up = nn.Linear(adapter_dim, hidden_size, bias=False)
-        nn.init.zeros_(self.up.weight)  # start as the logit lens over V_k
-        self.out_norm = nn.Parameter(torch.ones(hidden_size))
-        self.reject = nn.Linear(hidden_size, 1) if reject_class else None
-        if self.reject is not None:
-            nn.init.zeros_(self.reject.weight)
-            nn.init.constant_(self.reject.bias, -4.0)  # ⊥ starts unlikely
-        self.register_buffer("vocab_ids", vocab_ids.clone())
-        # [V_k, H] rows of the base model's LM head; gathered by bind(), never saved.
-        self.register_buffer("lm_rows", None, persistent=False)
-
-    @property
-    def num_classes(self) -> int:
-        return self.vocab_ids.numel() + int(self.reject_class)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab_ids.numel()
-
-    def bind(self, model) -> ExitHead:
-        """Gather E[V_k] from `model`'s LM head and move the head to its device and dtype."""
-        from hf_selfspec.engine.dispatch import onloaded
-
-        with onloaded(model.get_output_embeddings()):  # (brought in where accelerate offloads it)
-            return self._bind(lm_head_weight(model))
-
-    def _bind(self, weight: torch.Tensor) -> ExitHead:
-        if int(self.vocab_ids.max()) >= weight.shape[0]:
-            raise ValueError(
-                f"head at layer {self.layer} proposes token id {int(self.vocab_ids.max())} but "
-                f"the model's vocabulary has {weight.shape[0]} tokens"
-            )
-        if weight.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"head at layer {self.layer} has hidden size {self.hidden_size}, the model "
-                f"{weight.shape[1]}"
-            )
-        self.to(device=weight.device, dtype=weight.dtype)
-        self.lm_rows = weight.detach()[self.vocab_ids.to(weight.device)].contiguous()
-        return self
-
-    def init_from_model(self, model) -> ExitHead:
-        """Start w_out (and eps) from the model's final norm, then bind: a logit lens."""
-        with torch.no_grad():
-            self.out_norm.copy_(final_norm_weight(model).float().to(self.out_norm.device))
-        self.eps = norm_eps(model, self.eps)
-        return self.bind(model)
-
-    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(hidden, self.in_norm, self.eps)
-        h = h + self.up(F.silu(self.down(h)))
-        return rms_norm(h, self.out_norm, self.eps)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> logits [n, V_k (+1)]; the last column is ⊥ when present."""
-        if self.lm_rows is None:
-            raise RuntimeError(
-                "call bind(model) (or load_heads(source, model)) before using a head"
-            )
-        h = self._features(hidden.to(self.in_norm.dtype))
-        logits = F.linear(h, self.lm_rows)  # (n, V_k)
-        if self.reject is not None:
-            logits = torch.cat([logits, self.reject(h)], dim=-1)  # (n, V_k + 1)
-        return logits
-
-    @torch.no_grad()
-    def propose(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, H] -> (confidence float32[n], token int64[n] full-vocabulary ids)."""
-        logits = self(hidden).float()
-        v = self.vocab_size
-        best, index = logits[:, :v].max(dim=-1)
-        confidence = torch.exp(best - torch.logsumexp(logits, dim=-1))
-        if self.reject is not None:
-            confidence = torch.where(logits[:, v] > best, torch.zeros_like(confidence), confidence)
-        return confidence, self.vocab_ids[index]
-
-    @torch.no_grad()
-    def topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, H] -> (probs float32[n, k], tokens int64[n, k]), best first.
-
-        Probabilities are the head's (softmax over V_k and ⊥), so they sum to <= 1.
-        """
-        logits = self(hidden).float()
-        probs = torch.softmax(logits, dim=-1)[:, : self.vocab_size]
-        values, index = probs.topk(min(k, self.vocab_size), dim=-1)
-        return values, self.vocab_ids[index]
-
-    @torch.no_grad()
-    def distribution(
-        self, hidden: torch.Tensor, temperature: float = 1.0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, H] -> (probs float32[n, V_k] over V_k without ⊥, vocab_ids [V_k]).
-
-        The draft distribution q of speculative sampling at `temperature` (> 0).
-        """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        logits = self(hidden).float()[:, : self.vocab_size]
-        return torch.softmax(logits / temperature, dim=-1), self.vocab_ids
-
-    def extra_repr(self) -> str:
-        return (
-            f"layer={self.layer}, vocab={self.vocab_size}, adapter={self.adapter_dim}, "
-            f"reject={self.reject_class}"
-        )
+    def read_calibration(self, data, config):
+        """calibration.json's data, checked against the config (ValueError naming the field)."""
+        return self.calibration.from_dict(data, self.sources(config))
 
 
-@dataclass
-class HeadsConfig:
-    """What a heads repo's config.json says: which model, which heads, which format."""
-
-    base_model: str
-    base_fingerprint: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    layers: list[int]
-    vocab_sizes: list[int]
-    adapter_dims: list[int]
-    reject_class: bool = True
-    rms_norm_eps: float = 1e-5
-    # The fingerprint's weight sample: says how far another checkpoint of the same shape
-    # is from the heads' base model (see base.check_compatible).
-    base_probe: list[float] = field(default_factory=list)
-    # Free-form provenance for the model card: data, positions, time, measured agreement.
-    training: dict = field(default_factory=dict)
-    kind: str = HEAD_KIND
-    format_version: int = FORMAT_VERSION
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field of a wrong type, shape or range.
-
-        Sizes are bounded by the config's own dimensions (checked against the base model
-        by base.check_compatible before anything is allocated) and by checks.MAX_*."""
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"heads format_version {self.format_version} is not supported (this "
-                f"hf_selfspec reads version {FORMAT_VERSION}); upgrade hf_selfspec or re-save the heads"
-            )
-        if self.kind != HEAD_KIND:
-            raise ValueError(
-                f"heads kind {self.kind!r} is not supported here (this config class reads {HEAD_KIND!r})"
-            )
-        checks.need_model_identity(self, min_layers=2)
-        for name in ("layers", "vocab_sizes", "adapter_dims"):
-            checks.need_list(name, getattr(self, name), self.num_layers)
-        n = len(self.layers)
-        if n == 0:
-            raise ValueError("layers is empty: a heads config needs at least one head")
-        for name in ("vocab_sizes", "adapter_dims"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries, layers has {n}")
-        if any(not checks.is_int(l) or not 1 <= l < self.num_layers for l in self.layers):
-            raise ValueError(f"layers {self.layers} must be integers in [1, {self.num_layers - 1}]")
-        if list(self.layers) != sorted(set(self.layers)):
-            raise ValueError(f"layers {self.layers} must be strictly increasing (shallow -> deep)")
-        if any(not checks.is_int(v) or not 1 <= v <= self.vocab_size for v in self.vocab_sizes):
-            raise ValueError(f"vocab_sizes {self.vocab_sizes} must be in [1, {self.vocab_size}]")
-        max_r = checks.MAX_ADAPTER_FACTOR * self.hidden_size
-        if any(not checks.is_int(r) or not 1 <= r <= max_r for r in self.adapter_dims):
-            raise ValueError(
-                f"adapter_dims {self.adapter_dims} must be integers in [1, {max_r}] "
-                f"({checks.MAX_ADAPTER_FACTOR} x hidden_size)"
-            )
-        checks.need_bool("reject_class", self.reject_class)
-        checks.need_number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, open_lo=True)
-        checks.need_list("base_probe", self.base_probe, checks.MAX_PROBE)
-        if not all(checks.is_number(v) for v in self.base_probe):
-            raise ValueError("field 'base_probe' must hold finite numbers only")
-        checks.need_dict("training", self.training)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> HeadsConfig:
-        """Build and validate; ValueError on missing or malformed fields (unknown keys ignored)."""
-        checks.need_object(data, "a heads config")
-        names = {f.name for f in fields(cls)}
-        checks.need_fields(data, REQUIRED_FIELDS)
-        config = cls(**{k: v for k, v in data.items() if k in names})
-        config.validate()
-        return config
+def _exit_calibration(heads, thresholds):
+    """Exit heads save their Calibration; without one the identity map, threshold 0.6
+    (labelled uncalibrated in calibration.json)."""
+    if thresholds is not None:
+        raise ValueError("thresholds= is for top-layer heads; exit heads save their Calibration")
+    return heads.calibration or Calibration.uncalibrated(len(heads))
 
 
-REQUIRED_FIELDS = checks.IDENTITY_FIELDS + ("layers", "vocab_sizes", "adapter_dims")
+def _chain_calibration(heads, thresholds):
+    """Top-layer heads save per-step thresholds: the ones given, else the heads' own, else
+    0 (always draft)."""
+    if thresholds is None:
+        thresholds = (heads.calibration.thresholds if heads.calibration is not None
+                      else [0.0] * heads.config.depth)
+    return ChainCalibration(thresholds)
 
 
-class ExitHeads(nn.Module):
-    """An ordered (shallow -> deep) set of exit heads for one base model.
+def _exit_drafter(engine, heads, thresholds, config):
+    """Exit heads climb the layers of the newest row (decoding/drafters.py)."""
+    from ..decoding.drafters import ExitHeadsDrafter
 
-    Attributes:
-        config: HeadsConfig.
-        heads: nn.ModuleList[ExitHead], `heads[i].layer == config.layers[i]`.
-        calibration: Calibration or None (confidence -> P(accept), thresholds).
-    """
+    return ExitHeadsDrafter(engine, heads, thresholds, config.gamma)
 
-    kind = HEAD_KIND
 
-    def __init__(
-        self,
-        config: HeadsConfig,
-        heads: list[ExitHead] | None = None,
-        calibration: Calibration | None = None,
-    ) -> None:
-        super().__init__()
-        config.validate()
-        if heads is None:  # empty heads of the right shapes, e.g. to load weights into
-            heads = [
-                ExitHead(
-                    layer,
-                    config.hidden_size,
-                    torch.zeros(v, dtype=torch.long),
-                    r,
-                    config.reject_class,
-                    config.rms_norm_eps,
-                )
-                for layer, v, r in zip(config.layers, config.vocab_sizes, config.adapter_dims)
-            ]
-        if [h.layer for h in heads] != list(config.layers):
-            raise ValueError(
-                f"head layers {[h.layer for h in heads]} differ from config {config.layers}"
-            )
-        if calibration is not None and len(calibration.heads) != len(heads):
-            raise ValueError(
-                f"calibration has {len(calibration.heads)} heads, expected {len(heads)}"
-            )
-        self.config = config
-        self.heads = nn.ModuleList(heads)
-        self.calibration = calibration
+def _top_drafter(engine, heads, thresholds, config):
+    """Top-layer heads draft chains, or trees of the decode config's shape."""
+    from ..decoding.drafters import TopHeadsDrafter
+    from ..decoding.policy import tree_shape
 
-    @classmethod
-    def create(
-        cls,
-        model,
-        layers,
-        vocab_ids,
-        adapter_dims=256,
-        reject_class: bool = True,
-        base_model: str | None = None,
-    ) -> ExitHeads:
-        """Fresh (untrained, logit-lens) heads for `model`.
+    children, beam, min_prob = tree_shape(config, engine.width)
+    return TopHeadsDrafter(heads, thresholds, children, beam, min_prob)
 
-        Args:
-            layers: head layers, strictly increasing.
-            vocab_ids: one LongTensor[V_k] per head (or one shared by all heads).
-            adapter_dims: r per head or one int.
-        """
-        from hf_selfspec.engine.layered import text_config
 
-        cfg = text_config(model)
-        layers = [int(l) for l in layers]
-        if isinstance(vocab_ids, torch.Tensor):
-            vocab_ids = [vocab_ids] * len(layers)
-        if isinstance(adapter_dims, int):
-            adapter_dims = [adapter_dims] * len(layers)
-        eps = norm_eps(model)
-        config = HeadsConfig(
-            base_model=base_model or model_name(model),
-            base_fingerprint=fingerprint(model),
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            vocab_size=lm_head_weight(model).shape[0],
-            layers=layers,
-            vocab_sizes=[int(v.numel()) for v in vocab_ids],
-            adapter_dims=[int(r) for r in adapter_dims],
-            reject_class=reject_class,
-            rms_norm_eps=eps,
-            base_probe=weight_probe(model),
-        )
-        heads = [
-            ExitHead(l, cfg.hidden_size, v, r, reject_class, eps).init_from_model(model)
-            for l, v, r in zip(layers, vocab_ids, adapter_dims)
-        ]
-        return cls(config, heads)
+KINDS: dict[str, HeadKind] = {
+    HEAD_KIND: HeadKind(
+        HEAD_KIND, ExitHeadsConfig, ExitHeads,
+        weights_dtype=lambda config: torch.float32,
+        sources=lambda config: len(config.layers),
+        calibration=Calibration,
+        calibration_of=_exit_calibration,
+        drafter=_exit_drafter),
+    TOP_KIND: HeadKind(
+        TOP_KIND, TopHeadsConfig, TopDraftHeads,
+        weights_dtype=lambda config: STORAGE_DTYPES[config.storage_dtype],
+        sources=lambda config: config.depth,
+        calibration=ChainCalibration,
+        calibration_of=_chain_calibration,
+        drafter=_top_drafter),
+}
 
-    def bind(self, model) -> ExitHeads:
-        for head in self.heads:
-            head.bind(model)
-        return self
 
-    @property
-    def layers(self) -> list[int]:
-        return [h.layer for h in self.heads]
+def kind_named(name) -> HeadKind:
+    """The entry of kind `name`; ValueError naming the kinds there are."""
+    if not isinstance(name, str) or name not in KINDS:
+        raise ValueError(f"field 'kind' must be one of {sorted(KINDS)}, got {name!r}")
+    return KINDS[name]
 
-    def __len__(self) -> int:
-        return len(self.heads)
 
-    def __iter__(self):
-        return iter(self.heads)
+def is_heads(value) -> bool:
+    """Whether `value` is loaded heads of some kind (an instance of a kind's heads class)."""
+    return isinstance(value, tuple(kind.module for kind in KINDS.values()))
 
-    def __getitem__(self, index: int) -> ExitHead:
-        return self.heads[index]
+
+def kind_of(heads) -> HeadKind:
+    """The entry of loaded heads, by their `kind` string; ValueError naming the kinds there
+    are for an object of no known kind."""
+    name = getattr(heads, "kind", None)
+    if not isinstance(name, str) or name not in KINDS:
+        raise ValueError(f"{type(heads).__name__} with kind {name!r} are not heads of a known kind "
+                         f"(one of {sorted(KINDS)})")
+    return KINDS[name]
+
+
+def make_drafter(engine, heads, thresholds: list[float], config):
+    """The one drafter factory: the drafter of `heads`, whatever their kind, over `engine`
+    with per-source `thresholds` and the DecodeConfig `config`."""
+    return kind_of(heads).drafter(engine, heads, thresholds, config)

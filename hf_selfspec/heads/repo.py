@@ -1,7 +1,7 @@
 """The heads repo format, for every head kind: a normal Hugging Face Hub model repo (or a
 local folder).
 
-    config.json         the kind's config ("kind" says which: "exit_head" or "top_draft"):
+    config.json         the kind's config ("kind" says which: an entry of kinds.KINDS):
                         base model id, fingerprint and weight probe, sizes, format version
     heads.safetensors   head weights (never pickle); the base model's LM-head rows and
                         embeddings are NOT stored, they are gathered at bind time
@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .base import check_compatible, fingerprint, weight_probe
-from .calibrate import Calibration, ChainCalibration
 from .card import render_card
-from .kinds import HEAD_KIND, ExitHeads, HeadsConfig
-from .top import STORAGE_DTYPES, TOP_KIND, TopDraftHeads, TopHeadsConfig
+from .exit import HEAD_KIND
+from .kinds import HeadKind, kind_named, kind_of
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"
@@ -41,50 +37,6 @@ REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CALIBRATION_FILE)
 HUB_FILES = (*REQUIRED_FILES, CARD_FILE)  # what is downloaded and uploaded, nothing else
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.int64: "I64"}
-
-
-@dataclass(frozen=True)
-class HeadKind:
-    """How one kind of heads is read and written (one entry of KINDS per kind)."""
-
-    name: str
-    config: type  # HeadsConfig / TopHeadsConfig: from_dict, validate, to_dict
-    module: type  # ExitHeads / TopDraftHeads: built from a config alone
-    weights_dtype: Callable[[Any], torch.dtype]  # config -> dtype of the stored floats
-    read_calibration: Callable[[Any, Any], Any]  # (calibration.json data, config) -> calibration
-    # (heads, thresholds or None) -> the calibration to save
-    calibration_of: Callable[[Any, list[float] | None], Any]
-
-
-def _exit_calibration(heads, thresholds):
-    """Exit heads save their Calibration; without one the identity map, threshold 0.6
-    (labelled uncalibrated in calibration.json)."""
-    if thresholds is not None:
-        raise ValueError("thresholds= is for top-layer heads; exit heads save their Calibration")
-    return heads.calibration or Calibration.uncalibrated(len(heads))
-
-
-def _chain_calibration(heads, thresholds):
-    """Top-layer heads save per-step thresholds: the ones given, else the heads' own, else
-    0 (always draft)."""
-    if thresholds is None:
-        thresholds = (heads.calibration.thresholds if heads.calibration is not None
-                      else [0.0] * heads.config.depth)
-    return ChainCalibration(thresholds)
-
-
-KINDS = {
-    HEAD_KIND: HeadKind(
-        HEAD_KIND, HeadsConfig, ExitHeads,
-        weights_dtype=lambda config: torch.float32,
-        read_calibration=lambda data, config: Calibration.from_dict(data, len(config.layers)),
-        calibration_of=_exit_calibration),
-    TOP_KIND: HeadKind(
-        TOP_KIND, TopHeadsConfig, TopDraftHeads,
-        weights_dtype=lambda config: STORAGE_DTYPES[config.storage_dtype],
-        read_calibration=lambda data, config: ChainCalibration.from_dict(data, config.depth),
-        calibration_of=_chain_calibration),
-}
 
 
 def default_heads_path() -> Path:
@@ -157,10 +109,10 @@ def _kind_of(data, path: Path) -> HeadKind:
     if not isinstance(data, dict):  # a bad file: ValueError like every other
         raise ValueError(  # noqa: TRY004
             f"{path}: a heads config must be a JSON object, got a JSON {type(data).__name__}")
-    name = data.get("kind", HEAD_KIND)
-    if not isinstance(name, str) or name not in KINDS:
-        raise ValueError(f"{path}: field 'kind' must be one of {sorted(KINDS)}, got {name!r}")
-    return KINDS[name]
+    try:
+        return kind_named(data.get("kind", HEAD_KIND))  # (no "kind": the first kind's files)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def read_config(folder):
@@ -177,8 +129,8 @@ def read_config(folder):
 # --------------------------------------------------------------------------- load
 
 
-def load_heads(source, model=None, *, revision: str | None = None, cache_dir=None,
-               token: str | bool | None = None, local_files_only: bool = False):
+def load_heads(source, model=None, *, kind: str | None = None, revision: str | None = None,
+               cache_dir=None, token: str | bool | None = None, local_files_only: bool = False):
     """Load heads of any kind from a local folder or a Hub repo id, check them against
     `model`, bind them to it.
 
@@ -186,6 +138,7 @@ def load_heads(source, model=None, *, revision: str | None = None, cache_dir=Non
         source: folder path or Hub repo id ("org/name"); revision, cache_dir, token and
             local_files_only go to huggingface_hub.snapshot_download.
         model: the base HF model; None loads without checking or binding (inspection).
+        kind: refuse heads of another kind ("top_draft", say) before anything else is read.
     Returns:
         ExitHeads or TopDraftHeads, as config.json's "kind" says.
     Raises:
@@ -200,7 +153,10 @@ def load_heads(source, model=None, *, revision: str | None = None, cache_dir=Non
         if not (folder / name).is_file():
             raise FileNotFoundError(
                 f"{folder / name} is missing: a heads folder needs {', '.join(REQUIRED_FILES)}")
+    wanted = kind
     kind, config = read_config(folder)
+    if wanted is not None and kind.name != wanted:
+        raise ValueError(f"{folder / CONFIG_FILE}: field 'kind' is {kind.name!r}, not {wanted!r}")
     calib_path = folder / CALIBRATION_FILE
     calibration_data = _read_json(calib_path)  # its errors name the file already
     try:
@@ -303,7 +259,7 @@ def save_heads(heads, folder, card: bool = True, *, thresholds: list[float] | No
     """
     from safetensors.torch import save
 
-    kind = KINDS[heads.kind]
+    kind = kind_of(heads)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     heads.config.validate()

@@ -16,19 +16,19 @@ model's own argmax (scripts/head_study.py). Measured figures: docs/head_study.md
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import checks
+from ..engine.layered import rms_norm
 from ..engine.versions import version_counter
-from .base import final_norm_weight, fingerprint, lm_head_weight, rms_norm, weight_probe
+from . import checks
+from .base import HeadsIdentity, final_norm_weight, fingerprint, lm_head_weight, weight_probe
 
 TOP_KIND = "top_draft"
-FORMAT_VERSION = 1
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,39 +45,22 @@ class DraftNode(NamedTuple):
     on_chain: bool
 
 
-@dataclass
-class TopHeadsConfig:
-    """config.json of a top-draft heads repo."""
+@dataclass(kw_only=True)
+class TopHeadsConfig(HeadsIdentity):
+    """config.json of a top-draft heads repo: the base model (HeadsIdentity's fields) and
+    the chain: its depth, adapter width, reduced vocabulary and storage dtype."""
 
-    base_model: str
-    base_fingerprint: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
+    KIND: ClassVar[str] = TOP_KIND
+    REQUIRED: ClassVar[tuple[str, ...]] = ("depth", "adapter_dim", "reduced_vocab")
+
     depth: int  # drafts per cycle the heads can make
     adapter_dim: int
     reduced_vocab: int
-    rms_norm_eps: float = 1e-5
     # dtype of the weights in heads.safetensors (they run in the model's dtype)
     storage_dtype: str = "float32"
     kind: str = TOP_KIND
-    format_version: int = FORMAT_VERSION
-    training: dict = field(default_factory=dict)
-    # The fingerprint's weight sample: says how far another checkpoint of the same shape
-    # is from the heads' base model (see base.check_compatible). Heads saved before it
-    # existed have none and load on a near-identical checkpoint with a warning.
-    base_probe: list[float] = field(default_factory=list)
 
-    def validate(self) -> None:
-        """Raise ValueError naming the first field of a wrong type, shape or range."""
-        if self.kind != TOP_KIND:
-            raise ValueError(f"kind must be {TOP_KIND!r}, got {self.kind!r}")
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(
-                f"heads format_version {self.format_version!r} is not supported (this "
-                f"hf_selfspec reads version {FORMAT_VERSION}); upgrade hf_selfspec"
-            )
-        checks.need_model_identity(self, min_layers=1)
+    def _validate_own(self) -> None:
         checks.need_int("depth", self.depth, 1, checks.MAX_DEPTH)
         checks.need_int(
             "adapter_dim", self.adapter_dim, 1, checks.MAX_ADAPTER_FACTOR * self.hidden_size
@@ -87,31 +70,11 @@ class TopHeadsConfig:
                 f"field 'reduced_vocab' ({self.reduced_vocab}) exceeds vocab_size ({self.vocab_size})"
             )
         checks.need_int("reduced_vocab", self.reduced_vocab, 1, self.vocab_size)
-        checks.need_number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, open_lo=True)
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ValueError(
                 f"field 'storage_dtype' must be one of {sorted(STORAGE_DTYPES)}, got "
                 f"{self.storage_dtype!r}"
             )
-        checks.need_list("base_probe", self.base_probe, checks.MAX_PROBE)
-        if not all(checks.is_number(v) for v in self.base_probe):
-            raise ValueError("field 'base_probe' must hold finite numbers only")
-        checks.need_dict("training", self.training)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> TopHeadsConfig:
-        """Build and validate; ValueError on missing or malformed fields (unknown keys ignored)."""
-        checks.need_object(data, "a heads config")
-        checks.need_fields(data, REQUIRED_FIELDS)
-        cfg = cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-        cfg.validate()
-        return cfg
-
-
-REQUIRED_FIELDS = checks.IDENTITY_FIELDS + ("depth", "adapter_dim", "reduced_vocab")
 
 
 def likeliest_first(found: list[DraftNode]) -> list[DraftNode]:
@@ -163,7 +126,9 @@ class TopDraftStep(nn.Module):
         nn.init.zeros_(self.up.weight)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, linear=F.linear) -> torch.Tensor:
-        x = torch.cat([rms_norm(h, self.h_norm, self.eps), rms_norm(e, self.e_norm, self.eps)], dim=-1)
+        # (the engine's RMSNorm, on inputs in the heads' dtype: a norm's output is in its weight's)
+        x = torch.cat([rms_norm(h.to(self.h_norm.dtype), self.h_norm, self.eps),
+                       rms_norm(e.to(self.e_norm.dtype), self.e_norm, self.eps)], dim=-1)
         return h + linear(F.silu(linear(x, self.down.weight)), self.up.weight)
 
 
@@ -281,13 +246,15 @@ class TopDraftHeads(nn.Module):
         step = self.steps[i]
         if fast is None or torch.is_grad_enabled():
             h = step(h, F.embedding(tokens, self.embed))
-            return h, F.linear(rms_norm(h, self.out_norm, self.config.rms_norm_eps), self.lm_rows)
-        x = torch.cat([rms_norm(h, step.h_norm, step.eps),
-                       rms_norm(F.embedding(tokens, self.embed), step.e_norm, step.eps)], dim=-1)
+            normed = rms_norm(h.to(self.out_norm.dtype), self.out_norm, self.config.rms_norm_eps)
+            return h, F.linear(normed, self.lm_rows)
+        x = torch.cat([rms_norm(h.to(step.h_norm.dtype), step.h_norm, step.eps),
+                       rms_norm(F.embedding(tokens, self.embed).to(step.e_norm.dtype), step.e_norm, step.eps)],
+                      dim=-1)
         down = self._draft_weight(f"steps.{i}.down", step.down.weight)
         up = self._draft_weight(f"steps.{i}.up", step.up.weight)
         h = h + fast(F.silu(fast(x, down)), up)
-        normed = rms_norm(h, self.out_norm, self.config.rms_norm_eps)
+        normed = rms_norm(h.to(self.out_norm.dtype), self.out_norm, self.config.rms_norm_eps)
         return h, fast(normed, self._draft_weight("lm_rows", self.lm_rows))
 
     def step_top(self, i: int, h: torch.Tensor, tokens: torch.Tensor, k: int):

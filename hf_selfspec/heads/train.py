@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import Conversation, render_chat
-from .kinds import ExitHead
+from .exit import ExitHead
 
 STATE_FILE = "state.json"
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Literal
 
 from ..heads.base import final_norm, lm_head_weight
-from ..heads.repo import save_heads
-from ..heads.top_repo import load_top_heads
+from ..heads.repo import load_heads, save_heads
+from ..heads.top import TOP_KIND
 from .data import (
     CollectSettings,
     PromptSource,
@@ -112,7 +112,7 @@ class RecipeConfig:
         if self.init is not None and not (Path(self.init) / "config.json").is_file():
             raise ValueError(f"--init {self.init}: no heads there (no config.json)")
         if self.init is not None:
-            load_top_heads(self.init)  # every file of it, and its kind, before the model loads
+            load_heads(self.init, kind=TOP_KIND)  # every file of it, and its kind, before the model loads
         if self.new_steps_only and (self.init is None or depth is None):
             raise ValueError("--new-steps-only needs --init and a --depth greater than the init heads'")
         if self.parts is not None and (not self.parts or min(self.parts) < 0):

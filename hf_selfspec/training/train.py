@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..heads.base import fingerprint, norm_eps
-from ..heads.top import TopDraftHeads, TopHeadsConfig
+from ..heads.top import TOP_KIND, TopDraftHeads, TopHeadsConfig
 
 DEFAULT_DEPTH = 3
 
@@ -81,10 +81,10 @@ def load_init(model, folder: Path) -> TopDraftHeads:
     """Trained top heads to fine-tune, bound to `model`, without their calibration (it is
     re-fitted for the new weights). ValueError for a folder that holds no top heads for
     `model`."""
-    from ..heads.top_repo import load_top_heads
+    from ..heads.repo import load_heads
 
     try:
-        heads = load_top_heads(folder, model)
+        heads = load_heads(folder, model, kind=TOP_KIND)
     except OSError as e:  # a missing folder or file
         raise ValueError(f"--init {folder}: {e}") from None
     heads.calibration = None
