@@ -40,6 +40,7 @@ from .decoding.sampling import (
 )
 from .engine import costs
 from .engine.dispatch import is_dispatched
+from .engine.errors import UnsupportedModelError
 from .engine.layered import (
     TOKEN_TYPE_EMBEDDING_TYPES,
     dispatch_placement,
@@ -328,9 +329,10 @@ def _streams_weights(model) -> bool:
 
 def model_device(model) -> torch.device:
     """The device `model` computes on: its parameters', or for a model accelerate dispatched
-    the execution device of its layers (offloaded parameters sit on the meta device)."""
+    the execution device of its LM head (offloaded parameters sit on the meta device): where
+    the engine's logits and final hidden states are, which the heads read."""
     if is_dispatched(model):
-        return dispatch_placement(model).devices[0]
+        return dispatch_placement(model).lm_head.device
     return next(model.parameters()).device
 
 
@@ -441,7 +443,11 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
         )
     # before the heads bind to the model's embedding: they keep a reference to it
     move_file_mapped_weights(model)
+    if heads is not None and heads is not False:
+        _check_heads_devices(model)
     loaded = _default_or_no_heads(model, revision) if heads is None else _load_heads(model, heads, revision)
+    if loaded is not None and heads is None:
+        _check_heads_devices(model)
     if decode is None:
         decode = DecodeConfig(lookup="first" if loaded is not None else "only")
     if engine is None:
@@ -455,6 +461,21 @@ def attach_heads(model, heads=None, *, decode: DecodeConfig | None = None,
     model._selfspec = SelfSpecState(loaded, decode, engine)
     model.selfspec_stats = None
     return model
+
+
+def _check_heads_devices(model) -> None:
+    """Draft heads read rows of the token embedding and of the LM head in the same product:
+    on a model accelerate spreads over several devices both must execute on one."""
+    if not is_dispatched(model):
+        return
+    placement = dispatch_placement(model)
+    embedding, head = placement.embedding.device, placement.lm_head.device
+    if embedding != head:
+        raise UnsupportedModelError(
+            f"draft heads read the token embedding and the LM head together, and this device_map runs the "
+            f"embedding on {embedding} and the LM head on {head}. Put both on one device in the device_map "
+            "(the LM head's entry on the embedding's device), or attach_heads(model, heads=False) to decode "
+            "with prompt lookup only")
 
 
 def _check_attach_arguments(heads, decode, engine) -> None:
@@ -1024,7 +1045,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
             model.selfspec_stats = live  # filled as tokens commit: a streamer may read .sources
         # HF scores a row with the whole padded row as input_ids: so does the scorer
         scorer = (RowScorer(row_processors(logits_processor, b, batch), padded, engine.view.vocab_size,
-                            engine.view.device) if row_processing else None)
+                            engine.head_device) if row_processing else None)
         requests.append(SequenceRequest(p, stop, on_commit, scorer, live))
         stats.append(live)
     wall = time.perf_counter()
@@ -1043,7 +1064,7 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     if len(results) > 1 and not _pads_stopped_rows(stopping_criteria):
         def decode_more(b, tokens, n):  # row b on from its prompt and `tokens`, for n tokens
             scorer = (RowScorer(row_processors(logits_processor, b, batch), input_ids[b].tolist() + tokens,
-                                engine.view.vocab_size, engine.view.device) if row_processing else None)
+                                engine.view.vocab_size, engine.head_device) if row_processing else None)
             return decoder.generate(prompts[b] + tokens, n, eos, collect_logits=want_logits, scorer=scorer,
                                     do_sample=bool(gc.do_sample))
         results = _decode_stopped_rows_on(results, decode_more)

@@ -15,6 +15,8 @@ from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_selfspec
+from hf_selfspec.engine.devices import GroupedCache
+from hf_selfspec.engine.dispatch import _align_hooks
 from hf_selfspec.engine.layered import UnsupportedModelError, dispatch_placement
 from hf_selfspec.engine.programs import Engine, EngineConfig
 
@@ -138,6 +140,62 @@ def test_engine_placement_and_memory(llama_folder, tmp_path):
     assert ar == hf_greedy_tokens(model, PROMPT, 8)
 
 
+def _over_two_devices(model, moved=("model.layers.2", "model.layers.3", "model.norm", "lm_head")):
+    """The model's later parts executing on a second device, as a map over two GPUs puts
+    them: here the CPU under another index (torch.device("cpu", 1)), so accelerate's hooks
+    and the engine move rows and metadata between the two as they would between GPUs
+    (moves between equal devices are no-ops) and keep one KV cache per device."""
+    other = torch.device("cpu", 1)
+    for name in moved:
+        for sub in model.get_submodule(name).modules():
+            for hook in _align_hooks(sub):
+                hook.execution_device = other
+    return model
+
+
+def test_several_execution_devices_follow_the_map(llama_folder, tmp_path):
+    """Layers over two devices (layer 1 disk-offloaded on the first): one KV cache per run
+    of layers on its device, the step's metadata on each; greedy == HF greedy on the same
+    dispatched model (chains and trees), a batch's rows each equal to their prompt alone."""
+    model = _over_two_devices(_load(llama_folder, tmp_path, _layer_map(4, {1})))
+    placement = dispatch_placement(model)
+    assert placement.layer_devices == [torch.device("cpu")] * 2 + [torch.device("cpu", 1)] * 2
+    hf_selfspec.attach_heads(model, heads=False)
+    ref, out = _hf_then_self(model)
+    assert out == ref
+    engine = model._selfspec.engine
+    assert [(g.lo, g.hi, g.device) for g in engine.groups] == [
+        (0, 2, torch.device("cpu")), (2, 4, torch.device("cpu", 1))]
+    assert isinstance(engine.k_cache, GroupedCache) and engine.head_device == torch.device("cpu", 1)
+    # chains (no trees), on a longer prompt
+    hf_selfspec.attach_heads(model, heads=False, decode=hf_selfspec.DecodeConfig(tree="off"))
+    ref_long, out_long = _hf_then_self(model, prompt=PROMPT * 3, new=40)
+    assert out_long == ref_long
+    ids = torch.tensor([PROMPT, [9, 8, 7, 6, 5, 4, 3, 2, 1, 2, 3, 4, 5, 6]])
+    batch = model.generate(ids, max_new_tokens=16, do_sample=False, assistant="self").tolist()
+    for row, prompt in zip(batch, ids.tolist()):
+        assert row == model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+
+
+def test_heads_need_the_embedding_and_lm_head_on_one_device(llama_folder, tmp_path):
+    model = _over_two_devices(_load(llama_folder, tmp_path, _layer_map(4, {1})))
+    with pytest.raises(UnsupportedModelError, match="embedding on cpu and the LM head on cpu:1"):
+        hf_selfspec.attach_heads(model, heads=str(tmp_path / "heads"))
+
+
+def test_several_devices_bf16_equals_engine_ar(llama_folder, tmp_path):
+    """bf16 over two devices, layer 0 streamed through accelerate's hooks (a bf16 load of an
+    fp32 file), the final norm on the second device and the LM head back on the first."""
+    model = _over_two_devices(_load(llama_folder, tmp_path, _layer_map(4, {0}), dtype=torch.bfloat16),
+                              moved=("model.layers.2", "model.layers.3", "model.norm"))
+    engine = Engine(model, EngineConfig(capacity=256))
+    assert len(engine.groups) == 2 and engine.head_device == torch.device("cpu")
+    ar = engine.generate_ar(PROMPT, 24)
+    hf_selfspec.attach_heads(model, heads=False)
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, assistant="self")
+    assert out[0, len(PROMPT):].tolist() == ar
+
+
 def hf_greedy_tokens(model, prompt, new):
     return model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
 
@@ -171,13 +229,13 @@ def _hook(module, device: str, offload: bool) -> None:
                                                 io_same_device=False))
 
 
-def test_refuses_several_execution_devices():
+def test_refuses_devices_of_several_kinds():
     model = tiny_model("llama", layers=4).eval()
     for i, layer in enumerate(model.model.layers):
         for sub in layer.modules():
             if list(sub.parameters(recurse=False)):
                 _hook(sub, "cuda:0" if i >= 2 else "cpu", offload=i >= 2)
-    with pytest.raises(UnsupportedModelError, match="several devices.*one execution device"):
+    with pytest.raises(UnsupportedModelError, match="devices of several kinds.*device_map='auto'"):
         hf_selfspec.attach_heads(model, heads=False)
 
 

@@ -277,7 +277,7 @@ class SelfSpecDecoder:
         if do_sample and scorer is None:
             from transformers import LogitsProcessorList
 
-            run.scorer = RowScorer(LogitsProcessorList(), prompt_ids, engine.view.vocab_size, engine.view.device)
+            run.scorer = RowScorer(LogitsProcessorList(), prompt_ids, engine.view.vocab_size, engine.head_device)
         if run.scorer is not None:
             run.min_new_tokens = 0
         if self.draft_engine is not None:

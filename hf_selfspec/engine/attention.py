@@ -223,7 +223,7 @@ class TritonAttention:
         from hf_selfspec.kernels.attention import row_attention
 
         rows = meta.rows
-        anc, base = triton_row_keys(meta.path, meta.base, rows, engine.k_cache.device)
+        anc, base = triton_row_keys(meta.path, meta.base, rows, meta.slots.device)
         pad = meta.slots[:rows] == engine.trash_slot
         limit = meta.key_limit[:rows] + 1
         if meta.path.numel():  # a tree: the last c_r of a row's keys are its path slots

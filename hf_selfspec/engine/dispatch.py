@@ -223,9 +223,8 @@ def _part(module: torch.nn.Module, name: str, fallback: torch.device | None,
                         "decoder layer at a time; load with a device_map that names each layer "
                         "(device_map='auto' does), or use plain generate()")
                 streamed.append((sub, hook))
-        for p in sub.parameters(recurse=False):
-            if p.device != META:
-                devices.add(p.device)
+        if not _align_hooks(sub):  # (a hooked module's inputs and weights go to its execution device)
+            devices.update(p.device for p in sub.parameters(recurse=False) if p.device != META)
     held = [p for p in module.parameters() if p.device == META]
     covered = {id(p) for sub, _ in streamed for p in sub.parameters(recurse=False)}
     if any(id(p) not in covered for p in held):

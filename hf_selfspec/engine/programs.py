@@ -45,6 +45,7 @@ from . import screen as screen_lib
 from .attention import KEY_BLOCK, select_attention, uses_row_attention, visible_bias
 from .cache import MeasurementCache, machine_key
 from .compact import CompactWeights, projection_positions
+from .devices import GroupedCache, layer_groups
 from .layered import (CPU_ONLY_REFUSAL, LayeredModel, UnsupportedModelError, apply_rope, check_engine_prefill, cpu_only,
                       longrope_short_positions, text_decoder)
 from .layouts import AUTO_CHOICES, LAYOUTS, RowLayout, choose_layout, row_chunks
@@ -154,6 +155,19 @@ class Engine:
         self.view = LayeredModel(model, self.config.capacity)
         v = self.view
         self.group = v.num_heads // v.num_kv_heads
+        # the devices accelerate runs the parts on (one for an undispatched model): runs of
+        # layers on one device each keep their KV cache there (devices.py), and rows move
+        # to the next run's device, to the final norm's and to the LM head's
+        placement = v.placement
+        self.groups = layer_groups(placement.layer_devices if placement is not None else [v.device] * v.num_layers)
+        self.several_devices = len(self.groups) > 1
+        self._group_of = [g for g in self.groups for _ in range(g.lo, g.hi)]
+        self.embedding_device = v.device if placement is None else placement.embedding.device
+        self.norm_device = v.device if placement is None else placement.final_norm.device
+        self.head_device = v.device if placement is None else placement.lm_head.device
+        if self.several_devices and self.config.executor == "cuda_graphs":
+            raise ValueError("the CUDA-graph executor runs a model on one device; this one executes on "
+                             f"{', '.join(str(g.device) for g in self.groups)}: use EngineConfig(executor='eager')")
         self._identity_rope: dict = {}  # _no_rotation's tables, per dtype
         self._signature = weight_signature(model)
         self._measured = MeasurementCache(machine_key(v, self.width), tuple(LAYOUTS), self.width,
@@ -348,13 +362,23 @@ class Engine:
         shape = (v.num_layers, v.num_kv_heads, num_slots, v.head_dim)
         old_k, old_v = self.k_cache, self.v_cache
         self.k_cache = self.v_cache = None  # the caller's references keep the old ones alive
-        k_cache = zeroed(shape, v.dtype, v.device)
-        # latent attention: the values are the keys' own tensor (LatentAttentionWeights)
-        v_cache = k_cache if v.values_are_keys else zeroed(shape, v.dtype, v.device)
-        if keep and old_k is not None:
-            k_cache[:, :, :keep] = old_k[:, :, :keep]
-            if v_cache is not k_cache:
-                v_cache[:, :, :keep] = old_v[:, :, :keep]
+        if self.several_devices:  # one tensor per run of layers, on its device
+            k_cache = GroupedCache(self.groups, [zeroed((g.hi - g.lo, *shape[1:]), v.dtype, g.device)
+                                                 for g in self.groups])
+            v_cache = k_cache if v.values_are_keys else GroupedCache(
+                self.groups, [zeroed((g.hi - g.lo, *shape[1:]), v.dtype, g.device) for g in self.groups])
+            if keep and old_k is not None:
+                k_cache.keep(old_k, keep)
+                if v_cache is not k_cache:
+                    v_cache.keep(old_v, keep)
+        else:
+            k_cache = zeroed(shape, v.dtype, v.device)
+            # latent attention: the values are the keys' own tensor (LatentAttentionWeights)
+            v_cache = k_cache if v.values_are_keys else zeroed(shape, v.dtype, v.device)
+            if keep and old_k is not None:
+                k_cache[:, :, :keep] = old_k[:, :, :keep]
+                if v_cache is not k_cache:
+                    v_cache[:, :, :keep] = old_v[:, :, :keep]
         del old_k, old_v
         self.k_cache, self.v_cache = k_cache, v_cache
         self.capacity = capacity
@@ -548,7 +572,11 @@ class Engine:
         tree's accepted path, compacted to consecutive positions: targets never overwrite a
         later source when both increase and targets[i] <= sources[i])."""
         for src, dst in zip(sources, targets):
-            if src != dst:
+            if src != dst and self.several_devices:
+                self.k_cache.copy_slot(src, dst)
+                if self.v_cache is not self.k_cache:
+                    self.v_cache.copy_slot(src, dst)
+            elif src != dst:
                 self.k_cache[:, :, dst] = self.k_cache[:, :, src]
                 if self.v_cache is not self.k_cache:  # (latent attention: one tensor)
                     self.v_cache[:, :, dst] = self.v_cache[:, :, src]
@@ -571,8 +599,27 @@ class Engine:
         PyTorch ops with its weights brought in for the step (the same way at every step, so
         AR and speculative rows compute it alike)."""
         v = self.view
+        if self.several_devices:
+            return self._run_groups(h, start, end, meta)
         if start == 0:  # GPT-2: the tokens' rows plus their positions'; Bloom: normed
             h = v.first_layer_input(h, meta.positions)
+        return self._run_span(h, start, end, meta)
+
+    def _run_groups(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
+        """`run_layers` on a model over several devices: each run of layers on its device,
+        with the step's metadata there; the rows move where the device changes, as
+        accelerate's hooks move a forward's."""
+        if start == 0:
+            h = self.view.first_layer_input(h.to(meta.positions.device), meta.positions)
+        for group in self.groups:
+            lo, hi = max(start, group.lo), min(end, group.hi)
+            if lo < hi:
+                h = self._run_span(h.to(group.device), lo, hi, meta.on(group.device))
+        return h
+
+    def _run_span(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
+        """Layers [start, end), all on one device (h and meta there)."""
+        v = self.view
         if self._fused_weights is None:
             return self._run_ops(h, start, end, meta)
         streamed = v.streamed_layers
@@ -603,14 +650,19 @@ class Engine:
         # one call unless layers differ in RoPE (SmolLM3's unrotated, Gemma 3's per type)
         # or window (the sliding layers of Gemma 2/3, Qwen2, ...); each table widened once
         widened: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        weights, k_cache, v_cache, first = self._fused_weights, self.k_cache, self.v_cache, 0
+        if self.several_devices:  # the run's group: its own cache tensors, its layers' weights
+            group, per = self._group_of[start], self._fused_per_layer
+            weights, first = weights[group.lo * per:group.hi * per], group.lo
+            k_cache, v_cache = k_cache.group_tensor(group), v_cache.group_tensor(group)
         for lo, hi, table, window in self._layer_runs(start, end):
             if table not in widened:
                 widened[table] = self._float_tables(meta, table, n)
             c, s = widened[table]
-            h = self.layout.kernel_layers(h, self._fused_weights, self._fused_per_layer, self.k_cache,
-                                          self.v_cache, c, s, slots, limits, v.eps, v.scaling,
-                                          v.residual_multiplier, meta.path, meta.base, lo, hi, offset, v.gelu,
-                                          softcap, window, v.rope_pairs)
+            h = self.layout.kernel_layers(h, weights, self._fused_per_layer, k_cache,
+                                          v_cache, c, s, slots, limits, v.eps, v.scaling,
+                                          v.residual_multiplier, meta.path, meta.base, lo - first, hi - first,
+                                          offset, v.gelu, softcap, window, v.rope_pairs)
         return h.to(dtype)
 
     def _run_ops(self, h: torch.Tensor, start: int, end: int, meta: StepMeta) -> torch.Tensor:
@@ -710,19 +762,20 @@ class Engine:
     def _float_tables(self, meta: StepMeta, table: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`_table_rows` in float32, contiguous (what rows_layers reads)."""
         if table < 0:  # made in float32 at build
-            return self._no_rotation(rows, torch.float32)
+            return self._no_rotation(rows, torch.float32, meta.cos.device)
         cos, sin = self._table_rows(meta, table, rows)
         return cos.float().contiguous(), sin.float().contiguous()
 
-    def _no_rotation(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _no_rotation(self, rows: int, dtype: torch.dtype, device: torch.device | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos = 1, sin = 0 for `rows` rows: apply_rope(q, cos, sin) is q bit for bit (a
         zero may change sign), so a layer without RoPE runs the same programs as the others."""
-        table = self._identity_rope.get(dtype)
+        device = self.view.device if device is None else device
+        table = self._identity_rope.get((dtype, device))
         if table is None or table[0].shape[0] < rows:  # made at build for the widest step
             shape = (max(rows, self.meta_rows), self.view.cos.shape[-1])
-            table = (torch.ones(shape, dtype=dtype, device=self.view.device),
-                     torch.zeros(shape, dtype=dtype, device=self.view.device))
-            self._identity_rope[dtype] = table
+            table = (torch.ones(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            self._identity_rope[(dtype, device)] = table
         return table[0][:rows], table[1][:rows]
 
     def _rope_tables(self, meta: StepMeta, layer: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -736,7 +789,7 @@ class Engine:
             return meta.cos[:rows], meta.sin[:rows]
         if table > 0:
             return meta.extra_cos[table - 1][:rows], meta.extra_sin[table - 1][:rows]
-        return self._no_rotation(rows, meta.cos.dtype)
+        return self._no_rotation(rows, meta.cos.dtype, meta.cos.device)
 
     def _qkv(self, x: torch.Tensor, lw, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                              torch.Tensor | None]:
@@ -864,7 +917,7 @@ class Engine:
 
     def _logits(self, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.view
-        x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
+        x = v.norm(self._pad(h.to(self.norm_device), self.layout.rows(n)), v.final_norm).to(self.head_device)
         return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -877,7 +930,7 @@ class Engine:
                 with v.head_weights():
                     final = v.norm(h, v.final_norm)
             else:
-                final = v.norm(h, v.final_norm)
+                final = v.norm(h, v.final_norm)  # (the screen is the CPU's: one device)
             argmax = self.screen.argmax(v.head_input(final))
             if argmax is not None:
                 return None, argmax, final
@@ -886,7 +939,7 @@ class Engine:
 
     def embed(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Token ids -> hidden [n, H]."""
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.view.device)
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.embedding_device)
         return self.view.embed_rows(ids)
 
     # ---- programs ------------------------------------------------------------------------
@@ -1067,7 +1120,7 @@ class Engine:
         from transformers import DynamicCache
 
         n = len(prompt_ids)
-        ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=self.view.device)
+        ids = torch.as_tensor([list(prompt_ids)], dtype=torch.long, device=self.embedding_device)
         cache = DynamicCache(config=self.view.config)
         out = self.view.decoder(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache})
         for li, layer in enumerate(cache.layers):
@@ -1084,17 +1137,17 @@ class Engine:
             if getattr(layer, "keys", None) is None:  # a layer without attention (its mixer's states copied above)
                 continue
             if self.view.layers[li].latent is not None:  # HF's cache: the latents and the turned k_rope
-                self.k_cache[li, :, base:base + n] = latent.cached_keys(layer.keys[0, 0], layer.values[0, 0])
+                self.k_cache[li][:, base:base + n] = latent.cached_keys(layer.keys[0, 0], layer.values[0, 0])
                 continue
             # a sliding layer keeps only its last window - 1 positions: all a later query sees
             kept = layer.keys.shape[-2]
             # Falcon's new architecture caches each KV head repeated for its group of query heads
             step = layer.keys.shape[1] // self.k_cache.shape[1]
-            self.k_cache[li, :, base + n - kept:base + n] = layer.keys[0, ::step]
-            self.v_cache[li, :, base + n - kept:base + n] = layer.values[0, ::step]
+            self.k_cache[li][:, base + n - kept:base + n] = layer.keys[0, ::step]
+            self.v_cache[li][:, base + n - kept:base + n] = layer.values[0, ::step]
         # after the final norm (Mamba2 keeps a 16-bit model's residual stream in float32:
         # its LM head reads it in the weights' dtype)
-        last = out.last_hidden_state[0, -1].to(self.view.dtype)
+        last = out.last_hidden_state[0, -1].to(self.head_device, self.view.dtype)
         return self.view.scale_logits(self.view.lm_head(self.view.head_input(last[None])))[0], last
 
     def _prefill_engine(self, prompt_ids: Sequence[int], base: int = 0):
