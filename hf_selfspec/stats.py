@@ -1,4 +1,4 @@
-"""What every request reports: why it was fast or not (DESIGN.md section 7)."""
+"""What every request reports: why it was fast or not (model.selfspec_stats; docs/usage.md)."""
 
 from __future__ import annotations
 

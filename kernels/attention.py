@@ -1,6 +1,6 @@
 """Row-invariant decode attention over a static KV cache: Triton kernel and launcher.
 
-Why a kernel of our own: the engine's promise (DESIGN.md §3, "Fixed width") is that a
+Why a kernel of our own: the engine's promise (docs/architecture.md, the engine) is that a
 token's row is computed bit-for-bit the same whether it is decoded alone or verified among
 ``n`` rows. Library attention picks its tiling, split-K and reduction order from the shape,
 so a row's rounding changes with ``n``. Here every (query row, query head) is one program

@@ -7,7 +7,7 @@ its kernels; the rest are ~30 small elementwise / copy / reduction kernels per l
 two kernels replace most of them: per layer one `add_rms_norm` before attention, one
 `rope_kv_write`, one `add_rms_norm` after it.
 
-Row invariance (DESIGN.md section 3): every program handles one row (RMSNorm) or one (row,
+Row invariance (docs/architecture.md): every program handles one row (RMSNorm) or one (row,
 head) (RoPE), the reduction of a row runs over a block whose size depends only on the
 hidden size, and the launch configuration is a constant of this module; so a row's bits do
 not depend on the other rows or on their number.

@@ -1,4 +1,4 @@
-"""Draft trees: several candidate continuations verified in one pass (DESIGN.md section 6).
+"""Draft trees: several candidate continuations verified in one pass (docs/architecture.md).
 
 A chain loses everything after its first wrong draft. A tree holds several branches from
 the last committed token (row 0): the top-layer heads' chain, the step-0 alternatives of
