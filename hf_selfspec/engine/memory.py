@@ -14,7 +14,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     request never reaches take no resident memory. Writing zeros into a fresh cache faults
     in every page at once, and right after a model of gigabytes was built each fault can be
     slow; numpy.zeros (calloc) asks for huge pages, whose faults then wait for memory
-    compaction (docs/changelog.md, session 4). The map is page-aligned and
+    compaction (figures in docs/changelog.md). The map is page-aligned and
     lives as long as the tensor."""
     count = math.prod(shape)
     if device.type != "cpu" or count == 0:

@@ -3,7 +3,7 @@
 transformers loads a safetensors checkpoint by mapping the file privately: every weight is
 a view of page-cache pages. The engine's steps stream all the weights once per step, and
 they stream such pages measurably slower than the process's own (anonymous) memory
-(docs/changelog.md, session 6). `move_file_mapped_weights` copies each
+(figures in docs/changelog.md). `move_file_mapped_weights` copies each
 file-mapped parameter and buffer once into fresh memory and points the same Parameter at
 it: values, names, Parameter objects and tying are unchanged, and once nothing refers to the
 mapping any more the file's pages leave the process (no second copy stays resident).

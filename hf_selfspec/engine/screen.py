@@ -52,8 +52,8 @@ SAFETY = 1.001
 # 250, Gemma-3-1B's 288, where the float32 head is half or more of what a step reads
 MAX_COPY_BYTES = 320 * 2 ** 20
 # ... and one over this size not at the engine's first request but at its second: making it
-# writes fresh pages, whose first touch right after a big model was built cost a 0.82B
-# model's first call ~2 s here (docs/changelog.md, session 6)
+# writes fresh pages, whose first touch right after a big model was built is slow (the
+# first call would pay it; the figures are in docs/changelog.md)
 EAGER_COPY_BYTES = 32 * 2 ** 20
 
 # the row kernel's rows_screen(x, q, scale, bound, qnorm, w, max_candidates) -> argmax [n]
