@@ -140,6 +140,18 @@ def test_script_commands_without_a_source_checkout_say_so(monkeypatch, tmp_path,
     assert len(err.splitlines()) == 1 and "source checkout" in err and "bench.py" in err
 
 
+def test_train_exit_heads_is_in_the_package(monkeypatch, tmp_path, capsys):
+    """train-exit-heads runs hf_selfspec.training.exit_heads: no scripts/ folder needed."""
+    import hf_selfspec.cli as cli
+
+    monkeypatch.setattr(cli, "_scripts_dir", lambda: tmp_path)  # as a pip install: no scripts
+    with pytest.raises(SystemExit) as done:
+        main(["train-exit-heads", "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith("usage: hf-selfspec train-exit-heads")
+    assert "--out" in out and "--model" in out
+
+
 def test_errors_are_one_line_with_status_2(tmp_path):
     result = _entry_point("generate", "Hi", "--model", str(tmp_path / "no_such_model"))
     assert result.returncode == 2
