@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .layered import LatentAttentionWeights, apply_rope, rms_norm
+from .norms import rms_norm
+from .rope import apply_rope
+from .weights import LatentAttentionWeights
 
 if TYPE_CHECKING:
     from .layouts import RowLayout

@@ -28,9 +28,9 @@ from hf_selfspec.kernels.cpu_rows import load_rows_states
 from .memory import zeroed
 
 if TYPE_CHECKING:  # annotations only: programs.py imports this module
-    from .layered import GatedDeltaNetWeights, Mamba1Weights, Mamba2Weights, ShortConvWeights
     from .meta import StepMeta
     from .programs import Engine
+    from .weights import GatedDeltaNetWeights, Mamba1Weights, Mamba2Weights, ShortConvWeights
 
 
 def causal_conv(cache: torch.Tensor, values: torch.Tensor, kernel: torch.Tensor, bias: torch.Tensor | None,
