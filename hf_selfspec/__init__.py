@@ -12,7 +12,7 @@ how to train or fetch heads); the embedded default model gets its shipped draft 
 from . import _kernels_path  # noqa: F401 (hf_selfspec.kernels from a source tree; first)
 from ._version import __version__
 from .decoding.cycle import DecodeConfig
-from .engine.programs import EngineConfig
+from .engine.core import EngineConfig
 from .integration import AutoSelfSpecModelForCausalLM, attach_heads, detach_heads
 from .stats import DecodeStats
 

@@ -167,8 +167,8 @@ def print_kernel_table(runner, engine, prompt, steps: int, torch) -> None:
 
 def print_width_sweep(model, args, prompt, torch) -> None:
     """GPU time of one `verify` graph replay (all layers, all W rows real) per engine width."""
-    from hf_selfspec.engine.programs import Engine, EngineConfig
-    from hf_selfspec.engine.runner import CudaGraphRunner
+    from hf_selfspec.engine.core import Engine, EngineConfig
+    from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 
     widths = [int(w) for w in args.width_sweep.split(",") if w.strip()]
     if not widths:
@@ -270,7 +270,7 @@ def check_fused(model, engine, args, prompts, N, torch, failed) -> None:
     its AR (invariants), its tokens against the unfused engine's (a measured rate: RMSNorm
     rounds differently), the logits' largest difference, and the `ar` graph's GPU time."""
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-    from hf_selfspec.engine.programs import Engine, EngineConfig
+    from hf_selfspec.engine.core import Engine, EngineConfig
 
     config = EngineConfig(width=args.width, capacity=args.capacity, row_layout="fixed")
     fused = Engine(model, config)
@@ -304,7 +304,7 @@ def check_fused(model, engine, args, prompts, N, torch, failed) -> None:
     for e in (engine, fused_graphs):
         runner = e.graphs
         if runner is None:
-            from hf_selfspec.engine.runner import CudaGraphRunner
+            from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 
             runner = CudaGraphRunner(e)
         runner.warmup([("ar",)])
@@ -357,7 +357,7 @@ def replay_shapes(args) -> dict[str, dict]:
 def replay_engine(model, width: int, capacity: int):
     """The engine the replay runs: the fixed layout with the executor generate() gives a
     model on DEVICE (CUDA graphs on CUDA, eager elsewhere)."""
-    from hf_selfspec.engine.programs import Engine, EngineConfig
+    from hf_selfspec.engine.core import Engine, EngineConfig
 
     executor = "cuda_graphs" if DEVICE == "cuda" else "eager"
     return Engine(model, EngineConfig(width=width, capacity=capacity, row_layout="fixed", executor=executor))
@@ -621,8 +621,8 @@ def main(argv=None) -> int:
     import triton
 
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-    from hf_selfspec.engine.programs import Engine, EngineConfig
-    from hf_selfspec.engine.runner import CudaGraphRunner
+    from hf_selfspec.engine.core import Engine, EngineConfig
+    from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 
     N = args.new_tokens
     if N < 2:

@@ -50,7 +50,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "traces_smollm2.json.gz
 CATEGORIES = ("chat", "code", "summarize")
 # Verify cost of 1..8 rows in one-row steps on an H200 (docs/gpu.md, "What width costs on
 # this GPU": 1, 2, 4, 8 rows measured; 3, 5, 6, 7 interpolated); index 0 is 1 row, as in
-# Engine.step_costs.
+# engine.costs.step_costs().
 GPU_ROW_COSTS = (1.0, 1.0, 1.06, 1.07, 1.08, 1.09, 1.10, 1.11, 1.12)
 FORMAT_VERSION = 1
 
@@ -122,14 +122,14 @@ def record(model, prompts: list[list[int]], max_new: int, eos: list[int], row_co
     for prompt in prompts:
         engine = state.engine_for(model, len(prompt) + max_new + state.engine_config.width)
         if row_costs is not None:
-            engine.step_costs_at = lambda context, batched=False: tuple(row_costs)
+            engine.costs.step_costs_at = lambda context, batched=False: tuple(row_costs)
         decoder = SelfSpecDecoder(engine, state.heads, state.decode_config)
         decoder.trace = events
         trees = decoder.use_tree
         try:
             tokens.append(decoder.generate(prompt, max_new, eos).tokens)
         finally:
-            vars(engine).pop("step_costs_at", None)
+            vars(engine.costs).pop("step_costs_at", None)
     return cycles_from_events(events), tokens, trees
 
 

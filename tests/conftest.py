@@ -213,7 +213,7 @@ def engine_or_skip(model, config):
     (its start-up self-test failed on this BLAS / CPU; `auto` never picks it). Layouts
     are machine-dependent by design: e.g. MKL's 1-3 row GEMMs (`gemv`) are row-invariant on
     the AMD EPYC CI machine and not on an AVX-512 Xeon. Any other error fails the test."""
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     try:
         return Engine(model, config)

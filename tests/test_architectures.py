@@ -16,8 +16,8 @@ import transformers
 from transformers.pytorch_utils import Conv1D
 
 from hf_selfspec import attach_heads
+from hf_selfspec.engine.core import EngineConfig
 from hf_selfspec.engine.layered import UnsupportedModelError, cpu_only, text_config, text_decoder
-from hf_selfspec.engine.programs import EngineConfig
 
 NEW = 20  # new tokens per request
 
@@ -780,7 +780,7 @@ def test_direct_engine_guards_positions_and_longrope_prefill():
     """An Engine used directly: a request past the positions its RoPE table can rotate is
     refused before any work (it was an IndexError), and its own prefill refuses a longrope
     prompt past original_max_position_embeddings (only HF's prefill rotates it as HF does)."""
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     model = build(max_position_embeddings=64)
     engine = Engine(model, EngineConfig(width=4, capacity=128))
@@ -1061,7 +1061,7 @@ def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shap
     accepted path off the first branch."""
     from test_trees import OracleTrees
 
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
@@ -1110,7 +1110,7 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     convolution inputs and states of the sequence stay as they were (the engine's AR output)
     and the sequences' rings do not grow by a region for them."""
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     overrides = dict(SUPPORTED[case])
     model = build(overrides.pop("arch"), **overrides)
@@ -1118,9 +1118,9 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     prompt = prompts(40)[0]
     expected = engine.generate_ar(prompt, 24)
     rings = engine.mixer_cache.conv.shape
-    assert engine._step_costs is None
+    assert not engine.costs.has_step_costs
     result = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 24)
-    assert engine._step_costs is not None  # measured mid-request
+    assert engine.costs.has_step_costs  # measured mid-request
     assert result.tokens == expected
     assert engine.mixer_cache.conv.shape == rings  # the measurement's rings were its own, dropped after
 

@@ -19,7 +19,7 @@ from hf_selfspec.decoding.candidates import Source
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
 from hf_selfspec.decoding.sampling import RowScorer
 from hf_selfspec.decoding.tree import DraftTree
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.regions import KVRegion
 
 

@@ -24,7 +24,7 @@ from test_kernels_cpu import _call, _has_avx512, _layer_case
 
 from hf_selfspec import attach_heads
 from hf_selfspec.engine.compact import PROJECTIONS
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 
 # the block formats kept, and the bytes of a block of 32 weights in each form
 FORMS = {"Q4_1": 24, "Q4_0": 20, "Q8_0": 36}

@@ -13,7 +13,7 @@ import torch
 from conftest import engine_or_skip, hf_greedy, tiny_model
 
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.heads import ExitHeads
 
 NEVER = 2.0  # a confidence threshold no head reaches

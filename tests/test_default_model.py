@@ -9,7 +9,7 @@ from transformers import TextIteratorStreamer
 
 from hf_selfspec import DecodeConfig, attach_heads, detach_heads
 from hf_selfspec.data import prompt_sets, render_prompt
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64

@@ -15,7 +15,7 @@ from test_decoding import random_top_heads
 
 from hf_selfspec.decoding.config import DecodeConfig
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.heads.device_drafting import draft_chain_on_device, draft_trees_on_device
 
 

@@ -15,10 +15,10 @@ from conftest import tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_selfspec
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.devices import GroupedCache
 from hf_selfspec.engine.dispatch import _align_hooks
 from hf_selfspec.engine.layered import UnsupportedModelError, dispatch_placement
-from hf_selfspec.engine.programs import Engine, EngineConfig
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6, 7, 8, 11]
 
@@ -135,7 +135,7 @@ def test_engine_placement_and_memory(llama_folder, tmp_path):
     engine = Engine(model, EngineConfig(capacity=128, width=8))
     assert engine.streams_weights and engine.view.streamed_layers == frozenset({0, 1, 2, 3})
     assert engine.compact is None  # nothing resident to read compactly
-    assert len(engine.step_costs) == 9
+    assert len(engine.costs.step_costs()) == 9
     ar = engine.generate_ar(PROMPT, 8)
     assert ar == hf_greedy_tokens(model, PROMPT, 8)
 

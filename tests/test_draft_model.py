@@ -13,7 +13,7 @@ from conftest import engine_or_skip, hf_greedy, perturbed_copy, tiny_model
 from hf_selfspec import attach_heads
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.decoding.draft_model import SOURCE_DRAFT_MODEL
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 
 
 def prompt(seed, length, alphabet=256):

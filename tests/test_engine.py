@@ -10,9 +10,9 @@ import torch
 from conftest import engine_or_skip, hf_greedy, tiny_model
 
 from hf_selfspec.engine import costs
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.layered import UnsupportedModelError
 from hf_selfspec.engine.layouts import LAYOUTS, rows_invariant
-from hf_selfspec.engine.programs import Engine, EngineConfig
 
 KEPT = ["fixed", "micro", "kernel"]
 
@@ -193,8 +193,9 @@ def test_auto_layout_gives_up_timing_a_candidate_that_has_lost(monkeypatch, micr
     """The first passing layout (kernel) is timed in full; the next one only until it can no
     longer win (SWITCH_MARGIN of the first's cost), so a big model's first call does not
     wait for a loser's whole pass over its weights."""
-    from hf_selfspec.engine.layouts import SWITCH_MARGIN
     from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    from hf_selfspec.engine.layouts import SWITCH_MARGIN
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
@@ -273,12 +274,12 @@ def test_step_costs_are_per_program_and_monotone(layout):
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=512, row_layout=layout))
     prompt = list(range(3, 60))
     before = engine.generate_ar(prompt, 12)
-    costs_ = engine.step_costs
+    costs_ = engine.costs.step_costs()
     assert len(costs_) == engine.width + 1 and costs_[0] == costs_[1] == 1.0
     assert all(b >= a for a, b in itertools.pairwise(costs_[1:]))
     if layout == "micro":
         assert costs_[1] == costs_[2]
-    assert engine.one_row_seconds > 0
+    assert engine.costs.one_row_seconds() > 0
     assert engine.generate_ar(prompt, 12) == before
 
 
@@ -358,7 +359,7 @@ def test_engine_package_imports_form_no_cycle():
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hf_selfspec.engine."):
                 deps.add(node.module.rsplit(".", 1)[1])
         graph[path.stem] = deps & {p.stem for p in folder.glob("*.py")}
-    assert "programs" not in graph["runner"] and "runner" not in graph["programs"]
+    assert "core" not in graph["cuda_graphs"] and "cuda_graphs" not in graph["core"]
 
     def visit(node, stack):
         assert node not in stack, f"import cycle: {' -> '.join([*stack, node])}"
@@ -367,6 +368,56 @@ def test_engine_package_imports_form_no_cycle():
 
     for module in graph:
         visit(module, [])
+
+
+def test_the_engines_users_import_its_interface_not_its_module():
+    """Decoding, the attention backends, the CUDA-graph executor, the cost model, the
+    mixers and the KV regions annotate against interface.py's protocols: none of them
+    imports the engine's module (core.py, nor its parts), not even for annotations."""
+    import ast
+    from pathlib import Path
+
+    import hf_selfspec
+
+    root = Path(hf_selfspec.__file__).parent
+    engine_parts = {"core", "kv_cache", "metadata", "execution", "prefill", "programs"}
+    users = [*sorted((root / "decoding").glob("*.py"))] + [
+        root / "engine" / f"{name}.py" for name in ("attention", "costs", "cuda_graphs", "mixers", "regions")]
+    for path in users:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = (node.module or "").rsplit(".", 1)[-1]
+                names = {alias.name for alias in node.names}
+                assert module not in engine_parts and not names & engine_parts, (path.name, ast.unparse(node))
+
+
+def test_engine_and_kv_region_implement_the_protocols():
+    """Engine implements every protocol of interface.py; KVRegion implements
+    SequenceEngine explicitly, every member its own (none falls back to the protocol's
+    empty body); the costs are measured by explicit calls on `engine.costs`."""
+    import inspect
+
+    from hf_selfspec.engine import interface
+    from hf_selfspec.engine.regions import KVRegion, plan_regions
+
+    model = tiny_model("llama", seed=0, layers=2)
+    engine = engine_or_skip(model, EngineConfig(width=4, capacity=256, row_layout="kernel",
+                                                measurement_cache=False))
+    for protocol in (interface.SequenceEngine, interface.BatchEngine, interface.StepPrograms):
+        assert isinstance(engine, protocol), protocol.__name__
+    for protocol in (interface.AttentionHost, interface.MeasuredEngine, interface.GraphHost, interface.MixerHost):
+        members = [name for klass in protocol.__mro__ if klass.__module__ == interface.__name__
+                   for name in (*vars(klass), *getattr(klass, "__annotations__", {}))
+                   if not name.startswith("_")]
+        assert all(hasattr(engine, name) for name in members), protocol.__name__
+    assert isinstance(engine.costs, interface.StepCosts)
+    assert not engine.costs.has_step_costs  # nothing measured by building or reading attributes
+    protocol_members = [name for name in vars(interface.SequenceEngine) if not name.startswith("_")]
+    assert protocol_members and all(name in vars(KVRegion) for name in protocol_members)
+    assert set(protocol_members) <= {name for name, _ in inspect.getmembers(KVRegion)}
+    region, = plan_regions(engine, [64])
+    assert isinstance(region, interface.SequenceEngine) and region.costs is engine.costs
+    assert region.head_device == engine.head_device
 
 
 def test_contention_watch_switches_to_the_work_pool_after_slow_steps():
@@ -383,15 +434,15 @@ def test_contention_watch_switches_to_the_work_pool_after_slow_steps():
     engine = engine_or_skip(model, EngineConfig(width=4, capacity=64, row_layout="kernel"))
     prompt = [5, 9, 17, 33, 5, 9]
     before = engine.generate_ar(prompt, 12)
-    engine.step_costs  # noqa: B018 (measured)
+    engine.costs.step_costs()  # (measured)
     previous = use_work_pool(False)
     try:
-        expected = engine.one_row_seconds * engine.step_costs[2]
+        expected = engine.costs.one_row_seconds() * engine.costs.step_costs()[2]
         for _ in range(costs.SLOW_STEPS_IN_A_ROW - 1):
-            engine.observe_step(2, expected * slow)
+            engine.costs.observe_step(2, expected * slow)
         assert use_work_pool() is False
-        engine.observe_step(2, expected * slow)
-        assert use_work_pool() is True and engine.contention.switched
+        engine.costs.observe_step(2, expected * slow)
+        assert use_work_pool() is True and engine.costs.contention.switched
         assert engine.generate_ar(prompt, 12) == before
     finally:
         use_work_pool(previous)
@@ -418,13 +469,14 @@ def test_step_costs_at_a_longer_context_weigh_each_rows_attention():
                                                 measurement_cache=False))
     verify = engine.verify
     engine.verify = None  # the attention cost is timed on the attention alone, not whole steps
-    assert engine.attention_seconds > 0  # a 4x longer context measurably costs more
+    assert engine.costs.attention_seconds() > 0  # a 4x longer context measurably costs more
     engine.verify = verify
-    far = engine.step_costs_at(2000)
-    assert far[4] >= engine.step_costs[4]
-    near = engine.step_costs_at(10)  # a tiny model: steps timed cheaply, short contexts weighed
-    assert engine.times_steps_cheaply and near[4] <= engine.step_costs[4]
-    assert near == costs.costs_at(engine.step_costs, engine.one_row_seconds, engine.attention_seconds,
+    far = engine.costs.step_costs_at(2000)
+    assert far[4] >= engine.costs.step_costs()[4]
+    near = engine.costs.step_costs_at(10)  # a tiny model: steps timed cheaply, short contexts weighed
+    assert engine.costs.times_steps_cheaply() and near[4] <= engine.costs.step_costs()[4]
+    measured = engine.costs
+    assert near == costs.costs_at(measured.step_costs(), measured.one_row_seconds(), measured.attention_seconds(),
                                   10 - costs.cost_context(engine))
 
 
@@ -453,7 +505,8 @@ def test_step_costs_of_a_big_model_come_from_the_layout_choices_product_timings(
     monkeypatch.setattr(costs, "measure_step_costs", refuse)
     engine = engine_or_skip(tiny_model("llama", seed=4), EngineConfig(width=8, capacity=256,
                                                                       measurement_cache=False))
-    assert engine.step_costs[8] == pytest.approx(0.19 / 0.12) and engine.one_row_seconds == 0.12
+    assert engine.costs.step_costs()[8] == pytest.approx(0.19 / 0.12)
+    assert engine.costs.one_row_seconds() == 0.12
 
 
 def test_a_request_within_the_measured_context_does_not_time_the_attention(monkeypatch):
@@ -462,9 +515,7 @@ def test_a_request_within_the_measured_context_does_not_time_the_attention(monke
     request whose rows see more keys than the step costs were measured at, and a short
     request plans with the measured curve as is."""
     from hf_selfspec import attach_heads
-    from hf_selfspec.engine.programs import Engine
-
-    monkeypatch.setattr(Engine, "times_steps_cheaply", property(lambda self: False))
+    monkeypatch.setattr(costs.EngineCosts, "times_steps_cheaply", lambda self: False)
 
     calls = []
     real = costs.measure_attention_seconds
@@ -475,7 +526,7 @@ def test_a_request_within_the_measured_context_does_not_time_the_attention(monke
     model.generate(ids, assistant="self", max_new_tokens=8, do_sample=False)
     assert calls == []
     engine = model._selfspec.engine
-    assert engine.step_costs_at(20) == engine.step_costs
+    assert engine.costs.step_costs_at(20) == engine.costs.step_costs()
     long_ids = torch.randint(3, 200, (1, costs.cost_context(engine) + 10), generator=torch.Generator().manual_seed(1))
     model.generate(long_ids, assistant="self", max_new_tokens=8, do_sample=False)
     assert calls == [1]

@@ -16,8 +16,8 @@ from conftest import engine_or_skip, hf_greedy, tiny_model
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine import cache as measurement_cache
 from hf_selfspec.engine import costs
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.layered import LayeredModel, UnsupportedModelError
-from hf_selfspec.engine.programs import Engine, EngineConfig
 from hf_selfspec.integration import SelfSpecState
 
 KEPT = ["fixed", "micro", "kernel"]
@@ -151,7 +151,7 @@ def test_a_fresh_cache_is_zeros_that_take_no_memory_until_written(dtype):
     """The KV cache's buffers (programs.zeroed) hold zeros, start on a cache line, and on
     the CPU take no resident memory before they are written (the OS maps zero pages on
     first touch, as a request's steps write their slots)."""
-    from hf_selfspec.engine.programs import zeroed
+    from hf_selfspec.engine.core import zeroed
 
     before = _resident_bytes()
     cache = zeroed((16, 8, 2304, 64), dtype, torch.device("cpu"))  # 151 / 75 MB
@@ -171,7 +171,7 @@ def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch
     big engine's, and nothing is measured again (step costs kept)."""
     model = tiny_model(kind, seed=2)
     engine = engine_or_skip(model, EngineConfig(width=8, capacity=64, row_layout=layout))
-    step_costs = engine.step_costs
+    step_costs = engine.costs.step_costs()
     _no_measuring(monkeypatch)
     prompt = list(range(3, 40))
     reference = Engine(model, EngineConfig(width=8, capacity=512, row_layout=layout)).generate_ar(prompt, 60)
@@ -186,7 +186,7 @@ def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch
         position += 1
     assert engine.capacity > 64
     assert tokens == reference
-    assert engine.step_costs == step_costs
+    assert engine.costs.step_costs() == step_costs
     assert engine.generate_ar(prompt, 60) == reference
 
 
@@ -198,7 +198,7 @@ def test_cache_is_sized_to_the_request_and_released(monkeypatch):
     state = SelfSpecState(None, DecodeConfig(lookup="only"), EngineConfig(width=8, capacity=256))
     engine = state.engine_for(model, 100)
     assert engine.capacity == 256
-    engine.step_costs  # noqa: B018 (measured once, here)
+    engine.costs.step_costs()  # (measured once, here)
     _no_measuring(monkeypatch)
     prompt = torch.randint(3, 256, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
     assert state.engine_for(model, len(prompt) + 20 + 8) is engine
@@ -232,12 +232,12 @@ def test_a_second_engine_reads_the_measurements(monkeypatch, cache_dir):
     the cache: no timing at all (the measuring functions raise)."""
     model = tiny_model("llama", seed=4)
     first = Engine(model, EngineConfig(width=8, capacity=256))
-    first_costs = first.step_costs
+    first_costs = first.costs.step_costs()
     assert (cache_dir / measurement_cache.FILE_NAME).exists()
     _no_measuring(monkeypatch)
     second = Engine(model, EngineConfig(width=8, capacity=256))
     assert second.layout.name == first.layout.name
-    assert second.step_costs == first_costs and second.one_row_seconds == first.one_row_seconds
+    assert second.costs.step_costs() == first_costs and second.costs.one_row_seconds() == first.costs.one_row_seconds()
     prompt = list(range(3, 40))
     assert second.generate_ar(prompt, 12) == first.generate_ar(prompt, 12)
 
@@ -245,26 +245,26 @@ def test_a_second_engine_reads_the_measurements(monkeypatch, cache_dir):
 def test_measurements_are_keyed_by_what_they_depend_on(monkeypatch):
     """Another width, dtype or thread count, or a disabled cache, measures again."""
     model = tiny_model("llama", seed=4)
-    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=8, capacity=256)).costs.step_costs()
     calls = []
     real = costs.measure_step_costs
     monkeypatch.setattr(costs, "measure_step_costs", lambda engine: calls.append(1) or real(engine))
-    Engine(model, EngineConfig(width=4, capacity=256)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=4, capacity=256)).costs.step_costs()
     assert len(calls) == 1
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
-        Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+        Engine(model, EngineConfig(width=8, capacity=256)).costs.step_costs()
     finally:
         torch.set_num_threads(threads)
     assert len(calls) == 2
-    Engine(model, EngineConfig(width=8, capacity=256, measurement_cache=False)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=8, capacity=256, measurement_cache=False)).costs.step_costs()
     assert len(calls) == 3
     monkeypatch.setenv("HF_SELFSPEC_NO_CACHE", "1")
-    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=8, capacity=256)).costs.step_costs()
     assert len(calls) == 4
     monkeypatch.delenv("HF_SELFSPEC_NO_CACHE")
-    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=8, capacity=256)).costs.step_costs()
     assert len(calls) == 4  # the first one's entry is still there
 
 
@@ -272,8 +272,9 @@ def test_a_layout_chosen_without_the_kernel_is_not_kept_once_it_loads(monkeypatc
     """A process where the C++ kernel cannot load (no compiler yet) picks and caches a BLAS
     layout; a later one where it loads (the compiler installed, as the warning says) chooses
     again and gets the kernel, instead of the cached slower choice."""
-    from hf_selfspec.engine.layouts import LAYOUTS
     from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+    from hf_selfspec.engine.layouts import LAYOUTS
 
     if load_rows_linear() is None:
         pytest.skip("the C++ row kernel cannot be built on this machine")
@@ -304,7 +305,7 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(cache_dir, corrupt):
     or ranges are ignored with a warning, measured again, and the file rewritten."""
     model = tiny_model("llama", seed=4)
     engine = Engine(model, EngineConfig(width=8, capacity=256))
-    engine.step_costs  # noqa: B018
+    engine.costs.step_costs()
     path = cache_dir / measurement_cache.FILE_NAME
     if corrupt.startswith("ENTRY:"):
         data = json.loads(path.read_text())
@@ -320,7 +321,7 @@ def test_a_corrupt_cache_is_ignored_with_a_warning(cache_dir, corrupt):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again = Engine(model, EngineConfig(width=8, capacity=256))
-        costs_again = again.step_costs
+        costs_again = again.costs.step_costs()
     assert any("measurement cache" in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert len(costs_again) == 9 and costs_again[1] == 1.0
     json.loads(path.read_text())  # rewritten, valid
@@ -510,7 +511,7 @@ def test_a_measurement_taken_on_a_busy_machine_is_taken_again(monkeypatch, cache
     held the cores) would plan drafts on a wrong cost curve for good: it is measured again
     and the cache rewritten; a cached time like today's is kept (no measuring)."""
     model = tiny_model("llama", seed=4)
-    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=8, capacity=256)).costs.step_costs()
     path = cache_dir / measurement_cache.FILE_NAME
 
     def set_one_row(seconds):
@@ -537,9 +538,9 @@ def test_a_measurement_taken_on_a_busy_machine_is_taken_again(monkeypatch, cache
 
     set_one_row(5.0)  # seconds: no step of this tiny model takes a fraction of that now
     engine = Engine(model, EngineConfig(width=8, capacity=256))
-    assert engine.one_row_seconds < 5.0 / costs.STALE_FACTOR and len(calls) == 1
+    assert engine.costs.one_row_seconds() < 5.0 / costs.STALE_FACTOR and len(calls) == 1
     assert min(one_row_values(json.loads(path.read_text()))) < 5.0 / costs.STALE_FACTOR  # rewritten
-    Engine(model, EngineConfig(width=8, capacity=256)).step_costs  # noqa: B018
+    Engine(model, EngineConfig(width=8, capacity=256)).costs.step_costs()
     assert len(calls) == 1  # the fresh entry is trusted
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
-import hf_selfspec.engine.runner as runner_module
+import hf_selfspec.engine.cuda_graphs as runner_module
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine.attention import triton_attention
-from hf_selfspec.engine.programs import Engine, EngineConfig
-from hf_selfspec.engine.runner import CudaGraphRunner
+from hf_selfspec.engine.core import Engine, EngineConfig
+from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DTYPES = [torch.bfloat16, torch.float32]

@@ -580,7 +580,7 @@ def test_kind_table_covers_every_kind(model, tmp_path):
     import hf_selfspec.heads as heads_package
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
     from hf_selfspec.decoding.drafters import ExitHeadsDrafter, TopHeadsDrafter
-    from hf_selfspec.engine.programs import EngineConfig
+    from hf_selfspec.engine.core import EngineConfig
     from hf_selfspec.heads import KINDS, HeadsIdentity, is_heads, kind_of, make_drafter
 
     configs = {c for c in _subclasses(HeadsIdentity) if c.__module__.startswith("hf_selfspec.")}

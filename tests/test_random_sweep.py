@@ -24,7 +24,7 @@ from test_decoding import random_heads, random_top_heads
 from transformers.pytorch_utils import Conv1D
 
 from hf_selfspec import DecodeConfig, attach_heads
-from hf_selfspec.engine.programs import EngineConfig
+from hf_selfspec.engine.core import EngineConfig
 
 TWO_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
              "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}

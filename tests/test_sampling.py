@@ -20,7 +20,7 @@ from hf_selfspec import DecodeConfig, attach_heads
 from hf_selfspec.decoding import sampling
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
 from hf_selfspec.decoding.sampling import RowScorer, residual, speculative_tokens
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 
 TOP_K = 3
 TEMPERATURE = 2.0

@@ -9,7 +9,7 @@ from conftest import tiny_model
 from hf_selfspec.kernels.cpu_rows import build_error, load_rows_linear, load_rows_screen, screen_uses_vnni, use_avx512
 
 from hf_selfspec.engine import screen as screen_module
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.screen import ScreenedArgmax, quantize_rows, screen_refusal
 
 

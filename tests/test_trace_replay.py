@@ -27,11 +27,11 @@ from conftest import tiny_model
 from test_decoding import prompt, random_top_heads
 from test_gpu import _EagerGraph
 
-import hf_selfspec.engine.runner as runner_module
+import hf_selfspec.engine.cuda_graphs as runner_module
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine.attention import TritonAttention
-from hf_selfspec.engine.programs import Engine, EngineConfig
-from hf_selfspec.engine.runner import CudaGraphRunner
+from hf_selfspec.engine.core import Engine, EngineConfig
+from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import gpu_check

@@ -13,7 +13,7 @@ from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.decoding.candidates import DraftContext, Source
 from hf_selfspec.decoding.cycle import DraftPlan
 from hf_selfspec.decoding.tree import DraftTree
-from hf_selfspec.engine.programs import Engine, EngineConfig
+from hf_selfspec.engine.core import Engine, EngineConfig
 
 
 def test_trie_merges_branches_and_lays_out_rows():

@@ -127,7 +127,7 @@ def _engine(fused, executor="eager", dtype=torch.float32):
     from conftest import tiny_model
 
     from hf_selfspec.engine.attention import TritonAttention
-    from hf_selfspec.engine.programs import Engine, EngineConfig
+    from hf_selfspec.engine.core import Engine, EngineConfig
 
     model = tiny_model("llama", seed=0, layers=2).to(DEVICE, dtype)
     engine = Engine(model, EngineConfig(width=8, capacity=300, row_layout="fixed", executor=executor,
@@ -165,9 +165,9 @@ def test_fused_engine_speculative_equals_ar_through_stand_in_graphs(monkeypatch)
     through the graph runner (stand-in graphs: logits bitwise the eager engine's)."""
     from test_gpu import _EagerGraph
 
-    import hf_selfspec.engine.runner as runner_module
+    import hf_selfspec.engine.cuda_graphs as runner_module
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-    from hf_selfspec.engine.runner import CudaGraphRunner
+    from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 
     monkeypatch.setattr(runner_module, "_require_cuda", lambda engine: None)
     monkeypatch.setattr(CudaGraphRunner, "_record", lambda self, body: ((g := _EagerGraph(body)), g.outputs))

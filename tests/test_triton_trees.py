@@ -26,13 +26,13 @@ from hf_selfspec.kernels.reference import row_attention_reference
 from test_decoding import prompt, random_top_heads
 from test_gpu import _EagerGraph
 
-import hf_selfspec.engine.runner as runner_module
+import hf_selfspec.engine.cuda_graphs as runner_module
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine.attention import TritonAttention, select_attention
+from hf_selfspec.engine.core import Engine, EngineConfig
+from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 from hf_selfspec.engine.layouts import FixedLayout
 from hf_selfspec.engine.meta import StepRows
-from hf_selfspec.engine.programs import Engine, EngineConfig
-from hf_selfspec.engine.runner import CudaGraphRunner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D = 4, 2, 64

@@ -8,7 +8,7 @@ drafters (the lookup index of its own text), its own live acceptance and its own
   share    the step's budget (`share_rows`): rows of all sequences are weighed by their
            expected acceptance, and the step keeps, per sequence, the prefix of its rows
            that maximises expected committed tokens per unit of the measured cost of a
-           batched step of that many rows (`Engine.batch_costs`)
+           batched step of that many rows (`engine.costs.batch_costs()`)
   verify   one engine step over every kept row, each attending to its own sequence's keys
   accept   per sequence (`finish_cycle`): walk, KV compaction in its region, commit
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.interface import BatchEngine
 from ..engine.meta import StepRows
-from ..engine.programs import Engine
 from ..engine.regions import plan_regions
 from ..stats import DecodeStats
 from .config import DecodeConfig
@@ -65,7 +65,7 @@ def share_rows(trees: Sequence[DraftTree], costs: Sequence[float], most: int, ad
     return best
 
 
-def batch_obstacle(engine: Engine, decoder: SelfSpecDecoder) -> str | None:
+def batch_obstacle(engine: BatchEngine, decoder: SelfSpecDecoder) -> str | None:
     """Why this engine and drafter cannot decode a batch in shared steps (None: they can;
     otherwise the batch is decoded sequence after sequence, with the same output)."""
     if not engine.supports_batches:
@@ -93,7 +93,7 @@ class SequenceRequest:
 class BatchDecoder:
     """Decodes several sequences together in one engine (see module docstring)."""
 
-    def __init__(self, engine: Engine, heads=None, config: DecodeConfig | None = None):
+    def __init__(self, engine: BatchEngine, heads=None, config: DecodeConfig | None = None):
         self.engine = engine
         self.heads = heads
         self.config = config or DecodeConfig()
@@ -122,7 +122,7 @@ class BatchDecoder:
             needs = [min(n, limit) for n in needs]
         regions = plan_regions(engine, needs)
         context = sum(len(r.prompt) for r in requests) // len(requests)
-        costs = (engine.step_costs_at(context, batched=True) if self.config.adaptive
+        costs = (engine.costs.step_costs_at(context, batched=True) if self.config.adaptive
                  else (1.0,) * (engine.max_step_rows + 1))
         decoders = [SelfSpecDecoder(region, self.heads, self.config) for region in regions]
         runs = [d.begin(r.prompt, m, eos_token_ids, r.stop, r.on_commit, lo, collect_logits, r.stats, r.scorer,
@@ -184,7 +184,7 @@ class BatchDecoder:
         t0 = time.perf_counter()
         logits, argmax, finals = engine.verify(
             hidden, 0, engine.rows_meta(rows), logits=any(decoders[b].needs_logits(runs[b]) for b in live))
-        engine.observe_step(len(rows), time.perf_counter() - t0, sum(runs[b].position for b in live) // len(live))
+        engine.costs.observe_step(len(rows), time.perf_counter() - t0, sum(runs[b].position for b in live) // len(live))
         seconds = (time.perf_counter() - t0) / len(live)
         lo = 0
         for b, cycle, n in zip(live, cycles, kept):

@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..engine.interface import SequenceEngine, StepPrograms
 from ..engine.meta import StepRows
-from ..engine.programs import Engine
 from ..heads.kinds import kind_of, make_drafter
 from ..stats import DecodeStats
 from .candidates import Candidate, DraftContext, Proposal, Source
@@ -135,8 +135,8 @@ class SelfSpecDecoder:
     or exit heads; None for prompt lookup only / plain AR), or a smaller draft model in its
     own engine (`draft_engine`, which then replaces the heads), and/or prompt lookup."""
 
-    def __init__(self, engine: Engine, heads=None, config: DecodeConfig | None = None,
-                 draft_engine: Engine | None = None):
+    def __init__(self, engine: SequenceEngine, heads=None, config: DecodeConfig | None = None,
+                 draft_engine: StepPrograms | None = None):
         self.engine = engine
         self.config = config or DecodeConfig()
         width = engine.width
@@ -241,7 +241,7 @@ class SelfSpecDecoder:
                                                    logits=self.needs_logits(run))
             seconds = time.perf_counter() - t0
             if depth == 0:
-                engine.observe_step(len(rows), seconds, cycle.ctx.position)
+                engine.costs.observe_step(len(rows), seconds, cycle.ctx.position)
             self.finish_cycle(run, cycle, logits, argmax, finals, seconds)
         return self.result(run)
 
@@ -378,11 +378,11 @@ class SelfSpecDecoder:
         """The request's draft budget, on the step costs at its prompt's length (a long
         prompt makes every row's attention, and so more rows, cost more)."""
         engine = self.engine
-        costs = engine.step_costs_at(context) if self.config.adaptive else (1.0,) * (engine.width + 1)
+        costs = engine.costs.step_costs_at(context) if self.config.adaptive else (1.0,) * (engine.width + 1)
         policy = DraftBudget(costs, self.max_draft, self.config.adaptive)
         if isinstance(self.drafter, DraftModelDrafter):  # a draft token costs its step, in main-model steps
             policy.draft_costs[self.drafter.key] = (
-                self.draft_engine.one_row_seconds / engine.one_row_seconds if self.config.adaptive else 0.0)
+                self.draft_engine.costs.one_row_seconds() / engine.costs.one_row_seconds() if self.config.adaptive else 0.0)
         return policy
 
     @staticmethod

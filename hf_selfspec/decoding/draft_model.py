@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.programs import Engine
+from ..engine.interface import StepPrograms
 from .candidates import Candidate, DraftContext, Proposal, Source
 
 SOURCE_DRAFT_MODEL = Source.DRAFT_MODEL.value  # source label of an accepted draft-model token
@@ -52,7 +52,7 @@ class DraftModelDrafter:
 
     key = SOURCE_DRAFT_MODEL  # its key in the draft budget
 
-    def __init__(self, engine: Engine, confidence: float):
+    def __init__(self, engine: StepPrograms, confidence: float):
         self.engine = engine
         self.confidence = confidence
         self.start([])

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.programs import Engine
+from ..engine.interface import StepPrograms
 from ..heads.device_drafting import draft_chain_on_device, draft_trees_on_device
 from .candidates import Candidate, DraftContext, Proposal, Source
 from .lookup import PromptLookup
@@ -126,7 +126,7 @@ class PartialRows:
     from `position`. `depth[j]` counts the layers computed for row j (never increasing
     with j). The verification continues from here (`finish`)."""
 
-    def __init__(self, engine: Engine, first_token: int, position: int):
+    def __init__(self, engine: StepPrograms, first_token: int, position: int):
         self.engine = engine
         self.position = position
         self.tokens = [first_token]
@@ -184,7 +184,7 @@ class ExitHeadsDrafter:
 
     key = HEADS_KEY
 
-    def __init__(self, engine: Engine, heads, thresholds: Sequence[float], gamma: float):
+    def __init__(self, engine: StepPrograms, heads, thresholds: Sequence[float], gamma: float):
         self.engine = engine
         self.heads = heads
         self.head_list = list(heads.heads)

@@ -1,7 +1,7 @@
 """Which rows pay: how many drafts a cycle takes, and which rows of a draft tree are kept.
 
 Costs are in engine-AR steps (one committed token without drafting): the engine measures
-the cost of verifying 1..W rows once, on the machine it runs on (`Engine.step_costs`),
+the cost of verifying 1..W rows once, on the machine it runs on (`engine.costs.step_costs()`),
 because the curve differs a lot between CPUs (docs/benchmarks.md). Drafting adds its own
 cost (DRAFT_COST: a top-layer head step is a few percent of a step, a copy ~0).
 
@@ -95,7 +95,7 @@ def best_drafts(rate: float, max_draft: int, costs: Sequence[float], draft_cost:
 class DraftBudget:
     """Per-drafter budgets from the layout's cost curve and live acceptance."""
 
-    costs: Sequence[float]  # verify cost of n rows in AR steps (Engine.step_costs)
+    costs: Sequence[float]  # verify cost of n rows in AR steps (EngineCosts.step_costs)
     max_draft: int
     adaptive: bool = True  # False: every drafter may always draft max_draft (heads' thresholds decide)
     trackers: dict[str, AcceptanceTracker] = field(default_factory=dict)

@@ -34,9 +34,9 @@ import torch
 
 from .layered import soft_cap
 
-if TYPE_CHECKING:  # annotations only: programs.py imports this module
+if TYPE_CHECKING:  # annotations only
+    from .interface import AttentionHost
     from .meta import StepMeta
-    from .programs import Engine
 
 # Keys per block. Fixed for the engine's lifetime (never chosen from the rows), large
 # enough that chat contexts take 1-3 blocks (few ops per layer), small enough that the
@@ -123,7 +123,7 @@ class BlockAttention:
     supports_trees = False  # a scattered path would change the masked blocks' summation order
     supports_batches = False  # blocks sit at absolute slots: a region's base would shift them
 
-    def bind(self, engine: Engine, meta: StepMeta) -> Attend:
+    def bind(self, engine: AttentionHost, meta: StepMeta) -> Attend:
         v = engine.view
         R, Hq, Hkv, d, group = meta.rows, v.num_heads, v.num_kv_heads, v.head_dim, engine.group
         A = engine.layout.attention_rows
@@ -173,7 +173,7 @@ class CppRowAttention:
         self.kernel_alibi = kernel_alibi  # load_rows_attention_alibi()
         self.kernel_sinks = kernel_sinks  # load_rows_attention_sinks()
 
-    def bind(self, engine: Engine, meta: StepMeta) -> Attend:
+    def bind(self, engine: AttentionHost, meta: StepMeta) -> Attend:
         fn, limits = self.kernel, meta.key_limit[:meta.rows]
         k_cache, v_cache, scale, path = engine.k_cache, engine.v_cache, engine.view.scaling, meta.path
         base, softcap, windows = meta.base, engine.view.attention_softcap or 0.0, engine.view.layer_window
@@ -219,7 +219,7 @@ class TritonAttention:
         # (select_attention): the kernel itself takes any rows at any bases
         self.supports_batches = batches
 
-    def bind(self, engine: Engine, meta: StepMeta) -> Attend:
+    def bind(self, engine: AttentionHost, meta: StepMeta) -> Attend:
         from hf_selfspec.kernels.attention import row_attention
 
         rows = meta.rows
@@ -279,11 +279,11 @@ def select_attention(device: torch.device, layout) -> BlockAttention | CppRowAtt
     return BlockAttention()
 
 
-def uses_row_attention(engine: Engine) -> bool:
+def uses_row_attention(engine: AttentionHost) -> bool:
     """Whether the engine's attention is the Triton kernel (CUDA) rather than a CPU backend."""
     return isinstance(engine.attention, TritonAttention)
 
 
-def triton_attention(engine: Engine, meta: StepMeta) -> Attend:
+def triton_attention(engine: AttentionHost, meta: StepMeta) -> Attend:
     """`TritonAttention().bind(engine, meta)` (the hook the CUDA tests call directly)."""
     return TritonAttention().bind(engine, meta)

@@ -1,5 +1,6 @@
 """What a step costs on this machine: the products of a row layout (to choose one) and
-the verify cost of 1..W rows (what the draft budget plans with, decoding/policy.py).
+the verify cost of 1..W rows (what the draft budget plans with, decoding/policy.py); an
+engine's figures are its `EngineCosts` (`engine.costs`), measured by explicit calls.
 
 Both are measured once per model, machine and software and cached on disk (cache.py), so a
 later process, or a bigger KV cache, measures nothing.
@@ -11,16 +12,19 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..logs import logger
 from .attention import KEY_BLOCK
 from .layouts import RowLayout
 
-if TYPE_CHECKING:  # annotations only: programs.py imports this module
-    from .programs import Engine
+if TYPE_CHECKING:  # annotations only
+    from .cache import MeasurementCache
+    from .interface import MeasuredEngine
 
 # Interleaved timing rounds per distinct step in `measure_step_costs` (median taken): on a
 # 2-core machine a best-of-2 per width gave 4-row costs from 1.0x to 1.4x between runs.
@@ -135,13 +139,13 @@ def step_costs_from_products(width: int, products: dict[int, float]) -> tuple[tu
     return tuple([1.0] + curve), one
 
 
-def cost_context(engine: Engine) -> int:
+def cost_context(engine: MeasuredEngine) -> int:
     """The key limit the step costs are measured at: two key blocks (a typical chat), or
     what a small cache allows."""
     return min(engine.capacity - engine.width, 2 * KEY_BLOCK - 1)
 
 
-def median_seconds(engine: Engine, steps: dict, rounds: int) -> dict:
+def median_seconds(engine: MeasuredEngine, steps: dict, rounds: int) -> dict:
     """Median seconds of each step (an `engine.verify` from layer 0 of the (hidden, meta)
     that `steps[key]()` returns, or the call `steps[key]()` returns), timed in interleaved
     rounds so that a burst of machine noise cannot make one step look cheap or dear. Round 0
@@ -171,7 +175,7 @@ def median_seconds(engine: Engine, steps: dict, rounds: int) -> dict:
 
 
 @torch.no_grad()
-def measure_step_costs(engine: Engine) -> tuple[tuple[float, ...], float]:
+def measure_step_costs(engine: MeasuredEngine) -> tuple[tuple[float, ...], float]:
     """(verify cost of n rows for n = 0..W in units of a 1-row step (index 0 = 1 row),
     seconds of a 1-row step over all layers).
 
@@ -253,7 +257,7 @@ CHECK_ABOVE_SECONDS = 0.005
 ONE_TIMING_ABOVE_SECONDS = 0.05
 
 
-def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) -> bool:
+def measured_while_busy(engine: MeasuredEngine, cached_one_row: float, reps: int = 3) -> bool:
     """Whether a cached measurement should be taken again: a 1-row step now (median of
     `reps`, after one warm-up; one timing of a long step) is over STALE_FACTOR times faster
     than the cached one."""
@@ -273,12 +277,12 @@ def measured_while_busy(engine: Engine, cached_one_row: float, reps: int = 3) ->
 
 
 @torch.no_grad()
-def measure_attention_seconds(engine: Engine) -> float:
+def measure_attention_seconds(engine: MeasuredEngine) -> float:
     """Seconds per row and per key of a step's attention over all layers: the engine's
     attention alone (the backend its steps use) for W rows at the key limit `cost_context`
     and at a four times longer one, over every layer, in interleaved rounds (medians); 0.0
     where the cache is too short to tell. A step of n rows at key limit L then costs about
-    its measured cost + n (L - cost_context) of this (`Engine.step_costs_at`). Timing the
+    its measured cost + n (L - cost_context) of this (`EngineCosts.step_costs_at`). Timing the
     attention alone keeps a big model's weights out of it: a whole step there streams
     gigabytes, and the difference of two such steps is mostly noise."""
     low = cost_context(engine)
@@ -331,7 +335,7 @@ BATCH_COST_ROUNDS = 5
 
 
 @torch.no_grad()
-def measure_batch_costs(engine: Engine) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def measure_batch_costs(engine: MeasuredEngine) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """(rows, verify cost of that many rows in 1-row steps) for batched steps of 1 row and
     of the width times BATCH_COST_MULTIPLES rows, up to `engine.max_step_rows`: every row
     at the key limit `cost_context` (one sequence's rows or several, the same work), its KV
@@ -377,7 +381,7 @@ SLOW_STEPS_IN_A_ROW = 3
 
 
 class ContentionWatch:
-    """Watches an engine's step times (`Engine.observe_step`) for a machine whose cores
+    """Watches an engine's step times (`EngineCosts.observe_step`) for a machine whose cores
     other processes keep busy, and then turns on the kernels' work-sharing pool (once; the
     results are bit for bit the same either way)."""
 
@@ -397,3 +401,141 @@ class ContentionWatch:
         from hf_selfspec.kernels.cpu_rows import use_work_pool
 
         return use_work_pool(True) is False  # it was off: now on
+
+
+class EngineCosts:
+    """What a step of one engine costs, measured by explicit calls: `step_costs()`,
+    `batch_costs()`, `attention_seconds()` and `one_row_seconds()` each measure (or read the
+    disk cache, cache.py) at their first call and keep the figure for the engine's lifetime
+    (the KV cache growing measures nothing again); `has_step_costs` / `has_batch_costs`
+    say, without measuring, whether a figure is known. A caller that must not measure
+    inside a timed loop calls them before it (integration.py does, as build time).
+
+    `name` is what the figures are cached under (the layout's, marked where compact weights
+    change what a step reads); `products` the layout choice's product seconds per row count
+    (a big model's step costs are estimated from them), or None where they do not tell
+    (compact weights, or weights accelerate streams in: those steps are timed); `timing`
+    a context manager around steps that only time the engine (the hybrids' rows then go to
+    scratch rings, never a sequence's: a measurement may come mid-request)."""
+
+    def __init__(self, engine: MeasuredEngine, measured: MeasurementCache, name: str,
+                 products: dict[int, float] | None, timing: Callable[[], AbstractContextManager]):
+        self.engine = engine
+        self.measured = measured
+        self.name = name
+        self.products = products
+        self.timing = timing
+        self.contention = ContentionWatch()
+        self._step_costs: tuple[float, ...] | None = None
+        self._batch_costs: tuple[float, ...] | None = None
+        self._attention_seconds: float | None = None
+        self._one_row_seconds: float | None = None
+
+    @property
+    def has_step_costs(self) -> bool:
+        """Whether `step_costs` is known (measured or read from the disk cache): asking for
+        it costs nothing."""
+        return self._step_costs is not None
+
+    @property
+    def has_batch_costs(self) -> bool:
+        """Whether `batch_costs` is known, so that asking for it costs nothing."""
+        return self._batch_costs is not None
+
+    def step_costs(self) -> tuple[float, ...]:
+        """Verify cost of n rows (index n = 1..W; index 0 = 1 row) in units of a 1-row step:
+        measured once per model, machine and software (measure_step_costs; on a model of
+        gigabytes, estimated from the layout choice's product timings), cached on disk
+        (cache.py; measured again when a step now is several times faster than the cached
+        one, i.e. the cache was measured on a busy machine) and kept when the KV cache
+        grows."""
+        if self._step_costs is None:
+            engine = self.engine
+            context = cost_context(engine)
+            found = self.measured.step_costs(self.name, context)
+            with self.timing():
+                if found is not None and measured_while_busy(engine, found[1]):
+                    found = None  # measured on a busy machine: measure again and store
+                if found is None:
+                    # (the layout choice timed the float32 products, not compact ones, nor
+                    # the transfer of weights accelerate streams in: those steps are timed)
+                    estimated = None if self.products is None \
+                        else step_costs_from_products(engine.width, self.products)
+                    found = estimated or measure_step_costs(engine)
+                    self.measured.store_step_costs(self.name, context, *found)
+            self._step_costs, self._one_row_seconds = found
+        return self._step_costs
+
+    def one_row_seconds(self) -> float:
+        """Measured seconds of a 1-row step over all layers (measured with step_costs)."""
+        self.step_costs()
+        return self._one_row_seconds
+
+    def batch_costs(self) -> tuple[float, ...]:
+        """Verify cost of n = 0..max_step_rows rows of a batched step (index 0 = 1 row), in
+        1-row steps: `step_costs` up to the width, then batched steps measured at multiples
+        of it (measure_batch_costs; cached on disk like step_costs). An engine without
+        batched steps: `step_costs`."""
+        engine = self.engine
+        if not engine.supports_batches:
+            return self.step_costs()
+        if self._batch_costs is None:
+            context = cost_context(engine)
+            found = self.measured.batch_costs(self.name, context)
+            if found is None or found[0][-1] != engine.max_step_rows:
+                with self.timing():
+                    found = measure_batch_costs(engine)
+                self.measured.store_batch_costs(self.name, context, *found)
+            self._batch_costs = batch_cost_curve(self.step_costs(), engine.width, *found, engine.max_step_rows)
+        return self._batch_costs
+
+    def attention_seconds(self) -> float:
+        """Seconds of attention per row and key of a step, all layers (measured once per
+        model and machine: measure_attention_seconds; cached on disk)."""
+        if self._attention_seconds is None:
+            context = cost_context(self.engine)
+            found = self.measured.attention_seconds(self.name, context)
+            if found is None:
+                with self.timing():
+                    found = measure_attention_seconds(self.engine)
+                self.measured.store_attention_seconds(self.name, context, found)
+            self._attention_seconds = found
+        return self._attention_seconds
+
+    def times_steps_cheaply(self) -> bool:
+        """Whether a round of step timing is cheap on this model (under
+        ESTIMATE_ABOVE_SECONDS; measures the step costs): then the attention per row and key
+        is measured for any request (once; cached on disk), not only for long ones, and a
+        short request plans with its rows' cheaper attention. On a model of gigabytes the
+        first call does without it."""
+        return self.one_row_seconds() * self.engine.width <= ESTIMATE_ABOVE_SECONDS
+
+    def step_costs_at(self, context: int, batched: bool = False) -> tuple[float, ...]:
+        """`step_costs` (or `batch_costs`) for rows that see about `context` keys: every row's
+        attention grows with the keys, so more rows cost relatively more than the measured
+        curve says beyond the context it was measured at, and less before it (where the
+        attention cost is measured cheaply: `times_steps_cheaply`)."""
+        curve = self.batch_costs() if batched else self.step_costs()
+        extra = context - cost_context(self.engine)
+        if extra == 0 or (extra < 0 and not self.times_steps_cheaply()):
+            return curve
+        return costs_at(curve, self.one_row_seconds(), self.attention_seconds(), extra)
+
+    def observe_step(self, rows: int, seconds: float, context: int = 0) -> None:
+        """A decode step of `rows` rows whose rows see about `context` keys took `seconds`:
+        on the kernel layout, steps several times slower than measured, several in a row,
+        turn on the kernels' work-sharing pool (ContentionWatch: other processes are busy
+        on the cores). Measures nothing."""
+        engine = self.engine
+        if engine.layout.kernel_layer is None or self._step_costs is None:
+            return
+        curve = self._step_costs if rows <= engine.width else self._batch_costs
+        expected = None
+        extra_keys = max(0, context - cost_context(engine))
+        if curve is not None and rows < len(curve) and (extra_keys == 0 or self._attention_seconds is not None):
+            expected = curve[rows] * self._one_row_seconds + rows * extra_keys * (self._attention_seconds or 0.0)
+        if self.contention.observe(expected, seconds):
+            logger.warning(
+                "hf_selfspec: decode steps ran over %.0fx slower than measured: other processes are busy on "
+                "the cores, so the row kernels now share their work in their own thread pool "
+                "(HF_SELFSPEC_ROWS_POOL=1 starts that way; the tokens are the same)", CONTENDED_FACTOR)

@@ -1,7 +1,7 @@
 """Per-step row metadata (`StepMeta`): what every attention backend and executor reads.
 
-Its own module so that the programs (programs.py), the attention backends (attention.py)
-and the CUDA-graph executor (runner.py) can all name it without importing each other.
+Its own module so that the engine (core.py, metadata.py), the attention backends (attention.py)
+and the CUDA-graph executor (cuda_graphs.py) can all name it without importing each other.
 """
 
 from __future__ import annotations

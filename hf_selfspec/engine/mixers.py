@@ -27,9 +27,9 @@ from hf_selfspec.kernels.cpu_rows import load_rows_states
 
 from .memory import zeroed
 
-if TYPE_CHECKING:  # annotations only: programs.py imports this module
+if TYPE_CHECKING:  # annotations only
+    from .interface import MixerHost
     from .meta import StepMeta
-    from .programs import Engine
     from .weights import GatedDeltaNetWeights, Mamba1Weights, Mamba2Weights, ShortConvWeights
 
 
@@ -49,7 +49,7 @@ def causal_conv(cache: torch.Tensor, values: torch.Tensor, kernel: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
-def short_conv(engine: Engine, x: torch.Tensor, conv: ShortConvWeights, layer: int, meta: StepMeta) -> torch.Tensor:
+def short_conv(engine: MixerHost, x: torch.Tensor, conv: ShortConvWeights, layer: int, meta: StepMeta) -> torch.Tensor:
     """LFM2's gated short convolution (ShortConvWeights) of the normed rows x [R, H]: B * x
     convolved as HF's conv1d, rounded to the model's dtype, gated by C, then out_proj."""
     H = engine.view.hidden_size
@@ -64,7 +64,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta) -> torch.Tensor:
+def delta_net(engine: MixerHost, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta) -> torch.Tensor:
     """Qwen 3.5's (Qwen3-Next's, OLMo Hybrid's) gated DeltaNet (GatedDeltaNetWeights) of the
     normed rows x [R, H], with HF's single-token decode arithmetic per row
     (torch_recurrent_gated_delta_rule), each row's state from its parent's
@@ -123,7 +123,7 @@ def delta_net(engine: Engine, x: torch.Tensor, net: GatedDeltaNetWeights, layer:
     return lin(gated.to(dtype).reshape(R, hv * dv), net.out_proj)
 
 
-def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta: StepMeta) -> torch.Tensor:
+def mamba2(engine: MixerHost, x: torch.Tensor, net: Mamba2Weights, layer: int, meta: StepMeta) -> torch.Tensor:
     """A Mamba2 mixer (Mamba2Weights) of the normed rows x [R, H], with HF's
     single-token decode arithmetic per row (mamba2_selective_state_update, at batch 1:
     the same ops in the same dtypes, its bmm included), each row's state from its parent's
@@ -168,7 +168,7 @@ def mamba2(engine: Engine, x: torch.Tensor, net: Mamba2Weights, layer: int, meta
     return y if net.out_scale == 1.0 else y * net.out_scale
 
 
-def mamba1(engine: Engine, x: torch.Tensor, net: Mamba1Weights, layer: int, meta: StepMeta) -> torch.Tensor:
+def mamba1(engine: MixerHost, x: torch.Tensor, net: Mamba1Weights, layer: int, meta: StepMeta) -> torch.Tensor:
     """The first Mamba's mixer (Mamba1Weights) of the normed rows x [R, H], with HF's
     single-token decode arithmetic per row (mamba_selective_state_update at batch 1), each
     row's state [I, N] from its parent's (meta.recurrent_rows), written at its own ring row."""
@@ -228,7 +228,7 @@ class MixerCache:
 
     ZERO, TRASH = 0, 1
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: MixerHost):
         v = engine.view
         self.taps = v.conv_taps
         self.ring = engine.width + self.taps + 1
@@ -246,7 +246,7 @@ class MixerCache:
 
     def _allocate(self, regions: int) -> None:
         """Room for `regions` sequences, the rings already in use copied. Zeroed lazily
-        (programs.zeroed): a region's pages take memory when a sequence first writes them
+        (memory.zeroed): a region's pages take memory when a sequence first writes them
         (Granite-4.0-H-1B's states are 540 MB a region)."""
         layers, channels = self._conv_shape
         conv = zeroed((layers, 2 + regions * self.ring, channels), self.dtype, self.device)

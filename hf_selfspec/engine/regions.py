@@ -7,28 +7,27 @@ region's first slot with the arithmetic of a sequence at slot 0, and every other
 is per row, so a sequence's rows are bit-identical to those it computes decoded alone.
 
 `KVRegion` gives one sequence's decoder (decoding/cycle.py) the engine surface it uses,
-in the sequence's own slot numbers: prefill, step rows, KV moves and its capacity. The
-engine's own surface (base 0, the whole cache) is the same, so a decoder runs unchanged on
-either.
+`interface.SequenceEngine`, in the sequence's own slot numbers: prefill, step rows, KV
+moves and its capacity. The engine implements the same protocol (base 0, the whole cache),
+so a decoder runs unchanged on either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from .meta import StepRows
-
-if TYPE_CHECKING:  # annotations only: programs.py never imports this module
-    from .programs import Engine
+from .interface import BatchEngine, SequenceEngine, StepCosts
+from .meta import StepMeta, StepRows
 
 
-class KVRegion:
-    """Slots [base, base + capacity) of `engine`'s KV cache, for one sequence."""
+class KVRegion(SequenceEngine):
+    """Slots [base, base + capacity) of `engine`'s KV cache, for one sequence: implements
+    `SequenceEngine` (interface.py) explicitly, every member its own (tests/test_engine.py
+    checks that none is left to the protocol)."""
 
-    def __init__(self, engine: Engine, base: int, capacity: int):
+    def __init__(self, engine: BatchEngine, base: int, capacity: int):
         if not engine.supports_batches:
             raise ValueError("KV regions need an engine whose steps take several sequences "
                              "(engine.supports_batches: the kernel row layout on the CPU)")
@@ -53,31 +52,25 @@ class KVRegion:
         return self.engine.layout
 
     @property
+    def head_device(self) -> torch.device:
+        return self.engine.head_device
+
+    @property
     def supports_trees(self) -> bool:
         return self.engine.supports_trees
 
     @property
-    def step_costs(self) -> tuple[float, ...]:
-        return self.engine.step_costs
-
-    @property
-    def one_row_seconds(self) -> float:
-        return self.engine.one_row_seconds
+    def costs(self) -> StepCosts:
+        return self.engine.costs
 
     def embed(self, token_ids: Sequence[int]) -> torch.Tensor:
         return self.engine.embed(token_ids)
 
-    def verify(self, h: torch.Tensor, start: int, meta, logits: bool = True):
+    def verify(self, h: torch.Tensor, start: int, meta: StepMeta, logits: bool = True):
         return self.engine.verify(h, start, meta, logits)
 
-    def rows_meta(self, rows: StepRows):
+    def rows_meta(self, rows: StepRows) -> StepMeta:
         return self.engine.rows_meta(rows)
-
-    def observe_step(self, rows: int, seconds: float, context: int = 0) -> None:
-        self.engine.observe_step(rows, seconds, context)
-
-    def step_costs_at(self, context: int, batched: bool = False) -> tuple[float, ...]:
-        return self.engine.step_costs_at(context, batched)
 
     # in the region's own slot numbers
     @property
@@ -112,7 +105,7 @@ class KVRegion:
         self.engine.move_kv([b + s for s in sources], [b + t for t in targets])
 
 
-def plan_regions(engine: Engine, needs: Sequence[int]) -> list[KVRegion]:
+def plan_regions(engine: BatchEngine, needs: Sequence[int]) -> list[KVRegion]:
     """One region per sequence, `needs[b]` slots each, packed from slot 0; the engine's
     cache grows to hold them all (nothing in it is kept: call before any prefill)."""
     most = getattr(engine.view.config, "max_position_embeddings", None)
