@@ -2,7 +2,7 @@
 already loaded, else right after its first import (a finder at the front of sys.meta_path
 that wraps that one module's loader, then removes itself).
 
-Used to install the attach-first check on HF's generate (integration.py) as soon as
+Used to install the attach-first check on HF's generate (integration/generate.py) as soon as
 `transformers.generation.utils` is loaded, so that importing hf_selfspec does not pull in
 HF's generation stack (~1.5 s) and a model never attached still gets the clear error.
 """

@@ -252,11 +252,11 @@ def test_custom_generate_folder_on_a_stock_model(monkeypatch):
     HF model gives HF greedy's tokens."""
     from pathlib import Path
 
-    from hf_selfspec import integration
+    from hf_selfspec.integration import attach
 
     # the no-heads warning comes once per model weights and process: an earlier test of
     # the same tiny model may have had it
-    monkeypatch.setattr(integration, "_WARNED_NO_HEADS", set())
+    monkeypatch.setattr(attach, "_WARNED_NO_HEADS", set())
 
     folder = str(Path(__file__).resolve().parent.parent)  # the repo root holds custom_generate/
     ref = tiny_model("llama", seed=6, layers=4)
