@@ -3,7 +3,7 @@ own query and the keys it may see, never on how many rows share the step.
 
   BlockAttention   plain PyTorch (any CPU layout without the C++ kernel): fixed chunks of
                    query rows against fixed key blocks with an online softmax (below).
-  CppRowAttention  the C++ `rows_attention` (kernel layout, kernels/cpu_rows.cpp): each row
+  CppRowAttention  the C++ `rows_attention` (kernel layout, kernels/cpu-rows/attention.cpp): each row
                    and head on its own, up to its key limit, in one fixed order; follows
                    a draft tree's path slots and a batch's KV regions.
   TritonAttention  the Triton `row_attention` (CUDA, kernels/attention.py): each (row, head)
@@ -161,7 +161,7 @@ class BlockAttention:
 
 class CppRowAttention:
     """The C++ `rows_attention` (CPU; fp32/bf16/fp16 caches): row r sees slots [0, key_limit[r]], or its
-    committed prefix plus its tree path (row-invariant by construction: cpu_rows.cpp)."""
+    committed prefix plus its tree path (row-invariant by construction: kernels/cpu-rows/attention.cpp)."""
 
     name = "cpp_rows"
     needs_masks = False

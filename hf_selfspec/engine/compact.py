@@ -4,7 +4,7 @@ A float32 model dequantized from one of GGUF's block formats (a GGUF file loaded
 transformers' `gguf_file=`; the embedded default model is a Q4_1 file) holds, in every block
 of 32 weights of a matrix row, only the values its format gives: m + d q with q in 0..15
 (Q4_1), d (q - 8) (Q4_0) or d q with q in -128..127 (Q8_0). The row kernel's `rows_compact`
-(kernels/cpu_rows.cpp, "compact weights") finds such a d (and m) for every block, keeps the
+(kernels/cpu-rows/compact.cpp) finds such a d (and m) for every block, keeps the
 matrix only where every weight comes back bit for bit, and its products then read 24 / 20 / 36
 bytes per 32 weights instead of 128, with every output the float32 product's bit for bit. A
 decode step streams its weights once, so it reads a fifth to a quarter of the bytes.

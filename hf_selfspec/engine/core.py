@@ -122,7 +122,7 @@ class Engine(KVCacheSlots, StepMetadata, LayerExecution, Prefill):
         if not self._all_rotary:  # made now, not inside a CUDA graph's capture
             for dtype in {v.cos.dtype, torch.float32}:
                 self._no_rotation(self.meta_rows, dtype)
-        # kernel layout: a step's decoder layers in one C++ call (cpu_rows.cpp rows_layers),
+        # kernel layout: a step's decoder layers in one C++ call (kernels/cpu-rows/layers.cpp rows_layers),
         # unless a layer has biases (then the PyTorch ops below, with the same C++ products)
         self._no_norm = torch.empty(0, dtype=v.dtype, device=v.device)
         fused = self._fused_layer_weights()
@@ -166,7 +166,7 @@ class Engine(KVCacheSlots, StepMetadata, LayerExecution, Prefill):
             self.graphs.attach()
 
     def _fused_layer_weights(self) -> list[list[torch.Tensor]] | None:
-        """Per layer, the weights `rows_layer(s)` takes (see cpu_rows.cpp), or None when the
+        """Per layer, the weights `rows_layer(s)` takes (see kernels/cpu-rows/layers.cpp), or None when the
         layers run as PyTorch ops (another layout). Detached views of the model's own
         parameters: the same storage, no copy. With linear biases anywhere (Qwen2's q/k/v),
         every layer gives all 20: its 13 weights and norms, then its 7 projections' biases

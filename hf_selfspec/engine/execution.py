@@ -1,6 +1,6 @@
 """The maths of a step: a step's rows through decoder layers (`run_layers`) and the LM head
 (`logits`, `argmax_only`), row-invariantly. On the kernel layout a run of alike layers is
-one C++ call (cpu_rows.cpp rows_layers); otherwise each layer runs as PyTorch ops with the
+one C++ call (kernels/cpu-rows/layers.cpp rows_layers); otherwise each layer runs as PyTorch ops with the
 layout's products (layouts.py) and the engine's attention backend (attention.py), an
 offloaded layer's weights brought in for the step, a hybrid's mixers from mixers.py.
 `LayerExecution` is a part of `Engine` (core.py) with this one job."""

@@ -5,7 +5,7 @@ not enough: each layout fixes the shapes (or the arithmetic) in its own way, and
 bitwise self-test on the model's own weight shapes that the engine runs at start-up. Only a
 layout whose self-test passes on this machine is used.
 
-  kernel  our C++ product (kernels/cpu_rows.cpp): every dot product runs the same
+  kernel  our C++ product (kernels/cpu-rows/): every dot product runs the same
           instruction sequence whatever the rows, so it is row-invariant by construction,
           and a step streams each weight once; no padding. Brings the C++ row attention
           and a whole decoder layer in one call (`rows_layer`). Needs an AVX2/FMA/F16C CPU, a
@@ -192,10 +192,10 @@ KERNEL_TEST_OUTPUTS = 256
 
 
 class KernelLayout(RowLayout):
-    """The C++ row kernels (cpu_rows.cpp): products, attention and fused decoder layers."""
+    """The C++ row kernels (kernels/cpu-rows/): products, attention and fused decoder layers."""
 
     name = "kernel"
-    # weight (and KV cache) dtypes cpu_rows.cpp reads as stored, widening to float32 in
+    # weight (and KV cache) dtypes the C++ kernels read as stored, widening to float32 in
     # registers: a bf16 model streams half the bytes of an fp32 one, and holds no fp32 copy
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
 

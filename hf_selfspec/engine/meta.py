@@ -28,7 +28,7 @@ class StepMeta:
     cos: torch.Tensor  # [rows, d]
     sin: torch.Tensor
     # draft trees (C++ row attention only): [n, P] int64, row r's path slots after the
-    # committed prefix (ancestors then itself, -1 pads; see cpu_rows.cpp rows_attention);
+    # committed prefix (ancestors then itself, -1 pads; see kernels/cpu-rows/attention.cpp);
     # [0, 0]: a chain
     path: torch.Tensor = NO_PATH
     # batched steps (C++ row attention only): [n] int64, the slot of each row's logical key 0

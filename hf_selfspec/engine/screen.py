@@ -19,7 +19,7 @@ every token would keep hundreds). Their float32 logits, computed by the same ker
 float32 rows (a dot product does not depend on which other rows are computed), decide, ties
 to the lowest id as torch.argmax does. The result is torch.argmax of the float32 logits,
 always: where the screen cannot say (a non-finite value, or too many candidates), the caller
-computes the float32 logits as before. The whole screen is one C++ call (cpu_rows.cpp
+computes the float32 logits as before. The whole screen is one C++ call (kernels/cpu-rows/screen.cpp
 `rows_screen`).
 
 Where the CPU has AVX-512 VNNI, x is quantised too, to 16-bit integers (x_q = round(x / s_x),
