@@ -74,7 +74,7 @@ from .weights import (
     TransposedLinear,
 )
 
-# names importable from here as before (programs.py, attention.py, heads/base.py, tests)
+# names importable from here as before (core.py and its parts, attention.py, heads/base.py, tests)
 __all__ = ["CPU_ONLY_REFUSAL", "FLOAT_DTYPES", "NORM_PLUS_ONE_TYPES", "STATEFUL_MIXER_TYPES", "SUPPORTED_MODEL_TYPES",
            "TOKEN_TYPE_EMBEDDING_TYPES", "GatedDeltaNetWeights", "LatentAttentionWeights", "LayerWeights",
            "LayeredModel", "Mamba1Weights", "Mamba2Weights", "MatrixView", "MoEWeights", "RowSlice", "ShortConvWeights",
