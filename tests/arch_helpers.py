@@ -14,7 +14,7 @@ import transformers
 from transformers.pytorch_utils import Conv1D
 
 from hf_selfspec import attach_heads
-from hf_selfspec.engine.programs import EngineConfig
+from hf_selfspec.engine.core import EngineConfig
 
 NEW = 20  # new tokens per request
 

@@ -20,8 +20,8 @@ from arch_helpers import (
 )
 
 from hf_selfspec import attach_heads
+from hf_selfspec.engine.core import EngineConfig
 from hf_selfspec.engine.layered import UnsupportedModelError, cpu_only, text_config, text_decoder
-from hf_selfspec.engine.programs import EngineConfig
 
 
 @pytest.mark.parametrize("layout", ["auto", "fixed"])
@@ -151,7 +151,7 @@ def test_convolutions_and_recurrent_states_follow_a_draft_trees_paths(case, shap
     accepted path off the first branch."""
     from test_trees import OracleTrees
 
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     overrides = dict(supported(case))
     model = build(overrides.pop("arch"), **overrides)
@@ -170,7 +170,7 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     convolution inputs and states of the sequence stay as they were (the engine's AR output)
     and the sequences' rings do not grow by a region for them."""
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     overrides = dict(supported(case))
     model = build(overrides.pop("arch"), **overrides)
@@ -178,9 +178,9 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
     prompt = prompts(40)[0]
     expected = engine.generate_ar(prompt, 24)
     rings = engine.mixer_cache.conv.shape
-    assert engine._step_costs is None
+    assert not engine.costs.has_step_costs
     result = SelfSpecDecoder(engine, None, DecodeConfig(lookup="only")).generate(prompt, 24)
-    assert engine._step_costs is not None  # measured mid-request
+    assert engine.costs.has_step_costs  # measured mid-request
     assert result.tokens == expected
     assert engine.mixer_cache.conv.shape == rings  # the measurement's rings were its own, dropped after
 

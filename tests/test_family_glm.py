@@ -16,7 +16,7 @@ from arch_helpers import (
 )
 
 from hf_selfspec import attach_heads
-from hf_selfspec.engine.programs import EngineConfig
+from hf_selfspec.engine.core import EngineConfig
 
 CASES = {
     # RoPE turning adjacent pairs: GLM on half of each head (partial_rotary_factor 0.5), its

@@ -20,8 +20,8 @@ from arch_helpers import (
 )
 
 from hf_selfspec import attach_heads
+from hf_selfspec.engine.core import EngineConfig
 from hf_selfspec.engine.layered import UnsupportedModelError, text_decoder
-from hf_selfspec.engine.programs import EngineConfig
 
 CASES = {
     # GPT-2 (model.transformer, its layers `h`): Conv1D projections (weights stored [in, out],

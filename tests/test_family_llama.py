@@ -22,8 +22,8 @@ from arch_helpers import (
 )
 
 from hf_selfspec import attach_heads
+from hf_selfspec.engine.core import EngineConfig
 from hf_selfspec.engine.layered import UnsupportedModelError
-from hf_selfspec.engine.programs import EngineConfig
 
 CASES = {
     "llama-tied": dict(tie_word_embeddings=True),
@@ -172,7 +172,7 @@ def test_direct_engine_guards_positions_and_longrope_prefill():
     """An Engine used directly: a request past the positions its RoPE table can rotate is
     refused before any work (it was an IndexError), and its own prefill refuses a longrope
     prompt past original_max_position_embeddings (only HF's prefill rotates it as HF does)."""
-    from hf_selfspec.engine.programs import Engine
+    from hf_selfspec.engine.core import Engine
 
     model = build(max_position_embeddings=64)
     engine = Engine(model, EngineConfig(width=4, capacity=128))

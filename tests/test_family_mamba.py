@@ -19,8 +19,8 @@ from arch_helpers import (
 )
 
 from hf_selfspec import attach_heads
+from hf_selfspec.engine.core import EngineConfig
 from hf_selfspec.engine.layered import UnsupportedModelError
-from hf_selfspec.engine.programs import EngineConfig
 
 CASES = {
     # Granite 4.0-H: Mamba2 mixers (a SiLU convolution over 4 positions, a recurrent state per

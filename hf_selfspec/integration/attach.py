@@ -12,7 +12,7 @@ from ..decoding.cycle import DecodeConfig
 from ..engine.dispatch import is_dispatched
 from ..engine.errors import UnsupportedModelError
 from ..engine.layered import dispatch_placement, served_positions, text_config
-from ..engine.programs import DEFAULT_CAPACITY, EngineConfig
+from ..engine.core import DEFAULT_CAPACITY, EngineConfig
 from .generate import _generate, _install_attach_first_check, _prepare_generation_config
 from .placement import _windowed
 from .state import SelfSpecState

@@ -105,22 +105,22 @@ def _decode_loop(model, input_ids, logits_processor=None, stopping_criteria=None
     started, engine_before, draft_before = time.perf_counter(), state.engine, state.draft_engine
     limit = served_positions(text_config(model), _windowed(model)) or need + width
     engine = state.engine_for(model, min(need + width, limit))
-    getattr(engine, "step_costs", None)  # measured once per engine, here rather than mid-decode
+    engine.costs.step_costs()  # measured once per engine, here rather than mid-decode
     # the attention per row-key: for rows past the measured context, or for any request
     # where it is cheap to measure (then a short one plans with its rows' cheaper attention)
-    if need > costs.cost_context(engine) or getattr(engine, "times_steps_cheaply", False):
-        getattr(engine, "attention_seconds", None)
+    if need > costs.cost_context(engine) or engine.costs.times_steps_cheaply():
+        engine.costs.attention_seconds()
     draft_engine = None
     if selfspec_draft_model is not None:
         draft_engine = state.draft_engine_for(selfspec_draft_model, engine.capacity)
-        getattr(draft_engine, "step_costs", None)
+        draft_engine.costs.step_costs()
     decoder = SelfSpecDecoder(engine, state.heads, config, draft_engine)
     # a batch shares engine steps (decoding/batch.py) where the engine and drafter allow it,
     # else its sequences are decoded one after the other: the same tokens either way
     batched = len(prompts) > 1 and draft_engine is None and batch_obstacle(engine, decoder) is None
-    measured_batch = batched and not engine.has_batch_costs
+    measured_batch = batched and not engine.costs.has_batch_costs
     if batched:  # measured once per machine and model (cached on disk): build time, not decoding
-        getattr(engine, "batch_costs", None)
+        engine.costs.batch_costs()
     built = (engine is not engine_before or measured_batch
              or (draft_engine is not None and draft_engine is not draft_before))
     build_time = time.perf_counter() - started if built else 0.0

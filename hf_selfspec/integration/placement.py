@@ -14,7 +14,7 @@ from ..engine.layered import (
     text_config,
     windows_served,
 )
-from ..engine.programs import EngineConfig
+from ..engine.core import EngineConfig
 
 
 def _streams_weights(model) -> bool:

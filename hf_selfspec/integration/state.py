@@ -15,7 +15,7 @@ import torch
 
 from ..decoding.cycle import DecodeConfig
 from ..engine.layered import served_positions, text_config
-from ..engine.programs import Engine, EngineConfig
+from ..engine.core import Engine, EngineConfig
 from .options import SelfSpecCall
 from .placement import _check_positions, _streams_weights, _windowed, model_device
 
@@ -121,7 +121,7 @@ class SelfSpecState:
         256 slots, at most the model's max_position_embeddings. Its executor: the
         configured one, where "auto" means CUDA graphs on a CUDA model (eager with one
         warning where they cannot be set up or captured) and eager elsewhere."""
-        from ..engine.runner import resolve_executor
+        from ..engine.cuda_graphs import resolve_executor
 
         limit = served_positions(text_config(model), _windowed(model)) or need
         capacity = min(-(-max(self.engine_config.capacity, need) // 256) * 256, limit)
