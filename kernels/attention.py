@@ -17,7 +17,7 @@ logical keys in fixed blocks of ``BLOCK_KEYS``, and only the address of a key de
 where it lies, so a tree row computes exactly the chain row at its position (same keys at
 the same logical indices, same blocks, same arithmetic) and a row in a region at ``base``
 exactly the row of that sequence alone at slot 0. The online softmax follows Triton
-tutorial 06 (fused attention) and FlashAttention: a running max ``m``, normaliser ``l``
+tutorial 06 (fused attention) and FlashAttention: a running max ``m``, normaliser ``denom``
 and accumulator ``acc`` in fp32.
 
 Triton is imported only when the launcher first runs, so the package imports on machines
@@ -53,8 +53,8 @@ def validate_row_attention_inputs(
 ) -> float:
     """Check shapes, dtypes and devices of ``row_attention`` inputs; return ``scale`` as float.
 
-    Raises ``ValueError`` (``TypeError`` for a non-tensor) naming the offending argument. Checks only metadata (no device
-    sync), so it is safe inside CUDA-graph capture; slot values are masked in the kernel.
+    Raises ``ValueError`` (``TypeError`` for a non-tensor) naming the offending argument. Checks only metadata
+    (no device sync), so it is safe inside CUDA-graph capture; slot values are masked in the kernel.
     """
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "prefix_len": prefix_len, "anc": anc}
     if base is not None:
@@ -157,12 +157,12 @@ def _kernel():
         k_base = k_ptr + kv_head * stride_kh
         v_base = v_ptr + kv_head * stride_vh
 
-        # Finite start for the running max: a fully masked block then leaves m, l, acc
+        # Finite start for the running max: a fully masked block then leaves m, denom, acc
         # unchanged (alpha = exp(0) = 1, p = exp(-inf) = 0) instead of producing NaN. This
         # is also why the loop may run past the row's last key (up to prefix + num_anc,
         # the widest row's path): the extra blocks add exactly nothing.
         m = tl.full((), -1.0e30, tl.float32)
-        l = tl.zeros((), tl.float32)
+        denom = tl.zeros((), tl.float32)
         acc = tl.zeros((HEAD_DIM,), tl.float32)
 
         prefix = tl.minimum(tl.load(prefix_ptr + row), num_slots)
@@ -192,12 +192,12 @@ def _kernel():
             m_new = tl.maximum(m, tl.max(scores, axis=0))
             alpha = tl.exp(m - m_new)  # rescales what was accumulated under the old max
             p = tl.exp(scores - m_new)  # 0 where masked
-            l = l * alpha + tl.sum(p, axis=0)
+            denom = denom * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             m = m_new
 
-        # A row that saw no key has l == 0 and acc == 0: return zeros, not NaN.
-        out = acc / tl.where(l > 0, l, 1.0)
+        # A row that saw no key has denom == 0 and acc == 0: return zeros, not NaN.
+        out = acc / tl.where(denom > 0, denom, 1.0)
         tl.store(
             out_ptr + row * stride_on + q_head * stride_oh + dims, out.to(out_ptr.dtype.element_ty)
         )

@@ -26,8 +26,8 @@ that a killed build leaves behind and that torch then waits on for ever; it is o
 made by a process holding ours, so a `lock` found once ours is held was left by a process
 that is gone: it is taken over at once, with one warning, and a finished build is loaded
 without waiting. (The one exception: an older hf_selfspec, which took no lock of ours,
-building in the same environment at that very moment.) A live process holding ours (building, ~1 min) is waited on, saying so at
-once (whose, where, for how long at most: `MAX_WAIT_SECONDS`); past that the kernel is not
+building in the same environment at that very moment.) A live process holding ours (building, ~1 min)
+is waited on, saying so at once (whose, where, for how long at most: `MAX_WAIT_SECONDS`); past that the kernel is not
 loaded in this process (`build_error()` says so) and the engine uses another row layout.
 """
 
@@ -225,8 +225,9 @@ def _load_module():
                                f"environment (once, ~1 min; kept in {folder})")
             module = load_inline(
                 name=NAME, build_directory=str(folder), cpp_sources=sources,
-                functions=["rows_linear", "rows_compact", "rows_linear_t", "rows_linear_heads", "rows_attention", "rows_attention_alibi",
-                           "rows_attention_sinks", "rows_layer", "rows_layers", "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
+                functions=["rows_linear", "rows_compact", "rows_linear_t", "rows_linear_heads", "rows_attention",
+                           "rows_attention_alibi", "rows_attention_sinks", "rows_layer", "rows_layers",
+                           "rows_draft_step", "rows_screen", "rows_pool", "rows_isa",
                            "rows_screen_vnni", "rows_mamba2_states", "rows_delta_states"],
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except BuildLockTimeout as e:
@@ -287,7 +288,8 @@ def screen_uses_vnni() -> bool | None:
 
 def load_rows_linear():
     """The compiled `rows_linear(x [R, K], w [O, K]) -> y [R, O] float32` (x float32, w
-    float32 / bfloat16 / float16; contiguous CPU tensors), or None when this machine cannot build or run it (`build_error()` says why)."""
+    float32 / bfloat16 / float16; contiguous CPU tensors), or None when this machine cannot build or run it
+    (`build_error()` says why)."""
     module = _load_module()
     return None if module is None else module.rows_linear
 

@@ -172,8 +172,9 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
     # GGUF Q4_1 (engine/compact.py), else the layout's own products of the weights
     compact = getattr(engine, "compact", None)
     if compact is not None:
-        from hf_selfspec.engine.compact import projection_positions
         from hf_selfspec.kernels.cpu_rows import load_rows_linear
+
+        from hf_selfspec.engine.compact import projection_positions
 
         rows_linear, forms = load_rows_linear(), compact.kernel_weights
         read = [forms[i] for i in projection_positions(len(forms), engine._fused_per_layer)]
@@ -418,7 +419,8 @@ def summarize(records, cat, method):
     split = None
     if stats:
         total = sum(s["total_time"] for s in stats)
-        split = {k: sum(s[k] for s in stats) / total for k in ("prefill_time", "draft_time", "verify_time", "host_time")}
+        split = {k: sum(s[k] for s in stats) / total
+                 for k in ("prefill_time", "draft_time", "verify_time", "host_time")}
     return {"tok_s": statistics.median(r["new_tokens"] / r["seconds"] for r in rows), "ratio": ratio,
             "tau": tau, "identical": f"{identical}/{len(rows)}", "split": split}
 
@@ -459,7 +461,8 @@ def write_report(path, records, categories, methods, meta, widths, png, argv):
              "`tau` = tokens committed per verification; `same` = outputs identical to HF greedy; "
              "time split of self-spec = prefill / drafting / verification / host.", ""]
     for cat in categories + ["all"]:
-        lines += [f"## {cat}", "", "| method | tok/s (median) | x HF greedy | tau | identical | prefill / draft / verify / host |",
+        lines += [f"## {cat}", "",
+                  "| method | tok/s (median) | x HF greedy | tau | identical | prefill / draft / verify / host |",
                   "|---|---|---|---|---|---|"]
         for m in methods:
             s = summarize(records, cat, m)

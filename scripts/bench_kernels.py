@@ -80,9 +80,9 @@ def bench_cpu_rows(args) -> None:
             functions=["rows_linear"], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"]).rows_linear
     m = SMOLLM2
-    H, I, d = m["hidden"], m["intermediate"], m["head_dim"]
+    H, inter, d = m["hidden"], m["intermediate"], m["head_dim"]
     layer_shapes = [(m["heads"] * d, H), (m["kv_heads"] * d, H), (m["kv_heads"] * d, H), (H, m["heads"] * d),
-                    (I, H), (I, H), (H, I)]
+                    (inter, H), (inter, H), (H, inter)]
     gen = torch.Generator().manual_seed(0)
     weights = {}
     for name in args.dtypes:
@@ -90,7 +90,7 @@ def bench_cpu_rows(args) -> None:
         layers = [(torch.randn(o, k, generator=gen) * k ** -0.5).to(dtype)
                   for _ in range(m["layers"]) for o, k in layer_shapes]
         weights[name] = (layers, (torch.randn(m["vocab"], H, generator=gen) * H ** -0.5).to(dtype))
-    xs = {r: {k: torch.randn(r, k, generator=gen) for k in (H, I)} for r in args.rows}
+    xs = {r: {k: torch.randn(r, k, generator=gen) for k in (H, inter)} for r in args.rows}
     threads0 = torch.get_num_threads()
 
     def step(linear, name, rows):
@@ -135,7 +135,8 @@ def bench_cpu_rows(args) -> None:
     for name in args.dtypes:
         layers, head = weights[name]
         mb = (sum(w.numel() for w in layers) + head.numel()) * head.element_size() / 1e6
-        print(f"\n{name}: {mb:.0f} MB of weights per step (211 products), LM head {head.numel() * head.element_size() / 1e6:.0f} MB")
+        print(f"\n{name}: {mb:.0f} MB of weights per step (211 products), "
+              f"LM head {head.numel() * head.element_size() / 1e6:.0f} MB")
         print(f"{'what':<23}" + "".join(f"{f'{t} thr ms':>11}" for t in args.threads)
               + (f"{'ratio':>8}" if len(args.threads) > 1 else "") + f"{'GB/s':>7}")
         rows_list = [("sum", 0, "")] + [(kind, r, k) for kind in ("step", "head") for r in args.rows

@@ -99,7 +99,8 @@ def main(argv=None):
                 flush=True)
     n = len(quality["hf_greedy"]["nll"])
     ref_rate = tokens["hf_greedy"] / seconds["hf_greedy"]
-    print(f"\n{'method':<16}{'speed vs HF greedy':>20}{'tau':>7}{'identical':>11}{'shared prefix':>15}{'NLL/token':>11}")
+    print(f"\n{'method':<16}{'speed vs HF greedy':>20}{'tau':>7}{'identical':>11}"
+          f"{'shared prefix':>15}{'NLL/token':>11}")
     for m in methods:
         q = quality[m]
         tau = f"{statistics.mean(q['tau']):.2f}" if q["tau"] else "-"

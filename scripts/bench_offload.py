@@ -83,7 +83,8 @@ def run_part(name: str, model, prompts: list[list[int]], max_new: int, heads, st
         rows["drafted"].append(stats.drafted)
         rows["identical"] += int(torch.equal(ref, out))
         print(f"  {name}: prompt {len(rows['new'])}/{len(prompts)} ({len(prompt)} tokens): HF {t1 - t0:6.2f} s, "
-              f"ours {t2 - t1:6.2f} s, x{(t1 - t0) / (t2 - t1):.2f}, tau {stats.new_tokens / max(stats.cycles, 1):.2f}, "
+              f"ours {t2 - t1:6.2f} s, x{(t1 - t0) / (t2 - t1):.2f}, "
+              f"tau {stats.new_tokens / max(stats.cycles, 1):.2f}, "
               f"identical {torch.equal(ref, out)}", flush=True)
     new, cycles = sum(rows["new"]), sum(rows["cycles"])
     heads_bytes = 0 if model._selfspec.heads is None else sum(
@@ -98,7 +99,8 @@ def run_part(name: str, model, prompts: list[list[int]], max_new: int, heads, st
         "layers_offloaded": f"{placement.offloaded_layers}/{len(placement.layers)}",
         "hf_gb_per_token": moved / 1e9, "self_gb_per_token": moved * cycles / new / 1e9,
         "read_as": "mapped in place" if mapped else "copied by accelerate's hooks",
-        "kv_mb": (engine.k_cache.numel() * engine.k_cache.element_size() * (1 if engine.v_cache is engine.k_cache else 2)) / 1e6,
+        "kv_mb": (engine.k_cache.numel() * engine.k_cache.element_size()
+                  * (1 if engine.v_cache is engine.k_cache else 2)) / 1e6,
         "heads_mb": heads_bytes / 1e6, "build_s": build,
     }
 

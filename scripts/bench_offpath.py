@@ -19,8 +19,9 @@ process: a fresh Python process loads the default model and times its first and 
 smollm3, phi3, granite, olmo2, gemma, gemma2, gemma3, exaone4, ernie, pythia, stablelm, olmo,
 phi, olmoe, qwen3_moe, gemma3_4b, gpt2, gpt2_large,
 opt_1_3b, gpt_neo_125m, santacoder, gptj, falcon_7b, bloom_560m, codegen_350m,
-nemotron_mini, mpt_7b, qwen2_5_0_5b, gpt_oss_20b, glm4_5_air, granite_swa: (not in the default parts) a random-weight model of a real checkpoint's
-         shape (RANDOM_SHAPES; --layers fewer for a quicker run; --dtype), as `big`.
+nemotron_mini, mpt_7b, qwen2_5_0_5b, gpt_oss_20b, glm4_5_air, granite_swa: (not in the default parts)
+         a random-weight model of a real checkpoint's shape (RANDOM_SHAPES; --layers fewer for a quicker
+         run; --dtype), as `big`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def part_half(args, dtype: torch.dtype) -> None:
     for p in prompts:
         ids = torch.tensor([p])
         hf, t_hf = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), **greedy))
-        spec, t_self = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), assistant="self", **greedy))
+        spec, t_self = timed(
+            lambda: model.generate(ids, attention_mask=torch.ones_like(ids), assistant="self", **greedy))
         ar = engine.generate_ar(p, args.max_new_tokens, [tokenizer.eos_token_id])
         new = spec[0, len(p):].tolist()
         hf_t, self_t, tokens = hf_t + t_hf, self_t + t_self, tokens + len(new)
@@ -270,8 +272,8 @@ RANDOM_SHAPES = {
         "norms, gated heads)"),
     "qwen3_5_0_8b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-        linear_value_head_dim=128, max_position_embeddings=262144, tie_word_embeddings=True,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262144, tie_word_embeddings=True,
         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}),
         "Qwen3.5-0.8B's text model (gated DeltaNets in 18 of 24 layers, gated attention; an LM head of 248k rows)"),
@@ -296,7 +298,8 @@ RANDOM_SHAPES = {
         topk_group=1, routed_scaling_factor=2.5, max_position_embeddings=262144, tie_word_embeddings=False,
         hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
         "NVIDIA-Nemotron-3-Nano-30B-A3B's shape (126 GB in fp32: --layers 6, its first attention layer the 6th; "
-        "Mamba2, NoPE attention and MoE layers of one block each: 128 ungated ReLU² experts, 6 per token, a shared one)"),
+        "Mamba2, NoPE attention and MoE layers of one block each: 128 ungated ReLU² experts, 6 per token, "
+        "a shared one)"),
     "falcon_h1_0_5b": ("FalconH1Config", "FalconH1ForCausalLM", dict(
         vocab_size=32784, hidden_size=1024, intermediate_size=2048, num_hidden_layers=36, num_attention_heads=8,
         num_key_value_heads=2, head_dim=64, mamba_d_ssm=1536, mamba_n_heads=24, mamba_d_head=64, mamba_d_state=128,
@@ -421,7 +424,8 @@ def part_random_shape(name: str, args) -> None:
     text = config  # the decoder's config: the whole one, or an image-text model's text_config
     if "text_config" in config:
         text = config["text_config"] = dict(config["text_config"])
-    key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in text)  # GPT-Neo, GPT-BigCode, MPT
+    # GPT-Neo, GPT-BigCode, MPT
+    key = next(k for k in ("num_hidden_layers", "num_layers", "n_layer", "n_layers") if k in text)
     layers = args.layers or text[key]
     for kinds in ("layer_types", "mlp_layer_types"):  # the checkpoint's pattern, cut or repeated to `layers`
         if kinds in text:
@@ -470,10 +474,12 @@ def random_model_run(label, model, args):
         ar = model._selfspec.engine.generate_ar(ids[0].tolist(), n, eos if isinstance(eos, list) else [eos])
         own_ar = f" (to HF's {model.dtype} greedy), to the engine's own AR {third[0, ids.shape[1]:].tolist() == ar}"
     t_hf_med = statistics.median([t_hf, t_hf2])
-    print(f"{label} {params:.2f}B {str(model.dtype).removeprefix('torch.')}, prompt {args.prompt_tokens}, {n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
+    print(f"{label} {params:.2f}B {str(model.dtype).removeprefix('torch.')}, prompt {args.prompt_tokens}, "
+          f"{n} new: HF greedy {n / t_hf_med:.2f} tok/s; self "
           f"first call {t_first:.1f} s (engine build {build:.1f} s), second call {t_second_call:.1f} s, "
           f"warm (third call) {n / t_second:.2f} tok/s = "
-          f"{t_hf_med / t_second:.2f}x HF (tau {tau:.2f}); resident memory: HF greedy +{after_hf - base:.2f} GB, the engine "
+          f"{t_hf_med / t_second:.2f}x HF (tau {tau:.2f}); resident memory: "
+          f"HF greedy +{after_hf - base:.2f} GB, the engine "
           f"+{after_self - after_hf:.2f} GB more after the first call; identical "
           f"{torch.equal(hf, first) and torch.equal(hf, second) and torch.equal(hf, third)}{own_ar}", flush=True)
 

@@ -59,7 +59,8 @@ def main() -> int:
             failed += not ok
             print(f"{name}: map {sorted(set(map(str, model.hf_device_map.values())))}, engine on {engine.view.device}, "
                   f"width {engine.width}, {engine.view.placement.describe()}: == HF greedy {same_hf}, == engine AR "
-                  f"{same_ar}, {seconds:.2f} s, stats {model.selfspec_stats.cycles} cycles -> {'OK' if ok else 'FAILED'}")
+                  f"{same_ar}, {seconds:.2f} s, stats {model.selfspec_stats.cycles} cycles -> "
+                  f"{'OK' if ok else 'FAILED'}")
     return 1 if failed else 0
 
 

@@ -45,7 +45,8 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 if module.bias is not None:  # HF initialises biases to zero: that would hide them
                     module.bias.normal_(0.0, 0.5)
         for name, param in model.named_parameters():
-            if random_norms and ("norm" in name or ".ln_" in name or "layer_norm" in name):  # a norm mistaken for another, a bias dropped
+            # a norm mistaken for another, a bias dropped
+            if random_norms and ("norm" in name or ".ln_" in name or "layer_norm" in name):
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
             if name.endswith(("wpe.weight", "embed_positions.weight")):  # positions, as strong as the tokens' rows
                 param.normal_(0.0, 1.0)
@@ -57,17 +58,20 @@ def build(arch: str = "Llama", dtype=torch.float32, **overrides):
                 param.normal_(0.0, 0.5)
             if name.endswith("sinks"):  # GPT-OSS's attention sinks: as large as the scores
                 param.normal_(0.0, 2.0)
-            if name.endswith(("conv.conv.weight", "conv1d.weight")):  # LFM2's, Qwen 3.5's taps [C, 1, K]: HF's 0.02 hides them
+            # LFM2's, Qwen 3.5's taps [C, 1, K]: HF's 0.02 hides them
+            if name.endswith(("conv.conv.weight", "conv1d.weight")):
                 param.normal_(0.0, param.shape[-1] ** -0.5)
             if name.endswith(("conv.conv.bias", "mamba.conv1d.bias")):
                 param.normal_(0.0, 0.5)
             if name.endswith(("mamba.dt_bias", "mamba.D")):  # Mamba2's steps and skips: HF's ones hide a dropped one
                 param.normal_(0.0, 1.0)
         for name, buffer in model.named_buffers():
-            if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's: a bias that decides
+            # DeepSeek-V3's, LFM2-MoE's: a bias that decides
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 buffer.normal_(0.0, 0.2)
         for name, param in model.named_parameters():
-            if name.endswith(("moe_statics.e_score_correction_bias", "mlp.expert_bias")):  # ERNIE 4.5's, AFMoE's: parameters
+            # ERNIE 4.5's, AFMoE's: parameters
+            if name.endswith(("moe_statics.e_score_correction_bias", "mlp.expert_bias")):
                 param.normal_(0.0, 0.2)
     return model.to(dtype).eval()
 

@@ -37,16 +37,16 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
     Biases get random values (HF initialises them to zero, which would hide a layout that
     drops them)."""
     from transformers import (
-        GraniteConfig,
-        GraniteForCausalLM,
-        LlamaConfig,
-        LlamaForCausalLM,
         Gemma2Config,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         GemmaConfig,
         GemmaForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
         Olmo3Config,
@@ -89,9 +89,11 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
                 if "norm" in name:
                     p.uniform_(0.5, 1.5)
     elif kind in ("gemma3", "olmo3"):
-        types = dict(layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2),
-                     sliding_window=1024, rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
-                                   "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        types = dict(layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                     + ["full_attention"] * (layers % 2),
+                     sliding_window=1024,
+                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                      "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
         if kind == "gemma3":
             common.update(head_dim=hidden // 4, tie_word_embeddings=False)
             model = Gemma3ForCausalLM(Gemma3TextConfig(query_pre_attn_scalar=hidden // 4, **types, **common))
@@ -157,8 +159,9 @@ def tiny_model(kind: str = "llama", seed: int = 0, layers: int = 4, kv_heads: in
 
         common["num_key_value_heads"] = common["num_attention_heads"]  # every head its own keys
         model = DeepseekV3ForCausalLM(DeepseekV3Config(
-            q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=hidden // 8, qk_rope_head_dim=hidden // 16,
-            v_head_dim=hidden // 8 - 4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+            q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_nope_head_dim=hidden // 8,
+            qk_rope_head_dim=hidden // 16, v_head_dim=hidden // 8 - 4, n_routed_experts=8, n_shared_experts=1,
+            num_experts_per_tok=2,
             moe_intermediate_size=hidden // 2, n_group=2, topk_group=1, first_k_dense_replace=1, **common))
         with torch.no_grad():  # decisive routers and correction biases; the latents' norms random
             for name, p in model.named_parameters():

@@ -108,7 +108,7 @@ def test_compact_form_only_where_every_weight_comes_back(kernels):
 def test_compact_layer_equals_float32_layer_bit_for_bit(kernels):
     layer = load_rows_layer()
     gen = torch.Generator().manual_seed(2)
-    case = _layer_case(gen, H=64, Hq=4, Hkv=2, d=16, I=96, S=40, R=5, qk_norm=True)
+    case = _layer_case(gen, H=64, Hq=4, Hkv=2, d=16, inter=96, S=40, R=5, qk_norm=True)
     for n, i in enumerate(PROJECTIONS):  # the three forms side by side in one layer
         case["weights"][i] = gguf_round_trip(case["weights"][i], list(FORMS)[n % 3])
     compacted = list(case["weights"])

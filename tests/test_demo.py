@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 SETUP_HINT = "run `bash scripts/ci_browser_setup.sh` (apt chromium chromium-driver, pip selenium gradio)"
-PROMPT = "Summarize in one sentence: The Moon always shows the same side to Earth because its rotation is tidally locked to its orbit."
+PROMPT = ("Summarize in one sentence: The Moon always shows the same side to Earth because its rotation is "
+          "tidally locked to its orbit.")
 NEW_TOKENS = 32  # short: the test checks the page, not speed
 START_TIMEOUT_S = 240  # model load + warm-up on a busy 2-core machine
 TURN_TIMEOUT_S = 240

@@ -23,7 +23,8 @@ def _measurement_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_SELFSPEC_CACHE", str(tmp_path / "selfspec_cache"))
 
 
-@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "hf"), ("micro", "engine"), ("kernel", "hf"),
+                                            ("kernel", "engine")])
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and MHA
 @pytest.mark.parametrize("seed", [0, 1])
@@ -36,9 +37,10 @@ def test_engine_ar_matches_hf_greedy(kind, kv_heads, seed, layout, prefill):
         assert engine.generate_ar(prompt, 24) == hf_greedy(model, prompt, 24), prompt_len
 
 
-@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"), ("kernel", "engine")])
-@pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2", "gemma3", "olmo3",
-                                  "lfm2", "qwen3_5", "granite4h", "deepseek_v3"])
+@pytest.mark.parametrize("layout,prefill", [("fixed", "engine"), ("micro", "engine"), ("kernel", "hf"),
+                                            ("kernel", "engine")])
+@pytest.mark.parametrize("kind", ["smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma", "gemma2", "gemma3",
+                                  "olmo3", "lfm2", "qwen3_5", "granite4h", "deepseek_v3"])
 def test_engine_ar_matches_hf_greedy_on_llama_variants(kind, layout, prefill):
     """SmolLM3 leaves layers 1 and 3 here unrotated (no_rope_layers; the C++ layers run in
     one call per run of layers with or without RoPE); Phi-3 fuses q/k/v and gate/up into
@@ -129,10 +131,16 @@ def test_row_self_test_rejects_a_product_that_depends_on_the_other_rows():
     product is machine-dependent: row-invariant with the AMD EPYC's MKL, not with an
     AVX-512 Xeon's, where the engine refuses micro and `auto` picks another layout.)"""
     layers = [torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 64, bias=False)]
-    one_row_at_a_time = lambda layer, x: torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+
+    def one_row_at_a_time(layer, x):
+        return torch.cat([layer(x[i:i + 1]) for i in range(len(x))])
+
     assert rows_invariant(layers, one_row_at_a_time, ref_rows=2)
     assert rows_invariant(layers, one_row_at_a_time, ref_rows=1, sizes=(2, 3, 4, 8))
-    leaky = lambda layer, x: one_row_at_a_time(layer, x) + 1e-3 * x.sum(0, keepdim=True)[:, :1]
+
+    def leaky(layer, x):
+        return one_row_at_a_time(layer, x) + 1e-3 * x.sum(0, keepdim=True)[:, :1]
+
     assert not rows_invariant(layers, leaky, ref_rows=2)
     assert not rows_invariant(layers, leaky, ref_rows=4, sizes=(4, 8))
     assert LAYOUTS["fixed"].self_test(layers)
@@ -313,8 +321,8 @@ def test_rows_do_not_depend_on_where_segs_split_the_layers(layout, dtype):
         assert torch.equal(logits, whole), splits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite", "olmo2", "gemma",
-                                  "gemma2", "gemma3", "olmo3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "smollm3", "phi3", "phi3_partial", "granite", "olmo2",
+                                  "gemma", "gemma2", "gemma3", "olmo3"])
 def test_kernel_layout_fused_layers_match_the_pytorch_layer(kind):
     """The kernel layout runs a step's decoder layers in one C++ call (rows_layers), Qwen2's
     q/k/v biases included: its hidden states, KV and logits agree with the same engine

@@ -81,7 +81,8 @@ def _model_storages(model):
 # a scale and a bound per row (engine/screen.py: the one copy, a quarter of the LM head),
 # and the empty tensor the fused layers get for a norm a layer does not have (OLMo 2);
 # LFM2's and Qwen 3.5's convolution inputs and recurrent states of the last few slots (mixer_cache)
-OWNED = ("k_cache", "v_cache", "mixer_cache.conv", "mixer_cache.states", "mixer_cache._zero_state", "_meta", "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
+OWNED = ("k_cache", "v_cache", "mixer_cache.conv", "mixer_cache.states", "mixer_cache._zero_state", "_meta",
+         "_meta_host", "view.cos", "view.sin", "screen.rows.0", "screen.rows.1",
          "screen.rows.2", "screen.rows.3", "_no_norm",
          # the RoPE tables (view.cos / view.sin are the first; Gemma 3 has one per layer type)
          "view.rope_tables.0.0", "view.rope_tables.0.1", "view.rope_tables.1.0", "view.rope_tables.1.1")
@@ -163,8 +164,8 @@ def test_a_fresh_cache_is_zeros_that_take_no_memory_until_written(dtype):
     assert int((cache != 0).sum()) == 16 * 8 * 16 * 64 and not cache[:, :, 16:].any()
 
 
-@pytest.mark.parametrize("layout,kind", [("micro", "llama"), ("kernel", "llama"), ("kernel", "lfm2"), ("kernel", "qwen3_5"),
-                                        ("kernel", "granite4h"), ("kernel", "deepseek_v3")])
+@pytest.mark.parametrize("layout,kind", [("micro", "llama"), ("kernel", "llama"), ("kernel", "lfm2"),
+                                        ("kernel", "qwen3_5"), ("kernel", "granite4h"), ("kernel", "deepseek_v3")])
 def test_growing_the_cache_keeps_decoding_exact_and_measures_nothing(monkeypatch, layout, kind):
     """A cache too short for the rest of a generation grows mid-way (the used prefix
     copied, LFM2's convolution inputs with the KV): the continued AR tokens equal a fresh,

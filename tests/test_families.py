@@ -190,16 +190,20 @@ def test_a_measurement_mid_request_leaves_the_sequences_rings(case):
                                        ("olmo_hybrid", "layers.0.linear_attn.g_proj"), ("lfm2", "layers.0.conv.conv"),
                                        ("granitemoehybrid", "layers.0.mamba.in_proj"),
                                        ("granitemoehybrid", "layers.2.mamba.conv1d"),
-                                       ("nemotron_h", "layers.4.mixer.in_proj"), ("nemotron_h", "layers.3.mixer.up_proj"),
-                                       ("falcon_h1", "layers.1.mamba.out_proj"), ("mamba", "layers.1.mixer.x_proj"),
-                                       ("jamba", "layers.2.mamba.dt_proj"), ("deepseek_v3", "layers.1.self_attn.q_a_proj"),
+                                       ("nemotron_h", "layers.4.mixer.in_proj"),
+                                       ("nemotron_h", "layers.3.mixer.up_proj"),
+                                       ("falcon_h1", "layers.1.mamba.out_proj"),
+                                       ("mamba", "layers.1.mixer.x_proj"),
+                                       ("jamba", "layers.2.mamba.dt_proj"),
+                                       ("deepseek_v3", "layers.1.self_attn.q_a_proj"),
                                        ("deepseek_v3", "layers.0.self_attn.kv_b_proj"),
                                        ("deepseek_v3-yarn-wide-v", "layers.1.self_attn.q_proj"),
                                        ("minicpm3", "layers.2.self_attn.kv_a_proj_with_mqa"),
                                        ("qwen3_next", "layers.0.linear_attn.in_proj_qkvz"),
                                        ("qwen3_next", "layers.2.linear_attn.in_proj_ba"),
                                        ("llama4", "layers.1.feed_forward.shared_expert.up_proj"),
-                                       ("afmoe", "layers.0.self_attn.gate_proj"), ("afmoe", "layers.2.mlp.router.gate")])
+                                       ("afmoe", "layers.0.self_attn.gate_proj"),
+                                       ("afmoe", "layers.2.mlp.router.gate")])
 def test_a_hybrids_wrapped_projection_is_refused_by_name(case, path):
     """A projection of a convolution / DeltaNet layer, or LFM3's head gate, that is not the
     plain torch module (a quantized or LoRA wrapper stands in for it here) is refused at

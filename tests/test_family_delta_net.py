@@ -1,4 +1,5 @@
-"""The delta_net family (hf_selfspec/engine/families/delta_net.py: gated DeltaNets between attention layers (Qwen 3.5, Qwen3-Next, OLMo Hybrid)): its
+"""The delta_net family (hf_selfspec/engine/families/delta_net.py: gated DeltaNets between attention
+layers (Qwen 3.5, Qwen3-Next, OLMo Hybrid)): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""

@@ -1,4 +1,5 @@
-"""The gpt2 family (hf_selfspec/engine/families/gpt2.py: learned absolute positions or ALiBi; LayerNorms, plain MLPs): its
+"""The gpt2 family (hf_selfspec/engine/families/gpt2.py: learned absolute positions or ALiBi; LayerNorms,
+plain MLPs): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""
@@ -63,8 +64,8 @@ def test_supported_variant_gives_hf_greedy(case):
     check_hf_greedy(CASES[case])
 
 
-@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled", "bloom",
-                                  "mpt-6-heads"])
+@pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local", "gpt_bigcode-mqa", "gpt_bigcode-mha-unscaled",
+                                  "bloom", "mpt-6-heads"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax
@@ -75,7 +76,8 @@ def test_logits_are_hfs_to_float32_rounding(case):
 @pytest.mark.parametrize("case", ["gpt2", "opt", "gpt_neo-local", "gpt_bigcode-mqa", "bloom"])
 def test_learned_positions_with_either_prefill(case):
     """GPT-2, OPT, GPT-Neo, GPT-BigCode and Bloom (ALiBi) with the engine's own prefill (every
-    position's learned row added by the engine; Bloom's slopes over every key) and HF's, a prompt of 200 tokens and a short one batched: HF's greedy output;
+    position's learned row added by the engine; Bloom's slopes over every key) and HF's, a prompt of 200
+    tokens and a short one batched: HF's greedy output;
     the position rows the engine reads are a view of the model's own (OPT's from row 2)."""
     overrides = dict(supported(case))
     model = build(overrides.pop("arch"), **overrides)

@@ -26,8 +26,9 @@ CASES = {
     "hyperclovax-no-post-norm": dict(arch="HyperCLOVAX", use_post_norm=False, logits_scaling=4.0),
     # Granite-SWA: Granite's multipliers, attention sinks (HF's sigmoid(lse - sink) scaling), a
     # window in 3 of 4 layers, a RoPE base per layer (two bases, and a layer without RoPE)
-    "granite_swa": dict(arch="GraniteSWA", num_hidden_layers=4, sliding_window=16, layer_rope_theta=[10000.0, 10.0, 0, 10.0],
-                        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
+    "granite_swa": dict(arch="GraniteSWA", num_hidden_layers=4, sliding_window=16,
+                        layer_rope_theta=[10000.0, 10.0, 0, 10.0], embedding_multiplier=3.0,
+                        attention_multiplier=0.2, residual_multiplier=0.5,
                         logits_scaling=2.0, max_position_embeddings=1024),
     # GraniteMoeShared: Granite MoE with the layer's ungated shared MLP (gate/up rows fused)
     "granitemoeshared": dict(arch="GraniteMoeShared", num_local_experts=8, num_experts_per_tok=3,

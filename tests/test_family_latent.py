@@ -1,4 +1,5 @@
-"""The latent family (hf_selfspec/engine/families/latent.py: multi-head latent attention (DeepSeek-V2 / V3 and their kin)): its
+"""The latent family (hf_selfspec/engine/families/latent.py: multi-head latent attention (DeepSeek-V2 / V3
+and their kin)): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""
@@ -90,8 +91,8 @@ def test_supported_variant_gives_hf_greedy(case):
     check_hf_greedy(CASES[case])
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v3-yarn-wide-v", "deepseek_v2", "youtu", "glm4_moe_lite", "minicpm3",
-                                  "mistral4", "axk1"])
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v3-yarn-wide-v", "deepseek_v2", "youtu", "glm4_moe_lite",
+                                  "minicpm3", "mistral4", "axk1"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

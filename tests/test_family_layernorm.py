@@ -1,4 +1,5 @@
-"""The layernorm family (hf_selfspec/engine/families/layernorm.py: LayerNorm modules called as HF calls them; parallel blocks): its
+"""The layernorm family (hf_selfspec/engine/families/layernorm.py: LayerNorm modules called as HF calls
+them; parallel blocks): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""
@@ -87,8 +88,8 @@ def test_supported_variant_gives_hf_greedy(case):
     check_hf_greedy(CASES[case])
 
 
-@pytest.mark.parametrize("case", ["phi", "cohere-qk-norm", "gpt_neox", "gptj-partial-rotary", "falcon-40b-form", "nemotron",
-                                  "codegen", "cohere2-window", "jais2", "nanochat"])
+@pytest.mark.parametrize("case", ["phi", "cohere-qk-norm", "gpt_neox", "gptj-partial-rotary", "falcon-40b-form",
+                                  "nemotron", "codegen", "cohere2-window", "jais2", "nanochat"])
 def test_logits_are_hfs_to_float32_rounding(case):
     """output_logits equal HF's to float32 rounding: what the tokens alone may not show (a
     GELU without the tanh approximation, a soft cap left off the logits: the argmax

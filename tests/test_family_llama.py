@@ -1,4 +1,5 @@
-"""The llama family (hf_selfspec/engine/families/llama.py: Llama's layers (RMSNorm, q/k/v/o, gated MLP, RoPE of halves)): its
+"""The llama family (hf_selfspec/engine/families/llama.py: Llama's layers (RMSNorm, q/k/v/o, gated MLP,
+RoPE of halves)): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""
@@ -67,7 +68,8 @@ CASES = {
                       layer_types=["sliding_attention", "full_attention"]),
     # OLMo 2's output norms with per-head q/k norms; with a window, its full-attention layers
     # go unrotated ("global NoPE")
-    "exaone4-global-nope": dict(arch="Exaone4", sliding_window=256, layer_types=["sliding_attention", "full_attention"]),
+    "exaone4-global-nope": dict(arch="Exaone4", sliding_window=256,
+                                layer_types=["sliding_attention", "full_attention"]),
     "exaone4-all-full": dict(arch="Exaone4", sliding_window=None, layer_types=["full_attention", "full_attention"]),
     # plain MLPs under Llama's names (up_proj, down_proj): Arcee's ReLU², Apertus's xIELU (an
     # activation with parameters of its own, called as HF's module) and its norms' own names
@@ -164,7 +166,8 @@ def test_a_model_without_an_lm_head_is_refused(cls):
 
 
 def test_other_activation_refused():
-    with pytest.raises(UnsupportedModelError, match="hidden_act='gelu'.*'silu'.*'gelu_pytorch_tanh'.*plain model.generate"):
+    with pytest.raises(UnsupportedModelError,
+                       match="hidden_act='gelu'.*'silu'.*'gelu_pytorch_tanh'.*plain model.generate"):
         attach_heads(build(hidden_act="gelu"), heads=False)
 
 

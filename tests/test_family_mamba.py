@@ -1,4 +1,5 @@
-"""The mamba family (hf_selfspec/engine/families/mamba.py: Mamba mixers, alone or between attention layers (Granite 4.0-H, Nemotron-H, Jamba)): its
+"""The mamba family (hf_selfspec/engine/families/mamba.py: Mamba mixers, alone or between attention layers
+(Granite 4.0-H, Nemotron-H, Jamba)): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""
@@ -48,7 +49,8 @@ CASES = {
     # Nemotron-H: layers of ONE block each after their own norm (weight applied in float32): a
     # Mamba2 mixer, attention without RoPE, or a ReLU² MLP; the embedding named `embeddings`
     "nemotron_h": dict(arch="NemotronH", num_hidden_layers=6, head_dim=16, random_norms=True,
-                       layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"],
+                       layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                                          "mlp"],
                        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16),
     # Nemotron 3 Nano's form: MoE blocks of ungated ReLU² experts routed as DeepSeek-V3 (sigmoid
     # scores, a correction bias on the choice, groups, renormalised and scaled weights), an

@@ -155,7 +155,9 @@ def test_llama4_image_text_class_points_to_its_text_model():
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300, num_local_experts=4)
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
                   vision_output_dim=32, projector_input_dim=32, projector_output_dim=64, image_size=28, patch_size=14)
-    model = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text, vision_config=vision))
-    with pytest.raises(UnsupportedModelError, match="Llama 4's image-text model.*AutoModelForCausalLM.*Llama4ForCausalLM"):
+    model = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text, vision_config=vision))
+    with pytest.raises(UnsupportedModelError,
+                       match="Llama 4's image-text model.*AutoModelForCausalLM.*Llama4ForCausalLM"):
         attach_heads(model, heads=False)
     assert "_selfspec" not in model.__dict__

@@ -1,4 +1,5 @@
-"""The short_conv family (hf_selfspec/engine/families/short_conv.py: gated short convolutions between attention layers (LFM2)): its
+"""The short_conv family (hf_selfspec/engine/families/short_conv.py: gated short convolutions between
+attention layers (LFM2)): its
 configurations give HF's greedy tokens (fp32; a left-padded batch row for row) and its
 logits, and what the engine cannot run of it is refused up front (tests/arch_helpers.py:
 the models and the checks)."""

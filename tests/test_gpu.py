@@ -274,7 +274,9 @@ def test_graph_replay_equals_eager(dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["llama", "smollm3", "phi3", "granite", "olmo2", "gemma"])  # unrotated layers, fused weights, multipliers, output norms, Gemma (its soft-capped Gemma 2 is refused on CUDA)
+# unrotated layers, fused weights, multipliers, output norms, Gemma (its soft-capped Gemma 2 is
+# refused on CUDA)
+@pytest.mark.parametrize("kind", ["llama", "smollm3", "phi3", "granite", "olmo2", "gemma"])
 def test_speculative_equals_ar_on_cuda(dtype, kind):
     engine = _engine("cuda", dtype, kind=kind)
     runner = _cuda_runner(engine, runner_keys := [("verify", 0), ("ar",)])

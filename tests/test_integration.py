@@ -192,8 +192,8 @@ def _any_model(kind, seed):
     return _mistral(None, seed) if kind == "mistral" else tiny_model(kind, seed=seed, layers=4)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma2", "olmo3",
-                                  "lfm2", "qwen3_5", "granite4h", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "granite", "olmo2", "gemma2",
+                                  "olmo3", "lfm2", "qwen3_5", "granite4h", "deepseek_v3"])
 def test_no_heads_argument_on_another_model_runs_prompt_lookup_and_warns_once(kind, tmp_path):
     """attach_heads(model) / from_pretrained(path) without heads on a model the shipped heads
     are not for: exact prompt lookup, one warning that says how to get heads."""

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_selfspec.kernels.cpu_rows import (
+    NO_BASE,
+    NO_PATH,
     build_directory,
     build_error,
     cpu_supports_kernel,
@@ -25,8 +26,6 @@ from hf_selfspec.kernels.cpu_rows import (
     load_rows_linear,
     load_rows_linear_heads,
     load_rows_linear_t,
-    NO_BASE,
-    NO_PATH,
     rows_attention_reference,
     rows_linear_reference,
     use_avx512,
@@ -91,7 +90,8 @@ def _cache(gen, hkv, slots, d):
     return torch.randn(hkv, slots, d, generator=gen), torch.randn(hkv, slots, d, generator=gen)
 
 
-@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 16), (4, 2, 12), (2, 1, 128), (16, 1, 576)])  # 576: a latent head
+# 576: a latent head
+@pytest.mark.parametrize("hq, hkv, d", [(9, 3, 64), (4, 4, 16), (4, 2, 12), (2, 1, 128), (16, 1, 576)])
 def test_attention_matches_float64_reference(attention, hq, hkv, d):
     gen = torch.Generator().manual_seed(hq * 100 + d)
     k, v = _cache(gen, hkv, 1100, d)
@@ -545,7 +545,7 @@ def layer():
     return fn
 
 
-def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, out_norms=False, gemma=False,
+def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, inter=150, S=40, R=3, qk_norm=False, out_norms=False, gemma=False,
                 pairs=False, biases=None, dtype=torch.float32, cache_dtype=torch.float32):
     """Random weights (dtype), cache (cache_dtype) and R chain rows at slots 20.. of a
     cache whose slots before them hold earlier keys. out_norms: OLMo 2's form (no input or
@@ -561,7 +561,7 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, o
         return (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
 
     w = [norm(H), mat(Hq * d, H), mat(Hkv * d, H), mat(Hkv * d, H), mat(H, Hq * d), norm(H),
-         mat(I, H), mat(I, H), mat(H, I)]
+         mat(inter, H), mat(inter, H), mat(H, inter)]
     if qk_norm:
         w += [norm(d), norm(d)]
     if out_norms:
@@ -575,7 +575,7 @@ def _layer_case(gen, H=76, Hq=4, Hkv=2, d=12, I=150, S=40, R=3, qk_norm=False, o
     if biases is not None:  # the 20-weight form: absent norms empty, then the 7 biases
         none = torch.empty(0, dtype=dtype)
         w += [none] * (13 - len(w))
-        sizes = dict(q=Hq * d, k=Hkv * d, v=Hkv * d, o=H, gate=I, up=I, down=H)
+        sizes = dict(q=Hq * d, k=Hkv * d, v=Hkv * d, o=H, gate=inter, up=inter, down=H)
         w += [(0.5 * torch.randn(n, generator=gen)).to(dtype) if name in biases else none
               for name, n in sizes.items()]
     k_cache = torch.randn(Hkv, S, d, generator=gen).to(cache_dtype)
@@ -654,13 +654,13 @@ def _layer_reference(case):
 
 
 LAYER_SHAPES = [  # odd shapes (hidden, intermediate not multiples of 8 / 16), d 12 and 64
-    dict(H=76, Hq=4, Hkv=2, d=12, I=150),
-    dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True),
-    dict(H=76, Hq=4, Hkv=2, d=12, I=150, out_norms=True),
-    dict(H=76, Hq=4, Hkv=2, d=12, I=150, gemma=True),
-    dict(H=76, Hq=4, Hkv=2, d=12, I=150, pairs=True),
-    dict(H=76, Hq=4, Hkv=2, d=12, I=150, biases=("q", "k", "v")),  # Qwen2's
-    dict(H=100, Hq=3, Hkv=1, d=64, I=37, qk_norm=True, biases=("q", "k", "v", "o", "gate", "up", "down")),
+    dict(H=76, Hq=4, Hkv=2, d=12, inter=150),
+    dict(H=100, Hq=3, Hkv=1, d=64, inter=37, qk_norm=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, inter=150, out_norms=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, inter=150, gemma=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, inter=150, pairs=True),
+    dict(H=76, Hq=4, Hkv=2, d=12, inter=150, biases=("q", "k", "v")),  # Qwen2's
+    dict(H=100, Hq=3, Hkv=1, d=64, inter=37, qk_norm=True, biases=("q", "k", "v", "o", "gate", "up", "down")),
 ]
 LAYER_IDS = ["d12", "d64-qknorm", "d12-output-norms", "d12-gemma", "d12-rope-pairs", "d12-qkv-biases",
              "d64-qknorm-all-biases"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_selfspec.kernels.cpu_rows import build_error, cpu_supports_kernel, load_rows_states
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernel(), reason="the kernel needs an AVX2/FMA CPU")

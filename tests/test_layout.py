@@ -1,5 +1,5 @@
-"""The package's shape: no import cycles (TYPE_CHECKING imports included), the kernels shipped as hf_selfspec.kernels from the
-top-level kernels/ folder, and no top-level module named `kernels` (Hugging Face's own
+"""The package's shape: no import cycles (TYPE_CHECKING imports included), the kernels shipped as
+hf_selfspec.kernels from the top-level kernels/ folder, and no top-level module named `kernels` (Hugging Face's own
 `kernels` package has that name and transformers imports it when installed)."""
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ ARCHS = {
     "Qwen3Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
     "Olmoe": dict(num_experts=8, num_experts_per_tok=2, clip_qkv=2.0),
     "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24),
-    "Qwen2Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64),
+    "Qwen2Moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                     shared_expert_intermediate_size=64),
     "Glm4": {}, "Arcee": {}, "Apertus": {}, "HunYuanDenseV1": {}, "Helium": {},
     "GraniteMoe": dict(num_local_experts=8, num_experts_per_tok=3, embedding_multiplier=12.0,
                        attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=8.0),
@@ -110,8 +111,8 @@ ARCHS = {
     # DeepSeek-V3's routing (sigmoid, correction bias, expert groups, a shared MLP)
     "Glm4Moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, n_group=4, topk_group=2,
                     first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True),
-    "Dots1": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, n_group=2, topk_group=1, n_shared_experts=1,
-                  first_k_dense_replace=0, norm_topk_prob=False),
+    "Dots1": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, n_group=2, topk_group=1,
+                  n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False),
     "SolarOpen": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48),
     # Qwen3-MoE's layers, a RoPE and a window per layer type, a dense layer
     "Mellum": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, sliding_window=24,
@@ -158,8 +159,8 @@ ARCHS = {
     # DeltaNets (q, k, v projections of their own, beta up to 2) between OLMo 2's post-norm
     # attention layers, without RoPE as released
     "OlmoHybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                       rope_parameters={"rope_type": "default", "rope_theta": None}),
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                       linear_num_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": None}),
     "Qwen3_5MoeText": dict(layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
                            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                            linear_num_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -182,9 +183,9 @@ ARCHS = {
                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1),
     # Falcon-H1: a Mamba2 mixer and attention side by side in every layer, muP multipliers
     "FalconH1": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, embedding_multiplier=3.0,
-                     lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8, attention_in_multiplier=0.9,
-                     attention_out_multiplier=1.1, ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], ssm_in_multiplier=1.2,
-                     ssm_out_multiplier=0.9),
+                     lm_head_multiplier=0.5, mlp_multipliers=[0.7, 1.3], key_multiplier=0.8,
+                     attention_in_multiplier=0.9, attention_out_multiplier=1.1,
+                     ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6], ssm_in_multiplier=1.2, ssm_out_multiplier=0.9),
     # Mamba2: no attention, a Mamba2 mixer per layer (num_heads set from the hidden size below)
     "Mamba2": dict(head_dim=32, n_groups=2, state_size=16),
     # the first Mamba (a state [I, N] per layer), and Falcon Mamba's (dt, B, C RMS-normed)
@@ -241,8 +242,8 @@ ARCHS = {
 # latent attention: every head its own keys and values (HF's fails otherwise)
 LATENT_ARCHS = ("DeepseekV3", "DeepseekV2", "Youtu", "Glm4MoeLite", "MiniCPM3", "Mistral4", "AXK1")
 MODEL_CLASSES = {"Gemma3Text": "Gemma3ForCausalLM", "Qwen3_5Text": "Qwen3_5ForCausalLM",
-                 "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel", "SarvamMoE": "Glm4MoeForCausalLM",
-                 "Llama4Text": "Llama4ForCausalLM"}
+                 "Qwen3_5MoeText": "Qwen3_5MoeForCausalLM", "GPT2": "GPT2LMHeadModel",
+                 "SarvamMoE": "Glm4MoeForCausalLM", "Llama4Text": "Llama4ForCausalLM"}
 TIE = 1e-4  # HF top-2 logit gap below which fp32 outputs may part
 
 
@@ -261,10 +262,11 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                   num_key_value_heads=rng.choice([h for h in (1, 2, 4) if heads % h == 0]),
                   vocab_size=rng.choice([97, 300]), max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0, **{"tie_word_embeddings": rng.random() < 0.5, **ARCHS[arch]})
-    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4", "Apertus",
-                "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
-                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum", "Apertus1p5Text",
-                "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH", "Llama4Text",
+    if arch in ("Qwen3", "Gemma", "Gemma2", "Gemma3Text", "Ministral", "SeedOss", "Glm", "Ernie4_5", "Qwen3Moe", "Glm4",
+                "Apertus", "HunYuanDenseV1", "Helium", "VaultGemma", "Cwm", "Ministral3", "GptOss", "Glm4Moe", "Dots1",
+                "SolarOpen", "ExaoneMoe", "HunYuanMoEV1", "Ernie4_5_Moe", "MiniMaxM2", "SarvamMoE", "Mellum",
+                "Apertus1p5Text", "NanoChat", "Qwen3_5Text", "Qwen3_5MoeText", "Qwen3Next", "Lfm3", "NemotronH",
+                "Llama4Text",
                 "Kolibri1", "Afmoe", "HYV3"):
         config["head_dim"] = hidden // heads
     if arch in LATENT_ARCHS:
@@ -302,7 +304,8 @@ def build(rng: random.Random, arch: str, dtype: torch.dtype):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
             if name.endswith(("mamba.dt_bias", "mamba.D")):  # Mamba2's steps and skips (HF: ones)
                 p.normal_(0.0, 1.0)
-            if name.endswith(("moe_statics.e_score_correction_bias", "mlp.expert_bias")):  # ERNIE 4.5's, AFMoE's routing
+            # ERNIE 4.5's, AFMoE's routing
+            if name.endswith(("moe_statics.e_score_correction_bias", "mlp.expert_bias")):
                 p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # DeepSeek-V3's, LFM2-MoE's routing

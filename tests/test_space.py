@@ -12,12 +12,11 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import tomllib
 import yaml
-
 from hf_selfspec.kernels.cpu_rows import SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,9 +9,8 @@ import torch
 from conftest import tiny_model
 from test_decoding import prompt, random_heads, random_top_heads
 
-from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.decoding.candidates import DraftContext, Source
-from hf_selfspec.decoding.cycle import DraftPlan
+from hf_selfspec.decoding.cycle import DecodeConfig, DraftPlan, SelfSpecDecoder
 from hf_selfspec.decoding.tree import DraftTree
 from hf_selfspec.engine.core import Engine, EngineConfig
 
@@ -197,14 +196,16 @@ def test_tree_on_where_trees_cannot_be_used_is_refused(kernel_setup):
         return RowScorer(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)]), p,
                          model.config.vocab_size, torch.device("cpu"))
     with pytest.raises(ValueError, match="logits processors"):
-        SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0)).generate([5, 6], 5, scorer=penalty([5, 6]))
+        SelfSpecDecoder(engine, top, DecodeConfig(tree="on", thresholds=0.0)).generate(
+            [5, 6], 5, scorer=penalty([5, 6]))
     p = prompt(2, 20)  # auto (the default): chains with processors, same tokens as without trees
     auto_out = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0)).generate(p, 24, scorer=penalty(p))
-    chain_out = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, tree="off")).generate(p, 24, scorer=penalty(p))
+    chain_out = SelfSpecDecoder(engine, top, DecodeConfig(thresholds=0.0, tree="off")).generate(
+        p, 24, scorer=penalty(p))
     assert auto_out.tokens == chain_out.tokens
     with pytest.raises(ValueError, match="tree must be"):
         DecodeConfig(tree="yes")
-    with pytest.raises(ValueError, match="C\+\+ or Triton row attention"):
+    with pytest.raises(ValueError, match=r"C\+\+ or Triton row attention"):
         other.make_meta([3, 4], slots=[3, 4], paths=[[3], [3, 4]])
     # auto: chains there, with the same output
     auto = SelfSpecDecoder(other, top, DecodeConfig(thresholds=0.0, tree="auto"))

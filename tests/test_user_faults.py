@@ -81,7 +81,8 @@ def test_weight_copies_follow_normal_weights_and_accept_inference_tensors():
     assert version_counter(frozen) == 0
     weight = torch.randn(4, 64)
     encoded = []
-    compact = CompactWeights([weight, frozen], [0, 1], lambda w: encoded.append(w) or torch.zeros(4, 48, dtype=torch.uint8))
+    compact = CompactWeights([weight, frozen], [0, 1],
+                             lambda w: encoded.append(w) or torch.zeros(4, 48, dtype=torch.uint8))
     assert compact.count == 2 and compact.refresh() == 0
     with torch.no_grad():
         weight.add_(1.0)

@@ -382,7 +382,8 @@ class SelfSpecDecoder:
         policy = DraftBudget(costs, self.max_draft, self.config.adaptive)
         if isinstance(self.drafter, DraftModelDrafter):  # a draft token costs its step, in main-model steps
             policy.draft_costs[self.drafter.key] = (
-                self.draft_engine.costs.one_row_seconds() / engine.costs.one_row_seconds() if self.config.adaptive else 0.0)
+                self.draft_engine.costs.one_row_seconds() / engine.costs.one_row_seconds()
+                if self.config.adaptive else 0.0)
         return policy
 
     @staticmethod

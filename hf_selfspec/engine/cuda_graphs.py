@@ -165,7 +165,10 @@ class CudaGraphRunner:
         if self.eager:
             return self._engine_seg(h, start, end, meta)
         key = self._check_key(("seg", start, end))
-        eager = lambda: (self._engine_seg(h, start, end, meta),)
+
+        def eager():
+            return (self._engine_seg(h, start, end, meta),)
+
         if not self._load_path(meta):
             return eager()[0]
         n = self._load_hidden(h)
@@ -177,7 +180,10 @@ class CudaGraphRunner:
         if self.eager:
             return self._engine_verify(h, start, meta)
         key = self._check_key(("verify", start))
-        eager = lambda: self._engine_verify(h, start, meta)
+
+        def eager():
+            return self._engine_verify(h, start, meta)
+
         if not self._load_path(meta):
             return eager()
         n = self._load_hidden(h)

@@ -221,7 +221,8 @@ class LayeredModel:
                              else getattr(config, "num_key_value_heads", None)) or self.num_heads
         if spec.kv_heads is not None:  # GPT-BigCode's multi_query, Falcon's forms
             self.num_kv_heads = spec.kv_heads(config, self.num_kv_heads)
-        self.head_dim = 8 if spec.attention_free else getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.head_dim = (8 if spec.attention_free
+                         else getattr(config, "head_dim", None) or self.hidden_size // self.num_heads)
         # latent attention (LatentAttentionWeights): one KV head of [latent | k_rope], its
         # values the keys' own tensor
         self.values_are_keys = spec.latent_attention

@@ -64,7 +64,9 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def delta_net(engine: MixerHost, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta) -> torch.Tensor:
+def delta_net(
+    engine: MixerHost, x: torch.Tensor, net: GatedDeltaNetWeights, layer: int, meta: StepMeta
+) -> torch.Tensor:
     """Qwen 3.5's (Qwen3-Next's, OLMo Hybrid's) gated DeltaNet (GatedDeltaNetWeights) of the
     normed rows x [R, H], with HF's single-token decode arithmetic per row
     (torch_recurrent_gated_delta_rule), each row's state from its parent's

@@ -343,13 +343,15 @@ class LayerWeights:
                      if lin is not None) + (() if self.moe is None else self.moe.linears) \
             + tuple(lin for block in (self.conv, self.delta, self.mamba, self.mamba1, self.latent) if block is not None
                     for lin in block.linears) \
-            + (() if self.head_gate is None else (self.head_gate,)) + (() if self.out_gate is None else (self.out_gate,))
+            + (() if self.head_gate is None else (self.head_gate,)) \
+            + (() if self.out_gate is None else (self.out_gate,))
 
     @property
     def has_mixer(self) -> bool:
         """Whether the layer mixes tokens (attention, a convolution, a DeltaNet or a Mamba): all
         but a Nemotron-H MLP layer do."""
-        return self.o is not None or any(block is not None for block in (self.conv, self.delta, self.mamba, self.mamba1))
+        return self.o is not None or any(
+            block is not None for block in (self.conv, self.delta, self.mamba, self.mamba1))
 
     @property
     def has_mlp(self) -> bool:

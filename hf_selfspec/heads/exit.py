@@ -208,7 +208,7 @@ class ExitHeadsConfig(HeadsIdentity):
         for name in ("vocab_sizes", "adapter_dims"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, layers has {n}")
-        if any(not checks.is_int(l) or not 1 <= l < self.num_layers for l in self.layers):
+        if any(not checks.is_int(layer) or not 1 <= layer < self.num_layers for layer in self.layers):
             raise ValueError(f"layers {self.layers} must be integers in [1, {self.num_layers - 1}]")
         if list(self.layers) != sorted(set(self.layers)):
             raise ValueError(f"layers {self.layers} must be strictly increasing (shallow -> deep)")
@@ -289,7 +289,7 @@ class ExitHeads(nn.Module):
         from hf_selfspec.engine.layered import text_config
 
         cfg = text_config(model)
-        layers = [int(l) for l in layers]
+        layers = [int(layer) for layer in layers]
         if isinstance(vocab_ids, torch.Tensor):
             vocab_ids = [vocab_ids] * len(layers)
         if isinstance(adapter_dims, int):
@@ -309,8 +309,8 @@ class ExitHeads(nn.Module):
             base_probe=weight_probe(model),
         )
         heads = [
-            ExitHead(l, cfg.hidden_size, v, r, reject_class, eps).init_from_model(model)
-            for l, v, r in zip(layers, vocab_ids, adapter_dims)
+            ExitHead(layer, cfg.hidden_size, v, r, reject_class, eps).init_from_model(model)
+            for layer, v, r in zip(layers, vocab_ids, adapter_dims)
         ]
         return cls(config, heads)
 

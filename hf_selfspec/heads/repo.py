@@ -322,7 +322,8 @@ def push_heads(folder, repo_id: str, token: str | None = None, private: bool = F
         # 404, offline mode, ...) already say what went wrong and pass through
         origin = type(error).__module__.split(".")[0]
         if origin == "huggingface_hub" or not (
-                origin in ("httpx2", "httpx", "requests", "urllib3") or isinstance(error, (ConnectionError, TimeoutError))):
+                origin in ("httpx2", "httpx", "requests", "urllib3")
+                or isinstance(error, (ConnectionError, TimeoutError))):
             raise
         raise OSError(f"could not push heads from {folder} to the Hub repo {repo_id!r}: "
                       f"{type(error).__name__}: {error}. Check the network and the token (token= or "

@@ -271,7 +271,8 @@ class TopDraftHeads(nn.Module):
         step = self.steps[i]
         h, probs, index = fused(
             h.contiguous(), F.embedding(tokens, self.embed).contiguous(), step.h_norm, step.e_norm,
-            self._draft_weight(f"steps.{i}.down", step.down.weight), self._draft_weight(f"steps.{i}.up", step.up.weight),
+            self._draft_weight(f"steps.{i}.down", step.down.weight),
+            self._draft_weight(f"steps.{i}.up", step.up.weight),
             self.out_norm, self._draft_weight("lm_rows", self.lm_rows), step.eps, self.config.rms_norm_eps, k)
         return h, probs, index
 

@@ -129,10 +129,10 @@ def collect_features(
     from hf_selfspec.engine.layered import text_config
 
     num_layers = text_config(model).num_hidden_layers
-    if any(not 1 <= l < num_layers for l in layers):
+    if any(not 1 <= layer < num_layers for layer in layers):
         raise ValueError(f"layers {layers} must be in [1, {num_layers - 1}]")
     settings = {
-        "layers": sorted({int(l) for l in layers}),
+        "layers": sorted({int(layer) for layer in layers}),
         "max_tokens": max_tokens,
         "autocast_bf16": autocast_bf16,
     }
@@ -158,7 +158,7 @@ def collect_features(
         return store
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if autocast_bf16 else nullcontext()
-    buf_h = {l: [] for l in settings["layers"]}
+    buf_h = {layer: [] for layer in settings["layers"]}
     buf_t, buf_c = [], []
     buffered = 0
     done = state["conversations_done"]
@@ -176,7 +176,7 @@ def collect_features(
         nonlocal buffered
         if buffered == 0:
             return
-        tensors = {f"h{l}": torch.cat(buf_h[l]).contiguous() for l in settings["layers"]}
+        tensors = {f"h{layer}": torch.cat(buf_h[layer]).contiguous() for layer in settings["layers"]}
         tensors["targets"] = torch.cat(buf_t).to(torch.int32)
         tensors["conv"] = torch.cat(buf_c).to(torch.int32)
         save_file(tensors, str(store.folder / f"chunk_{state['chunks']:05d}.safetensors"))
@@ -209,8 +209,8 @@ def collect_features(
         positions = mask.nonzero().squeeze(1).to(device)  # position p predicts token p + 1
         buf_t.append(out.logits[0, positions].argmax(-1).cpu())
         buf_c.append(torch.full((positions.numel(),), index, dtype=torch.int32))
-        for l in settings["layers"]:
-            buf_h[l].append(out.hidden_states[l][0, positions].to(torch.float16).cpu())
+        for layer in settings["layers"]:
+            buf_h[layer].append(out.hidden_states[layer][0, positions].to(torch.float16).cpu())
         buffered += positions.numel()
         tokens_since_flush += ids.shape[1]
         bar.update(positions.numel())

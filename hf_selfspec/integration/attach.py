@@ -9,10 +9,10 @@ import json
 import warnings
 
 from ..decoding.cycle import DecodeConfig
+from ..engine.core import DEFAULT_CAPACITY, EngineConfig
 from ..engine.dispatch import is_dispatched
 from ..engine.errors import UnsupportedModelError
 from ..engine.layered import dispatch_placement, served_positions, text_config
-from ..engine.core import DEFAULT_CAPACITY, EngineConfig
 from .generate import _generate, _install_attach_first_check, _prepare_generation_config
 from .placement import _windowed
 from .state import SelfSpecState
@@ -130,7 +130,8 @@ def _check_attach_arguments(heads, decode, engine) -> None:
             f"heads for the default model, else prompt lookup) or False (no heads), got {heads!r}")
     for name, value, cls in (("decode", decode, DecodeConfig), ("engine", engine, EngineConfig)):
         if value is not None and not isinstance(value, cls):
-            raise TypeError(f"{name} must be {'an' if cls is EngineConfig else 'a'} {cls.__name__} or None, got {type(value).__name__} {value!r}: "
+            raise TypeError(f"{name} must be {'an' if cls is EngineConfig else 'a'} {cls.__name__} or None, "
+                            f"got {type(value).__name__} {value!r}: "
                             f"pass hf_selfspec.{cls.__name__}(...)")
 
 
@@ -166,7 +167,8 @@ def _default_or_no_heads(model, revision):
         base_name = (base or {}).get("base_model", "the embedded default model")
         warnings.warn(
             f"no heads given and the heads shipped with hf_selfspec are for {base_name}, not for "
-            f"{repr(name) if name else 'this ' + type(model).__name__}: assistant='self' drafts with exact prompt lookup only (the model's own "
+            f"{repr(name) if name else 'this ' + type(model).__name__}: assistant='self' drafts with exact "
+            "prompt lookup only (the model's own "
             "greedy output; faster where the text repeats its context). For more speed get heads "
             f"for this model: train them with `hf-selfspec train-heads {name or 'MODEL'} --out FOLDER --minutes 60` "
             "and attach_heads(model, heads='FOLDER'), or pass published heads (heads='org/repo'). "

@@ -94,7 +94,8 @@ def _check_dropout(model) -> None:
     active = [name or "the model" for name, module in model.named_modules()
               if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0]
     # attention dropout is applied functionally (no module to find): its rate is the config's
-    rates = [getattr(config, "attention_dropout", None) for config in (model.config, getattr(model.config, "text_config", None))]
+    rates = [getattr(config, "attention_dropout", None)
+             for config in (model.config, getattr(model.config, "text_config", None))]
     rate = next((r for r in rates if isinstance(r, numbers.Real) and r > 0), None)
     if active or rate is not None:
         where = (f"dropout in {', '.join(active[:3])}{' ...' if len(active) > 3 else ''}" if active

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.core import EngineConfig
 from ..engine.dispatch import is_dispatched
 from ..engine.layered import (
     attention_window,
@@ -14,7 +15,6 @@ from ..engine.layered import (
     text_config,
     windows_served,
 )
-from ..engine.core import EngineConfig
 
 
 def _streams_weights(model) -> bool:

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..decoding.cycle import DecodeConfig
-from ..engine.layered import served_positions, text_config
 from ..engine.core import Engine, EngineConfig
+from ..engine.layered import served_positions, text_config
 from .options import SelfSpecCall
 from .placement import _check_positions, _streams_weights, _windowed, model_device
 

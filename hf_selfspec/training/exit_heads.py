@@ -171,10 +171,10 @@ def cascade_gain(layers, probes, num_layers: int) -> float:
 def choose_layers(probes, num_layers: int, num_heads: int) -> list[int]:
     chosen: list[int] = []
     for _ in range(num_heads):
-        options = [l for l in probes if l not in chosen]
+        options = [layer for layer in probes if layer not in chosen]
         if not options:
             break
-        best = max(options, key=lambda l: cascade_gain(chosen + [l], probes, num_layers))
+        best = max(options, key=lambda layer: cascade_gain(chosen + [layer], probes, num_layers))
         if (
             chosen
             and cascade_gain(chosen + [best], probes, num_layers)
@@ -351,7 +351,7 @@ def main(argv=None) -> int:
                 f"net gain {sweep[key]['net_gain']:.4f}"
             )
         layers = choose_layers(probes, num_layers, args.num_heads)
-        sweep_rows = [sweep[f"{l}/{n_sweep}/{args.vocab_size}"] for l in candidates]
+        sweep_rows = [sweep[f"{layer}/{n_sweep}/{args.vocab_size}"] for layer in candidates]
         layer_choice = (
             f"Probe heads (1 epoch on {n_sweep} positions, V_k={args.vocab_size}) at layers "
             f"{candidates}, scored on the held-out calibration half. 'Net gain' = accepted "

@@ -60,7 +60,8 @@ def delta_net(projections: tuple) -> Mixer:
         block = layer.linear_attn
         gated_norm = block.norm if hasattr(block, "norm") else block.o_norm
         return {"delta": GatedDeltaNetWeights(
-            tuple(getattr(block, n) for n in qkv_names), z and getattr(block, z), getattr(block, b), a and getattr(block, a),
+            tuple(getattr(block, n) for n in qkv_names), z and getattr(block, z), getattr(block, b),
+            a and getattr(block, a),
             block.conv1d.weight[:, 0], block.dt_bias, block.A_log, gated_norm.weight,
             float(gated_norm.variance_epsilon), getattr(block, out), int(block.num_k_heads), int(block.num_v_heads),
             int(block.head_k_dim), int(block.head_v_dim), 2.0 if getattr(block, "allow_neg_eigval", False) else 1.0,

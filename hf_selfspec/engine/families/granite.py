@@ -12,7 +12,8 @@ from .spec import Family, ModelType
 
 def granite_multipliers(config) -> dict:
     return {"embedding_multiplier": float(config.embedding_multiplier),
-                "residual_multiplier": float(config.residual_multiplier), "logits_scaling": float(config.logits_scaling)}
+                "residual_multiplier": float(config.residual_multiplier),
+                "logits_scaling": float(config.logits_scaling)}
 
 
 def granite_scaling(config, scaling: float) -> float:

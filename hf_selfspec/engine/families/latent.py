@@ -34,7 +34,8 @@ def _check_latent(name: str, attn, num_heads: int) -> None:
     fits = (rope % 2 == 0 and q_out == num_heads * (nope + rope) and isinstance(eps, float)
             and getattr(attn, "num_key_value_groups", 1) == 1
             and getattr(kv_a, "out_features", None) == rank + rope
-            and getattr(kv_b, "in_features", None) == rank and getattr(kv_b, "out_features", None) == num_heads * (nope + v)
+            and getattr(kv_b, "in_features", None) == rank
+            and getattr(kv_b, "out_features", None) == num_heads * (nope + v)
             and all(isinstance(getattr(n, "weight", None), torch.Tensor) and n.weight.dtype in FLOAT_DTYPES
                     and n.weight.dim() == 1 and getattr(n, "variance_epsilon", None) == eps for n in norms)
             and norms[0].weight.shape[0] == rank)

@@ -67,7 +67,8 @@ def _mamba2(block, config, falcon: bool = False) -> Mamba2Weights:
     """A Mamba2 mixer's Mamba2Weights (`falcon`: Falcon-H1's, its norm optional, its muP scales)."""
     norm = block.norm if isinstance(getattr(block.norm, "weight", None), torch.Tensor) else None
     inner = int(block.num_heads) * int(block.head_dim)
-    group = inner // int(block.norm.n_groups) if falcon and norm is not None else int(getattr(norm, "group_size", inner))
+    group = (inner // int(block.norm.n_groups) if falcon and norm is not None
+             else int(getattr(norm, "group_size", inner)))
     mup = getattr(block, "mup_vector", None) if falcon else None
     return Mamba2Weights(
         block.in_proj, block.conv1d.weight[:, 0], block.conv1d.bias, block.dt_bias, block.A_log, block.D,

@@ -131,8 +131,8 @@ def _check_lfm2_moe(name: str, block) -> None:
             and not hasattr(block, "shared_experts"))
     if not fits:
         raise _moe_refusal(
-            name, block, "for LFM2-MoE it runs a sigmoid top-k router with an expert bias and experts of gate_up_proj / "
-            "down_proj only")
+            name, block, "for LFM2-MoE it runs a sigmoid top-k router with an expert bias and experts of "
+            "gate_up_proj / down_proj only")
 
 
 def _check_cohere2_moe(name: str, block) -> None:
@@ -146,8 +146,8 @@ def _check_cohere2_moe(name: str, block) -> None:
             and _gated_or_none(shared))
     if not fits:
         raise _moe_refusal(
-            name, block, "for Cohere 2 MoE it runs a softmax or sigmoid top-k router, experts of gate_up_proj / down_proj "
-            "and a gated shared MLP only")
+            name, block, "for Cohere 2 MoE it runs a softmax or sigmoid top-k router, experts of "
+            "gate_up_proj / down_proj and a gated shared MLP only")
     _check_gated_mlp(f"{name}.shared_experts", shared)
 
 
@@ -238,7 +238,8 @@ def _check_nemotron_h_moe(name: str, block) -> None:
     weights = dict(experts.named_parameters(recurse=False))
     up, down = weights.get("up_proj"), weights.get("down_proj")
     fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
-            and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],)
+            and bias.dtype in FLOAT_DTYPES
             and all(hasattr(router, a) for a in ("top_k", "norm_topk_prob", "routed_scaling_factor"))
             and _groups_fit(router, weight)
             and set(weights) == {"up_proj", "down_proj"} and hasattr(experts, "act_fn")
@@ -329,7 +330,8 @@ def _check_afmoe_moe(name: str, block) -> None:
     weight = getattr(gate, "weight", None)
     fits = (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype in FLOAT_DTYPES
             and all(hasattr(router, a) for a in ("top_k", "route_scale"))
-            and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],) and bias.dtype in FLOAT_DTYPES
+            and isinstance(bias, torch.Tensor) and tuple(bias.shape) == (weight.shape[0],)
+            and bias.dtype in FLOAT_DTYPES
             and _standard_experts(block.experts, weight.shape[0])
             and shared is not None and all(hasattr(shared, n) for n in ("gate_proj", "up_proj", "down_proj")))
     if not fits:
