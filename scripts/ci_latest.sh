@@ -43,10 +43,10 @@ python -m pytest -p no:cacheprovider \
   "tests/test_integration.py::test_stopping_criteria_stop_where_hf_stops" \
   "tests/test_integration.py::test_return_dict_with_logits_and_scores" \
   "tests/test_integration.py::test_batch_rows_with_left_padding" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[llama-tied]" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[qwen3-window-unused]" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[gemma3]" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[phi3-fused-projections]" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[smollm3-nope-layers]" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[gpt2]" \
-  "tests/test_architectures.py::test_supported_variant_gives_hf_greedy[qwen3_moe]"
+  "tests/test_family_llama.py::test_supported_variant_gives_hf_greedy[llama-tied]" \
+  "tests/test_family_llama.py::test_supported_variant_gives_hf_greedy[qwen3-window-unused]" \
+  "tests/test_family_gemma.py::test_supported_variant_gives_hf_greedy[gemma3]" \
+  "tests/test_family_llama.py::test_supported_variant_gives_hf_greedy[phi3-fused-projections]" \
+  "tests/test_family_llama.py::test_supported_variant_gives_hf_greedy[smollm3-nope-layers]" \
+  "tests/test_family_gpt2.py::test_supported_variant_gives_hf_greedy[gpt2]" \
+  "tests/test_family_moe.py::test_supported_variant_gives_hf_greedy[qwen3_moe]"

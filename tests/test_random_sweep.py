@@ -67,10 +67,10 @@ ARCHS = {
     "OPT": {},
     # unscaled attention scores, a window in every other layer
     "GPTNeo": dict(attention_types=[[["global", "local"], 2]], window_size=24),
-    "GPTBigCode": {},  # one KV head (multi_query); its MHA form in test_architectures
+    "GPTBigCode": {},  # one KV head (multi_query); its MHA form in test_family_gpt2
     "GPTJ": dict(rotary_dim=8),  # RoPE pairs on part of each head, parallel blocks
     # the new architecture: q/k/v rows grouped per KV head, two norms (its other forms in
-    # test_architectures)
+    # the test_family_* files)
     "Falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
     "Nemotron": {},  # LayerNorm1P, ReLU² plain MLP, RoPE on half of each head
     "CodeGen": dict(rotary_dim=8),  # q/k/v in 4 shards; GPT-J's layers
