@@ -249,7 +249,10 @@ class LayerExecution:
             return q, k, val, None
         if lw.qkv is not None:  # GPT-NeoX: one product, each head's q, k, v rows in turn
             fused = lin(x, lw.qkv).view(rows, v.num_heads, 3, v.head_dim)
-            return fused[:, :, 0], fused[:, :, 1], fused[:, :, 2], None
+            q, k = fused[:, :, 0], fused[:, :, 1]
+            if lw.q_norm is not None:  # Persimmon: each head's q and k LayerNormed (HF's modules) before RoPE
+                q, k = v.norm(q, lw.q_norm), v.norm(k, lw.k_norm)
+            return q, k, fused[:, :, 2], None
         q, k, val = lin(x, lw.q), lin(x, lw.k), lin(x, lw.v)
         if v.key_multiplier != 1.0:  # Falcon-H1's muP
             k = k * v.key_multiplier

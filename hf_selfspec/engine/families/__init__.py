@@ -12,13 +12,14 @@ model of another type is refused, never run on a guess.
 
 from __future__ import annotations
 
-from . import delta_net, gemma, glm, gpt2, granite, latent, layernorm, llama, mamba, moe, short_conv
+from . import delta_net, gemma, glm, gpt2, granite, latent, layernorm, llama, mamba, moe, persimmon, short_conv
 from .spec import Family, Mixer, ModelType
 
 __all__ = ["FAMILIES", "SPECS", "SUPPORTED_MODEL_TYPES", "Family", "Mixer", "ModelType", "spec_of", "types_where"]
 
 # in the order their model types are listed (SUPPORTED_MODEL_TYPES)
-FAMILY_MODULES = (llama, glm, gemma, granite, layernorm, gpt2, moe, latent, short_conv, delta_net, mamba)
+FAMILY_MODULES = (llama, glm, gemma, granite, layernorm, persimmon, gpt2, moe, latent, short_conv, delta_net,
+                  mamba)
 FAMILIES: dict[str, Family] = {module.FAMILY.name: module.FAMILY for module in FAMILY_MODULES}
 # model_type -> its record
 SPECS: dict[str, ModelType] = {}
