@@ -13,7 +13,7 @@ from . import _kernels_path  # noqa: F401 (hf_selfspec.kernels from a source tre
 from ._version import __version__
 from .decoding.cycle import DecodeConfig
 from .engine.core import EngineConfig
-from .integration import AutoSelfSpecModelForCausalLM, attach_heads, detach_heads
+from .integration import AutoSelfSpecModelForCausalLM, attach_heads, detach_heads, selfspec_state
 from .stats import DecodeStats
 
 
@@ -55,4 +55,5 @@ __all__ = [
     "default_model_path",
     "detach_heads",
     "load_default",
+    "selfspec_state",
 ]

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_cpp_peer
 
-from hf_selfspec import attach_heads  # noqa: E402
+from hf_selfspec import attach_heads, selfspec_state  # noqa: E402
 from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
 from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
@@ -79,7 +79,7 @@ def run_method(method, model, ids, max_new, state):
     elif method == "hf_assisted":  # HF's classical assisted generation with the draft model
         out = model.generate(ids, assistant_model=state["draft_model"], **greedy)
     elif method == "self_draft_model":
-        model._selfspec.decode_config = state["decode"]["self"]
+        selfspec_state(model).decode_config = state["decode"]["self"]
         out = model.generate(ids, assistant="self", assistant_model=state["draft_model"], **greedy)
         stats = model.selfspec_stats.as_dict()
     elif method == "hf_early_exit":
@@ -88,11 +88,11 @@ def run_method(method, model, ids, max_new, state):
         tokens, seconds = state["peers"][method].generate(ids[0].tolist(), max_new, set(state["eos"]))
         return tokens, seconds, None
     elif method == "engine_ar":
-        engine = model._selfspec.engine_for(model, ids.shape[1] + max_new + 16)
+        engine = selfspec_state(model).engine_for(model, ids.shape[1] + max_new + 16)
         tokens = engine.generate_ar(ids[0].tolist(), max_new, state["eos"])
         return tokens, time.perf_counter() - t0, None
     else:
-        model._selfspec.decode_config = state["decode"][method]
+        selfspec_state(model).decode_config = state["decode"][method]
         out = model.generate(ids, assistant="self", **greedy)
         stats = model.selfspec_stats.as_dict()
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0, stats
@@ -128,7 +128,7 @@ def text_context(tokenizer, sets, n: int) -> list[int]:
 
 def width_curve(model, widths, prompt, reps=9):
     """ms of a verify step over all layers vs its number of rows, after `prompt`."""
-    engine = model._selfspec.engine_for(model, 1024)
+    engine = selfspec_state(model).engine_for(model, 1024)
     engine.prefill(prompt)
     rows = [(n, verify_ms(engine, prompt, n, reps)) for n in widths if n <= engine.width]
     base = rows[0][1]
@@ -177,7 +177,7 @@ def step_split(engine, prompt, n: int, reps: int) -> dict:
         from hf_selfspec.engine.compact import projection_positions
 
         rows_linear, forms = load_rows_linear(), compact.kernel_weights
-        read = [forms[i] for i in projection_positions(len(forms), engine._fused_per_layer)]
+        read = [forms[i] for i in projection_positions(len(forms), engine.fused_per_layer)]
         columns = [lin.weight.shape[1] for lin in linears]
 
     def products():
@@ -214,7 +214,7 @@ def roofline(model, prompt, widths=(1, 4, 8), reps: int = 9):
     beside the step's measured time: how far each step is from the memory bound; and where
     each step's time goes (step_split)."""
     context = len(prompt)
-    engine = model._selfspec.engine_for(model, 1024)
+    engine = selfspec_state(model).engine_for(model, 1024)
     cfg = model.config
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -341,9 +341,10 @@ def main(argv=None):
         from transformers import AutoModelForCausalLM
 
         draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype="float32").eval()
+    attached = selfspec_state(model).decode_config
     state = {"eos": [tokenizer.eos_token_id], "early_exit_layer": args.early_exit_layer,
              "draft_model": draft_model,
-             "decode": {k: dataclasses.replace(model._selfspec.decode_config, **v) for k, v in SELF_DECODE.items()}}
+             "decode": {k: dataclasses.replace(attached, **v) for k, v in SELF_DECODE.items()}}
     peers = [m for m in methods if m in PEER_METHODS]
     if peers:
         from llama_cpp_peer import LlamaCppPeer, f32_gguf
@@ -383,7 +384,7 @@ def main(argv=None):
     print_table(records, categories, methods)
     widths = width_curve(model, [1, 2, 3, 4, 6, 8], text_context(tokenizer, sets, 200)) if args.widths else None
     bound = roofline(model, text_context(tokenizer, sets, 300)) if args.roofline else None
-    engine = model._selfspec.engine
+    engine = selfspec_state(model).engine
     compact = None if engine is None or engine.compact is None else engine.compact.count
     print(f"\nweights: {'ordinary checkpoint (off the GGUF grid)' if args.ordinary else 'as loaded'}; "
           f"projections read compactly: {compact or 0}")
@@ -395,7 +396,7 @@ def main(argv=None):
     meta = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "max_new_tokens": args.max_new_tokens, "ordinary": args.ordinary,
             "compact_projections": compact or 0,
-            "engine_layout": model._selfspec.engine.layout.name if model._selfspec.engine else None}
+            "engine_layout": selfspec_state(model).engine.layout.name if selfspec_state(model).engine else None}
     out.write_text(json.dumps({"meta": meta, "records": records, "width_curve": widths, "roofline": bound},
                               indent=1))
     print(f"\nsaved {out}")

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_selfspec import attach_heads  # noqa: E402
+from hf_selfspec import attach_heads, selfspec_state  # noqa: E402
 from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
 from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
@@ -41,7 +41,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model_and_tokenizer()
     attach_heads(model)
-    guarded = model._selfspec.decode_config
+    guarded = selfspec_state(model).decode_config
     configs = {"self": guarded, "self_unguarded": replace(guarded, adaptive=False)}
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     eos = tokenizer.eos_token_id
@@ -60,10 +60,10 @@ def main(argv=None):
                     if method == "hf_greedy":
                         out = model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
                     elif method == "engine_ar":
-                        engine = model._selfspec.engine_for(model, ids.shape[1] + args.max_new_tokens + 16)
+                        engine = selfspec_state(model).engine_for(model, ids.shape[1] + args.max_new_tokens + 16)
                         out = engine.generate_ar(ids[0].tolist(), args.max_new_tokens, [eos])
                     else:
-                        model._selfspec.decode_config = configs[method]
+                        selfspec_state(model).decode_config = configs[method]
                         out = model.generate(ids, assistant="self", **kw)[0, ids.shape[1]:].tolist()
                         s = model.selfspec_stats
                         taus[method] = s.new_tokens / max(s.cycles + 1, 1)

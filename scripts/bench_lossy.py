@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_selfspec import attach_heads  # noqa: E402
+from hf_selfspec import attach_heads, selfspec_state  # noqa: E402
 from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
 from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
@@ -54,7 +54,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     model, tokenizer = load_default_model_and_tokenizer()
     attach_heads(model)
-    base = model._selfspec.decode_config
+    base = selfspec_state(model).decode_config
     ks = [int(k) for k in args.top_k.split(",")]
     methods = ["hf_greedy"] + [f"lossy_top_k={k}" for k in ks]
     configs = {f"lossy_top_k={k}": replace(base, lossy_top_k=k) for k in ks}
@@ -69,7 +69,7 @@ def main(argv=None):
         if m == "hf_greedy":
             model.generate(warm, **kw)
         else:
-            model._selfspec.decode_config = configs[m]
+            selfspec_state(model).decode_config = configs[m]
             model.generate(warm, assistant="self", **kw)
     for category in args.categories.split(","):
         for i, messages in enumerate(sets[category]):
@@ -83,7 +83,7 @@ def main(argv=None):
                 if m == "hf_greedy":
                     out = model.generate(ids, **kw)
                 else:
-                    model._selfspec.decode_config = configs[m]
+                    selfspec_state(model).decode_config = configs[m]
                     out = model.generate(ids, assistant="self", **kw)
                     quality[m]["tau"].append(model.selfspec_stats.tau)
                 seconds[m] += time.perf_counter() - t0

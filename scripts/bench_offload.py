@@ -64,7 +64,7 @@ def run_part(name: str, model, prompts: list[list[int]], max_new: int, heads, st
     started = time.perf_counter()
     model.generate(warm, max_new_tokens=4, do_sample=False, assistant="self")  # engine build, costs
     build = time.perf_counter() - started
-    engine = model._selfspec.engine
+    engine = hf_selfspec.selfspec_state(model).engine
     placement = engine.view.placement
     moved = streamed_bytes(placement)
     rows = {"hf_s": [], "self_s": [], "new": [], "cycles": [], "drafted": [], "identical": 0}
@@ -87,8 +87,8 @@ def run_part(name: str, model, prompts: list[list[int]], max_new: int, heads, st
               f"tau {stats.new_tokens / max(stats.cycles, 1):.2f}, "
               f"identical {torch.equal(ref, out)}", flush=True)
     new, cycles = sum(rows["new"]), sum(rows["cycles"])
-    heads_bytes = 0 if model._selfspec.heads is None else sum(
-        t.numel() * t.element_size() for t in model._selfspec.heads.state_dict().values())
+    heads_bytes = 0 if hf_selfspec.selfspec_state(model).heads is None else sum(
+        t.numel() * t.element_size() for t in hf_selfspec.selfspec_state(model).heads.state_dict().values())
     mapped = all(p.mapped is not None for p in placement.parts if p.offloaded)
     return {
         "part": name, "prompts": len(prompts), "identical": rows["identical"],

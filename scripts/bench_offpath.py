@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_selfspec import attach_heads  # noqa: E402
+from hf_selfspec import attach_heads, selfspec_state  # noqa: E402
 from hf_selfspec.data import prompt_sets, render_prompt  # noqa: E402
 from hf_selfspec.defaults import load_default_model_and_tokenizer  # noqa: E402
 
@@ -76,7 +76,7 @@ def part_half(args, dtype: torch.dtype) -> None:
     warm = torch.tensor([prompts[0]])
     model.generate(warm, **greedy)
     model.generate(warm, assistant="self", **greedy)
-    engine = model._selfspec.engine
+    engine = selfspec_state(model).engine
     hf_t = self_t = 0.0
     tokens = same_hf = same_ar = 0
     for p in prompts:
@@ -471,7 +471,7 @@ def random_model_run(label, model, args):
     own_ar = ""
     if model.dtype != torch.float32:  # a 16-bit model's promise: the engine's own AR output
         eos = model.generation_config.eos_token_id
-        ar = model._selfspec.engine.generate_ar(ids[0].tolist(), n, eos if isinstance(eos, list) else [eos])
+        ar = selfspec_state(model).engine.generate_ar(ids[0].tolist(), n, eos if isinstance(eos, list) else [eos])
         own_ar = f" (to HF's {model.dtype} greedy), to the engine's own AR {third[0, ids.shape[1]:].tolist() == ar}"
     t_hf_med = statistics.median([t_hf, t_hf2])
     print(f"{label} {params:.2f}B {str(model.dtype).removeprefix('torch.')}, prompt {args.prompt_tokens}, "

@@ -206,10 +206,7 @@ def print_width_sweep(model, args, prompt, torch) -> None:
 def check_trees(model, engine, graph_engine, prompts, N, torch, failed) -> None:
     """Section 5: tree decoding, eager and through graphs, == the engine's AR tokens."""
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
-
-    # the tests' random heads (confident, mostly wrong: trees branch); tests/ is in the checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from test_decoding import random_top_heads
+    from hf_selfspec.heads.top import random_top_heads  # confident, mostly wrong: trees branch
 
     top = random_top_heads(model, depth=3)
     config = DecodeConfig(thresholds=0.0, lookup="first", tree="on", siblings=3,
@@ -735,7 +732,7 @@ def main(argv=None) -> int:
                                               row_layout="fixed", executor="cuda_graphs"))
     check_trees(model, engine, graph_engine, prompts, N, torch, failed)
 
-    from hf_selfspec import attach_heads
+    from hf_selfspec import attach_heads, selfspec_state
 
     attach_heads(model, heads=False, engine=EngineConfig(width=args.width, capacity=args.capacity,
                                                          row_layout="fixed", executor="cuda_graphs"))
@@ -751,7 +748,7 @@ def main(argv=None) -> int:
     print(f"tokens == engine AR on {sum(same)}/{len(prompts)} prompts")
     if not all(same):
         failed.append("generate(assistant='self') with graphs != engine AR")
-    self_engine = model._selfspec.engine
+    self_engine = selfspec_state(model).engine
     if self_engine.graphs is None or self_engine.graphs.eager:
         failed.append("generate(assistant='self') did not run the graph executor")
     hf_ms, self_ms = rows[0][1], per_token(self_generate, prompt)

@@ -51,7 +51,7 @@ def main() -> int:
             started = time.perf_counter()
             out = model.generate(ids, max_new_tokens=32, do_sample=False, assistant="self")
             seconds = time.perf_counter() - started
-            engine = model._selfspec.engine
+            engine = hf_selfspec.selfspec_state(model).engine
             ar = engine.generate_ar(prompt[0].tolist(), 32)
             same_ar = out[0, prompt.shape[1]:].tolist() == ar
             same_hf = torch.equal(out, ref)

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_selfspec import attach_heads
+from hf_selfspec import attach_heads, selfspec_state
 from hf_selfspec.data import prompt_sets, render_prompt
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
 from hf_selfspec.decoding.drafters import HEADS_KEY
@@ -115,7 +115,7 @@ def record(model, prompts: list[list[int]], max_new: int, eos: list[int], row_co
     decode policy and engine), recording the loop's events. row_costs: the policy plans
     with these step costs instead of the engine's measured ones. -> (prompts' cycles,
     tokens, whether the cycles drafted trees)."""
-    state = model._selfspec
+    state = selfspec_state(model)
     tokens = []
     events: list[tuple] = []
     trees = False
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tokenizer = load_default_model_and_tokenizer()
     attach_heads(model)  # the shipped heads
-    state = model._selfspec
+    state = selfspec_state(model)
     if state.engine_config.width + 1 != len(GPU_ROW_COSTS):
         raise SystemExit(f"GPU_ROW_COSTS has {len(GPU_ROW_COSTS)} entries for width {state.engine_config.width}")
     eos = model.generation_config.eos_token_id

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from conftest import tiny_model
-from test_decoding import prompt, random_heads, random_top_heads
+from test_decoding import prompt, random_heads
 from test_sampling import DRAWS, PROMPT, chi_square_p_value, exact_joint, processors
 
 from hf_selfspec import DecodeConfig, attach_heads
@@ -21,6 +21,7 @@ from hf_selfspec.decoding.sampling import RowScorer
 from hf_selfspec.decoding.tree import DraftTree
 from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.regions import KVRegion
+from hf_selfspec.heads.top import random_top_heads
 
 
 def tree_of(values):

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
-from test_decoding import random_top_heads
 
 from hf_selfspec.heads import save_heads
+from hf_selfspec.heads.top import random_top_heads
 
 SOURCE = Path(__file__).resolve().parent.parent / "custom_generate"
 METHOD_FILES = ("generate.py", "requirements.txt")

@@ -15,6 +15,7 @@ from conftest import engine_or_skip, hf_greedy, tiny_model
 from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.heads import ExitHeads
+from hf_selfspec.heads.top import random_top_heads
 
 NEVER = 2.0  # a confidence threshold no head reaches
 ALWAYS = 0.0
@@ -32,24 +33,6 @@ def random_heads(model, layers, seed=0):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
             if head.reject is not None:
                 head.reject.bias.fill_(-20.0)  # never reject: every evaluation can draft
-    return heads
-
-
-def random_top_heads(model, depth=2, seed=0, adapter=16):
-    """Top-layer draft heads with random chain steps (confident, mostly wrong)."""
-    from hf_selfspec.heads.repo import fingerprint
-    from hf_selfspec.heads.top import TopDraftHeads, TopHeadsConfig
-
-    cfg, vocab = model.config, model.lm_head.out_features  # the logits' width
-    config = TopHeadsConfig(base_model="tiny", base_fingerprint=fingerprint(model),
-                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                            vocab_size=vocab, depth=depth, adapter_dim=adapter, reduced_vocab=vocab)
-    heads = TopDraftHeads(config, torch.arange(vocab)).init_from_model(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for step in heads.steps[1:]:  # step 0 stays the logit lens of the final state: often right
-            for p in (step.down.weight, step.up.weight):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     return heads
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from test_decoding import random_top_heads
 
 from hf_selfspec.decoding.config import DecodeConfig
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
 from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.heads.device_drafting import draft_chain_on_device, draft_trees_on_device
+from hf_selfspec.heads.top import random_top_heads
 
 
 @pytest.fixture(scope="module")

@@ -575,13 +575,14 @@ def test_kind_table_covers_every_kind(model, tmp_path):
     its entry in the kind table, under its own kind string; each entry's heads save, load
     back as that kind and get their drafter from the one factory (make_drafter)."""
     from conftest import engine_or_skip
-    from test_decoding import random_heads, random_top_heads
+    from test_decoding import random_heads
 
     import hf_selfspec.heads as heads_package
     from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
     from hf_selfspec.decoding.drafters import ExitHeadsDrafter, TopHeadsDrafter
     from hf_selfspec.engine.core import EngineConfig
     from hf_selfspec.heads import KINDS, HeadsIdentity, is_heads, kind_of, make_drafter
+    from hf_selfspec.heads.top import random_top_heads
 
     configs = {c for c in _subclasses(HeadsIdentity) if c.__module__.startswith("hf_selfspec.")}
     assert configs == {kind.config for kind in KINDS.values()}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 from safetensors.torch import load_file, save_file
-from test_decoding import random_heads, random_top_heads
+from test_decoding import random_heads
 
 from hf_selfspec import attach_heads, detach_heads
 from hf_selfspec.heads import (
@@ -31,6 +31,7 @@ from hf_selfspec.heads import (
     save_heads,
     weight_probe,
 )
+from hf_selfspec.heads.top import random_top_heads
 
 # --------------------------------------------------------------------------- helpers
 

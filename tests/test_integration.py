@@ -373,15 +373,19 @@ def test_a_request_plain_greedy_serves_near_the_end_of_the_positions():
 
 def test_first_call_reports_the_engine_build_apart(monkeypatch):
     """The engine build is stats.build_time, not decoding time: tokens/s of the first call
-    is the decoding speed (an engine build made 1 s slower must not show in total_time)."""
-    from hf_selfspec.integration import SelfSpecState
+    is the decoding speed. The loop's clock jumps 1000 s inside the build (no sleep, no
+    wall-clock bound): the jump must show in build_time and not in total_time."""
+    import time
+    import types
 
-    build = SelfSpecState._new_engine
+    from hf_selfspec.integration import SelfSpecState, decode_loop
+
+    build, jump = SelfSpecState._new_engine, {"s": 0.0}
+    monkeypatch.setattr(decode_loop, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + jump["s"]))
 
     def slow_build(self, model, need):
-        import time
-
-        time.sleep(1.0)
+        jump["s"] += 1000.0
         return build(self, model, need)
 
     monkeypatch.setattr(SelfSpecState, "_new_engine", slow_build)
@@ -389,8 +393,8 @@ def test_first_call_reports_the_engine_build_apart(monkeypatch):
     ids = prompt(15)
     model.generate(ids, max_new_tokens=8, assistant="self", **GREEDY)
     first = model.selfspec_stats
-    assert first.build_time >= 1.0 and first.total_time < 1.0
-    assert "engine build" in first.summary() and first.as_dict()["build_time"] >= 1.0
+    assert first.build_time >= 1000.0 and first.total_time < 1000.0
+    assert "engine build" in first.summary() and first.as_dict()["build_time"] >= 1000.0
     model.generate(ids, max_new_tokens=8, assistant="self", **GREEDY)
     assert model.selfspec_stats.build_time == 0.0 and "engine build" not in model.selfspec_stats.summary()
 

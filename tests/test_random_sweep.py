@@ -20,11 +20,12 @@ import random
 import pytest
 import torch
 import transformers
-from test_decoding import random_heads, random_top_heads
+from test_decoding import random_heads
 from transformers.pytorch_utils import Conv1D
 
 from hf_selfspec import DecodeConfig, attach_heads
 from hf_selfspec.engine.core import EngineConfig
+from hf_selfspec.heads.top import random_top_heads
 
 TWO_ROPES = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
              "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}

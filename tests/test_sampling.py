@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
-from test_decoding import random_heads, random_top_heads
+from test_decoding import random_heads
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
 
 from hf_selfspec import DecodeConfig, attach_heads
@@ -21,6 +21,7 @@ from hf_selfspec.decoding import sampling
 from hf_selfspec.decoding.cycle import SelfSpecDecoder
 from hf_selfspec.decoding.sampling import RowScorer, residual, speculative_tokens
 from hf_selfspec.engine.core import Engine, EngineConfig
+from hf_selfspec.heads.top import random_top_heads
 
 TOP_K = 3
 TEMPERATURE = 2.0

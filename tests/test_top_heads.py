@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from test_decoding import random_top_heads
 
 from hf_selfspec import DecodeConfig, attach_heads
 from hf_selfspec.heads.repo import load_heads, read_kind, save_heads
-from hf_selfspec.heads.top import TOP_KIND
+from hf_selfspec.heads.top import TOP_KIND, random_top_heads
 
 
 def test_round_trip_is_bit_exact(tmp_path):
@@ -99,7 +98,7 @@ def test_card_reports_own_generation_figures_and_fine_tuning(tmp_path):
     card = (tmp_path / "README.md").read_text()
     metadata = yaml.safe_load(card.split("---")[1])
     assert metadata["library_name"] == "hf_selfspec" and metadata["base_model_relation"] == "adapter"
-    assert metadata["base_model"] == "tiny" and "draft-heads" in metadata["tags"]
+    assert metadata["base_model"] == "random" and "draft-heads" in metadata["tags"]
     meta = metadata["hf_selfspec"]
     assert meta["top1_agreement_per_step"] == [0.47, 0.45]
     assert meta["expected_tau_full_chain"] == 1.68

@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run of the replay")
 
 from conftest import tiny_model
-from test_decoding import prompt, random_top_heads
+from test_decoding import prompt
 from test_gpu import _EagerGraph
 
 import hf_selfspec.engine.cuda_graphs as runner_module
@@ -32,6 +32,7 @@ from hf_selfspec.decoding.cycle import DecodeConfig, SelfSpecDecoder
 from hf_selfspec.engine.attention import TritonAttention
 from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
+from hf_selfspec.heads.top import random_top_heads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import gpu_check

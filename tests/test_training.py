@@ -169,9 +169,9 @@ def test_card_names_the_prompts_the_heads_were_trained_on():
     """The card's training text and dataset follow config.training's `prompts`: ShareGPT
     (the default, or heads that record none, like the shipped ones) or the user's file."""
     from conftest import tiny_model
-    from test_decoding import random_top_heads
 
-    from hf_selfspec.heads.card import render_card
+    from hf_selfspec.heads import render_card
+    from hf_selfspec.heads.top import random_top_heads
 
     heads = random_top_heads(tiny_model("llama", seed=0, layers=2))
     figures = {"data": "own", "train_positions": 100, "epochs": 1, "train_seconds": 1.0,

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from test_decoding import prompt, random_heads, random_top_heads
+from test_decoding import prompt, random_heads
 
 from hf_selfspec.decoding.candidates import DraftContext, Source
 from hf_selfspec.decoding.cycle import DecodeConfig, DraftPlan, SelfSpecDecoder
 from hf_selfspec.decoding.tree import DraftTree
 from hf_selfspec.engine.core import Engine, EngineConfig
+from hf_selfspec.heads.top import random_top_heads
 
 
 def test_trie_merges_branches_and_lays_out_rows():

@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the Triton kernel
 from conftest import tiny_model
 from hf_selfspec.kernels.attention import row_attention
 from hf_selfspec.kernels.reference import row_attention_reference
-from test_decoding import prompt, random_top_heads
+from test_decoding import prompt
 from test_gpu import _EagerGraph
 
 import hf_selfspec.engine.cuda_graphs as runner_module
@@ -33,6 +33,7 @@ from hf_selfspec.engine.core import Engine, EngineConfig
 from hf_selfspec.engine.cuda_graphs import CudaGraphRunner
 from hf_selfspec.engine.layouts import FixedLayout
 from hf_selfspec.engine.meta import StepRows
+from hf_selfspec.heads.top import random_top_heads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D = 4, 2, 64

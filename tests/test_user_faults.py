@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_model
-from test_decoding import random_top_heads
 
 from hf_selfspec import DecodeConfig, attach_heads
 from hf_selfspec.engine.core import EngineConfig
+from hf_selfspec.heads.top import random_top_heads
 
 KW = {"max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
 MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "enable_grad": torch.enable_grad}

@@ -295,6 +295,11 @@ class Engine(KVCacheSlots, StepMetadata, LayerExecution, Prefill):
         return weight_signature(self.view.model) != self._signature
 
     @property
+    def fused_per_layer(self) -> int:
+        """Weight tensors per decoder layer in the kernel layout's fused list (0: no fused list)."""
+        return self._fused_per_layer
+
+    @property
     def streams_weights(self) -> bool:
         """Whether accelerate brings some of the weights in at each step (offload)."""
         return self.view.placement is not None and self.view.placement.any_offloaded

@@ -24,9 +24,8 @@ from .base import (
     weight_probe,
 )
 from .calibrate import Calibration, ChainCalibration, HeadCalibration, isotonic_fit
-from .card import render_card
 from .exit import ExitHead, ExitHeads, ExitHeadsConfig, HeadsConfig
-from .kinds import KINDS, HeadKind, is_heads, kind_named, kind_of, make_drafter
+from .kinds import KINDS, HeadKind, is_heads, kind_named, kind_of, make_drafter, render_card
 from .repo import (
     default_heads_path,
     exit_heads_path,

@@ -3,45 +3,53 @@
 Metadata is a `ModelCardData` (base_model, base_model_relation "adapter", library_name,
 license, tags, datasets, and an `hf_selfspec` block of measured figures); the body is the
 kind's Jinja template in hf_selfspec/model_cards/, filled from config.json's `training`.
+What differs by kind is one `CardForm`, which the kind table (kinds.py) names per kind.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LIBRARY_NAME = "hf_selfspec"
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_cards"
-TEMPLATE_FILES = {"exit_head": "heads_card.md.j2", "top_draft": "top_heads_card.md.j2"}
 COMMON_TAGS = ["hf_selfspec", "self-speculative-decoding", "speculative-decoding"]
-KIND_TAGS = {"exit_head": ["early-exit", "exit-heads"], "top_draft": ["draft-heads"]}
 # The shipped top-layer heads' training prompts; heads that record their own say so.
 DEFAULT_TOP_DATASETS = ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
 DEFAULT_REPRODUCE = "scripts/head_study.py (see docs/head_study.md)"
 
 
-def render_card(heads) -> str:
-    """README.md text of `heads` (ExitHeads or TopDraftHeads): YAML metadata + body."""
+@dataclass(frozen=True)
+class CardForm:
+    """One kind's card: its template in model_cards/, its tags, and what fills the template
+    (heads -> (Hub datasets, the metadata's summary figures, the template's variables))."""
+
+    template: str
+    tags: tuple[str, ...]
+    context: Callable[[Any], tuple[list, dict, dict]]
+
+
+def render(heads, form: CardForm) -> str:
+    """README.md text of `heads` in the card `form` of their kind: YAML metadata + body."""
     import jinja2
     from huggingface_hub import ModelCard, ModelCardData
 
     kind = heads.kind
     config, training = heads.config, dict(heads.config.training or {})
-    if kind == "exit_head":
-        datasets, summary, context = training.get("datasets", []), *_exit_context(heads)
-    else:
-        datasets = training.get("datasets", DEFAULT_TOP_DATASETS)
-        summary, context = _top_context(heads)
+    datasets, summary, context = form.context(heads)
     data = ModelCardData(
         base_model=config.base_model,
         base_model_relation="adapter",
         library_name=LIBRARY_NAME,
         license=training.get("license", "apache-2.0"),
-        tags=COMMON_TAGS + KIND_TAGS[kind],
+        tags=COMMON_TAGS + list(form.tags),
         datasets=list(datasets) or None,  # user prompts: no Hub dataset to name
         hf_selfspec={"kind": kind, "format_version": config.format_version, **summary},
     )
     template = jinja2.Template(
-        (TEMPLATES / TEMPLATE_FILES[kind]).read_text(encoding="utf-8"),
+        (TEMPLATES / form.template).read_text(encoding="utf-8"),
         keep_trailing_newline=True,
         undefined=jinja2.ChainableUndefined,  # a figure missing from `training` prints as empty
     )
@@ -49,7 +57,7 @@ def render_card(heads) -> str:
     return str(ModelCard(text))  # parses the metadata back: a card the Hub can read
 
 
-def _exit_context(heads) -> tuple[dict, dict]:
+def _exit_context(heads) -> tuple[list, dict, dict]:
     config, training = heads.config, dict(heads.config.training or {})
     metrics = training.get("heads") or [{} for _ in heads.heads]
     thresholds = heads.calibration.thresholds if heads.calibration else [None] * len(heads)
@@ -68,10 +76,10 @@ def _exit_context(heads) -> tuple[dict, dict]:
         "training_positions": training.get("train_positions"),
         "training_time_s": training.get("total_time_s"),
     }
-    return summary, {"heads": rows, "fmt": _fmt}
+    return training.get("datasets", []), summary, {"heads": rows, "fmt": _fmt}
 
 
-def _top_context(heads) -> tuple[dict, dict]:
+def _top_context(heads) -> tuple[list, dict, dict]:
     cfg, t = heads.config, dict(heads.config.training or {})
     # the decoder's own text (own_eval_*) where measured, else the teacher-forced eval
     prefix = "own_eval_" if "own_eval_step0_top1_given_reached" in t else ""
@@ -94,13 +102,17 @@ def _top_context(heads) -> tuple[dict, dict]:
                    "top4": t.get(f"{pre}step{i}_top4_given_reached")} for i in range(cfg.depth)]}
         for pre, what in evals if f"{pre}step0_top1_given_reached" in t
     ]
-    return summary, {
+    return t.get("datasets", DEFAULT_TOP_DATASETS), summary, {
         "evals": tables,
         "tree": t.get("own_eval_dynamic_tree_tau"),  # scripts/head_study.py dyn-trees
         "e2e": t.get("end_to_end"),  # generate(assistant="self") vs HF greedy, scripts/bench.py
         "training_text": _training_text(t),
         "reproduce": t.get("reproduce", DEFAULT_REPRODUCE),
     }
+
+
+EXIT_CARD = CardForm("heads_card.md.j2", ("early-exit", "exit-heads"), _exit_context)
+TOP_CARD = CardForm("top_heads_card.md.j2", ("draft-heads",), _top_context)
 
 
 def _training_text(t: dict) -> str:

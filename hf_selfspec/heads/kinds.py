@@ -1,12 +1,13 @@
 """The kind table: every kind of heads, by the "kind" string of its config.json.
 
-    kind         config class      heads class      calibration        drafter (decoding)
-    "exit_head"  ExitHeadsConfig   ExitHeads        Calibration        ExitHeadsDrafter
-    "top_draft"  TopHeadsConfig    TopDraftHeads    ChainCalibration   TopHeadsDrafter
+    kind         config class      heads class      calibration        drafter (decoding)  card
+    "exit_head"  ExitHeadsConfig   ExitHeads        Calibration        ExitHeadsDrafter    EXIT_CARD
+    "top_draft"  TopHeadsConfig    TopDraftHeads    ChainCalibration   TopHeadsDrafter     TOP_CARD
 
 The repo loader (repo.py) reads and writes every kind through its entry; the decoder gets
-its drafter from `make_drafter`, the one factory, through the same entry. A new kind is
-one entry here (its config extends base.HeadsIdentity).
+its drafter from `make_drafter`, the one factory, and the model card its form from
+`render_card`, through the same entry. A new kind is one entry here (its config extends
+base.HeadsIdentity).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from .base import HeadsIdentity
 from .calibrate import Calibration, ChainCalibration
+from .card import EXIT_CARD, TOP_CARD, CardForm, render
 from .exit import HEAD_KIND, ExitHeads, ExitHeadsConfig
 from .top import STORAGE_DTYPES, TOP_KIND, TopDraftHeads, TopHeadsConfig
 
@@ -38,6 +40,7 @@ class HeadKind:
     calibration_of: Callable[[Any, list[float] | None], Any]
     # (engine, heads, thresholds, DecodeConfig) -> the decoder's drafter for these heads
     drafter: Callable[[Any, Any, list[float], Any], Any]
+    card: CardForm  # README.md of a saved repo: template, tags, figures
 
     def read_calibration(self, data, config):
         """calibration.json's data, checked against the config (ValueError naming the field)."""
@@ -84,14 +87,16 @@ KINDS: dict[str, HeadKind] = {
         sources=lambda config: len(config.layers),
         calibration=Calibration,
         calibration_of=_exit_calibration,
-        drafter=_exit_drafter),
+        drafter=_exit_drafter,
+        card=EXIT_CARD),
     TOP_KIND: HeadKind(
         TOP_KIND, TopHeadsConfig, TopDraftHeads,
         weights_dtype=lambda config: STORAGE_DTYPES[config.storage_dtype],
         sources=lambda config: config.depth,
         calibration=ChainCalibration,
         calibration_of=_chain_calibration,
-        drafter=_top_drafter),
+        drafter=_top_drafter,
+        card=TOP_CARD),
 }
 
 
@@ -121,3 +126,8 @@ def make_drafter(engine, heads, thresholds: list[float], config):
     """The one drafter factory: the drafter of `heads`, whatever their kind, over `engine`
     with per-source `thresholds` and the DecodeConfig `config`."""
     return kind_of(heads).drafter(engine, heads, thresholds, config)
+
+
+def render_card(heads) -> str:
+    """README.md text (the model card) of `heads`, whatever their kind."""
+    return render(heads, kind_of(heads).card)

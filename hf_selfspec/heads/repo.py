@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 
 from .base import check_compatible, fingerprint, weight_probe
-from .card import render_card
 from .exit import HEAD_KIND
-from .kinds import HeadKind, kind_named, kind_of
+from .kinds import HeadKind, kind_named, kind_of, render_card
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "heads.safetensors"

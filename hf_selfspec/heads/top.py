@@ -379,3 +379,21 @@ class TopDraftHeads(nn.Module):
             step_tokens = torch.tensor(keep_tokens, device=h.device)
             owner = keep_owner
         return [likeliest_first(found) for found in nodes]
+
+
+def random_top_heads(model, depth: int = 2, seed: int = 0, adapter: int = 16, scale: float = 0.3) -> TopDraftHeads:
+    """Top heads over the whole vocabulary whose step 0 is the untrained logit lens of the
+    final state (often right) and whose later steps are random (confident, mostly wrong), so
+    chains break and trees branch: for tests and device checks of the decode loop, never for
+    drafting in earnest."""
+    cfg, vocab = model.config, model.get_output_embeddings().out_features  # the logits' width
+    config = TopHeadsConfig(base_model="random", base_fingerprint=fingerprint(model),
+                            num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                            vocab_size=vocab, depth=depth, adapter_dim=adapter, reduced_vocab=vocab)
+    heads = TopDraftHeads(config, torch.arange(vocab)).init_from_model(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for step in heads.steps[1:]:
+            for p in (step.down.weight, step.up.weight):
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return heads

@@ -28,6 +28,7 @@ from .attach import (
     detach_heads,
 )
 from .options import SelfSpecCall
-from .state import SelfSpecState
+from .state import SelfSpecState, selfspec_state
 
-__all__ = ["AutoSelfSpecModelForCausalLM", "SelfSpecCall", "SelfSpecState", "attach_heads", "detach_heads"]
+__all__ = ["AutoSelfSpecModelForCausalLM", "SelfSpecCall", "SelfSpecState", "attach_heads", "detach_heads",
+           "selfspec_state"]

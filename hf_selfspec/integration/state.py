@@ -142,3 +142,13 @@ class SelfSpecState:
                 "capture that fails later falls back the same way (CudaGraphRunner).",
                 RuntimeWarning, stacklevel=2)
             return Engine(model, replace(config, executor="eager"))
+
+
+def selfspec_state(model) -> SelfSpecState:
+    """What `attach_heads` keeps on `model` (its heads, configs and engines), for tools and
+    benchmarks that set a decode config or read the engine; ValueError for a model that
+    was not attached."""
+    state = getattr(model, "__dict__", {}).get("_selfspec")
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no hf_selfspec state: call hf_selfspec.attach_heads(model) first")
+    return state
