@@ -47,6 +47,11 @@ DRAFT_METHODS = ("hf_assisted", "self_draft_model")  # need --draft-model
 # llama.cpp greedy and its prompt-lookup decoding on an F32 GGUF of the same weights
 # (scripts/llama_cpp_peer.py; needs llama-cpp-python, benchmark-only)
 PEER_METHODS = ("llama_cpp_greedy", "llama_cpp_lookup")
+# sampling at temperature 0.7, top-p 0.9, the same seed for both per prompt: HF's and self-spec's
+# (exact in distribution, not token for token: their `same` column is "-"; `x HF` stays HF greedy's,
+# and a line after the tables gives self_sample against hf_sample)
+SAMPLE_METHODS = ("hf_sample", "self_sample")
+SAMPLING = dict(do_sample=True, temperature=0.7, top_p=0.9)
 # draft structures, each = the shipped default policy with one change (--methods to pick)
 TREE_METHODS = ("self_chain", "self_tree", "self_tree_merge", "self_tree_sib1", "self_tree_beam1",
                 "self_heads_tree", "self_heads_chain", "self_heads_fixed", "self_heads_fixed_tree")
@@ -84,6 +89,15 @@ def run_method(method, model, ids, max_new, state):
         stats = model.selfspec_stats.as_dict()
     elif method == "hf_early_exit":
         out = model.generate(ids, assistant_early_exit=state["early_exit_layer"], **greedy)
+    elif method in SAMPLE_METHODS:
+        torch.manual_seed(state["seed"])
+        sampling = dict(SAMPLING, max_new_tokens=max_new, attention_mask=mask)
+        if method == "hf_sample":
+            out = model.generate(ids, **sampling)
+        else:
+            selfspec_state(model).decode_config = state["decode"]["self"]
+            out = model.generate(ids, assistant="self", **sampling)
+            stats = model.selfspec_stats.as_dict()
     elif method in PEER_METHODS:
         tokens, seconds = state["peers"][method].generate(ids[0].tolist(), max_new, set(state["eos"]))
         return tokens, seconds, None
@@ -311,8 +325,9 @@ def main(argv=None):
     if args.draft_model:
         methods += [m for m in DRAFT_METHODS if m not in methods]
     for m in methods:
-        if m not in METHODS + DRAFT_METHODS + TREE_METHODS + PEER_METHODS:
-            ap.error(f"unknown method {m!r}; choose from {METHODS + DRAFT_METHODS + TREE_METHODS + PEER_METHODS}")
+        known = METHODS + DRAFT_METHODS + TREE_METHODS + PEER_METHODS + SAMPLE_METHODS
+        if m not in known:
+            ap.error(f"unknown method {m!r}; choose from {known}")
         if m in PEER_METHODS and (args.model or importlib.util.find_spec("llama_cpp") is None):
             ap.error(f"method {m} needs llama-cpp-python (pip install llama-cpp-python) and the default model")
         if m in DRAFT_METHODS and not args.draft_model:
@@ -343,7 +358,7 @@ def main(argv=None):
         draft_model = AutoModelForCausalLM.from_pretrained(args.draft_model, dtype="float32").eval()
     attached = selfspec_state(model).decode_config
     state = {"eos": [tokenizer.eos_token_id], "early_exit_layer": args.early_exit_layer,
-             "draft_model": draft_model,
+             "draft_model": draft_model, "seed": 0,
              "decode": {k: dataclasses.replace(attached, **v) for k, v in SELF_DECODE.items()}}
     peers = [m for m in methods if m in PEER_METHODS]
     if peers:
@@ -370,6 +385,7 @@ def main(argv=None):
             ids = torch.tensor([render_prompt(tokenizer, messages)])
             order = methods[i % len(methods):] + methods[: i % len(methods)]  # rotate
             outs = {}
+            state["seed"] = 1000 * categories.index(cat) + i  # one seed per prompt, the same for every method
             for m in order:
                 tokens, seconds, stats = run_method(m, model, ids, args.max_new_tokens, state)
                 outs[m] = (tokens, seconds, stats)
@@ -377,7 +393,8 @@ def main(argv=None):
             for m, (tokens, seconds, stats) in outs.items():
                 records.append({"category": cat, "prompt": i, "method": m, "prompt_tokens": ids.shape[1],
                                 "new_tokens": len(tokens), "seconds": seconds,
-                                "identical": None if ref is None else tokens == ref, "stats": stats})
+                                "identical": None if ref is None or m in SAMPLE_METHODS else tokens == ref,
+                                "stats": stats})
             line = " ".join(f"{m}={len(t) / s:.1f}" for m, (t, s, _) in outs.items())
             print(f"[{cat} {i}] prompt {ids.shape[1]} tok | tok/s {line}", flush=True)
 
@@ -422,8 +439,20 @@ def summarize(records, cat, method):
         total = sum(s["total_time"] for s in stats)
         split = {k: sum(s[k] for s in stats) / total
                  for k in ("prefill_time", "draft_time", "verify_time", "host_time")}
+    same = "-" if all(r["identical"] is None for r in rows) else f"{identical}/{len(rows)}"
     return {"tok_s": statistics.median(r["new_tokens"] / r["seconds"] for r in rows), "ratio": ratio,
-            "tau": tau, "identical": f"{identical}/{len(rows)}", "split": split}
+            "tau": tau, "identical": same, "split": split}
+
+
+def sampling_ratio(records, cat) -> float | None:
+    """Time per token of hf_sample over self_sample's in `cat` ("all": every category)."""
+    per = {}
+    for m in SAMPLE_METHODS:
+        rows = [r for r in records if r["method"] == m and (cat == "all" or r["category"] == cat)]
+        if not rows:
+            return None
+        per[m] = sum(r["seconds"] for r in rows) / max(sum(r["new_tokens"] for r in rows), 1)
+    return per["hf_sample"] / per["self_sample"]
 
 
 def print_table(records, categories, methods):
@@ -438,6 +467,9 @@ def print_table(records, categories, methods):
             tau = f"{s['tau']:.2f}" if s["tau"] else "-"
             split = " / ".join(f"{v:.0%}" for v in s["split"].values()) if s["split"] else ""
             print(f"{m:<18}{s['tok_s']:>7.1f}{ratio:>7}{tau:>6}{s['identical']:>7}   {split}")
+        sampled = sampling_ratio(records, cat)
+        if sampled is not None:
+            print(f"self_sample is {sampled:.2f}x hf_sample (time per token; T 0.7, top-p 0.9)")
 
 
 def write_report(path, records, categories, methods, meta, widths, png, argv):

@@ -33,11 +33,17 @@ def main(argv=None):
                     help="off: every draft / every tree row the heads propose (tau then does not "
                          "depend on the measured step costs)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ordinary", action="store_true",
+                    help="the model off the GGUF grid, as an ordinary checkpoint (bench.py --ordinary)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from hf_selfspec import DecodeConfig
 
     model, tokenizer = load_default_model_and_tokenizer()
+    if args.ordinary:
+        from bench import off_the_gguf_grid
+
+        off_the_gguf_grid(model)
     sets = prompt_sets(tokenizer, per_category=args.per_category)
     categories = args.categories.split(",")
     prompts = [(c, render_prompt(tokenizer, m)) for c in categories for m in sets[c]]

@@ -87,9 +87,10 @@ def test_generate_with_a_draft_model(tmp_path, capsys, default_model, monkeypatc
     before = tracked.stat().st_mtime_ns if tracked.exists() else None
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    bench.main(["--model", str(tmp_path / "main"), "--methods", "hf_greedy", "--categories", "chat",
-                "--per-category", "1", "--max-new-tokens", "4"])
-    assert "nothing saved" in capsys.readouterr().out
+    bench.main(["--model", str(tmp_path / "main"), "--methods", "hf_greedy,hf_sample,self_sample",
+                "--categories", "chat", "--per-category", "1", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "nothing saved" in out and "self_sample is" in out and "x hf_sample" in out
     assert list((tmp_path / "cwd").iterdir()) == []
     assert (tracked.stat().st_mtime_ns if tracked.exists() else None) == before
 
