@@ -14,7 +14,14 @@ import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
 from test_decoding import random_heads
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hf_selfspec import DecodeConfig, attach_heads
 from hf_selfspec.decoding import sampling
@@ -185,3 +192,39 @@ def test_prefix_allowed_tokens_fn_per_batch_row(tmp_path):
                              prefix_allowed_tokens_fn=lambda _, sent, b=b: allowed(b, sent), **common)
         assert out[b, 20:].tolist() == alone[0, len(p):].tolist()
         assert all(t % 2 == (3 + b) % 2 for t in out[b, 20:].tolist())
+
+
+@pytest.mark.parametrize("warpers", [
+    [TemperatureLogitsWarper(0.7), TopKLogitsWarper(50)],
+    [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)],
+    [MinPLogitsWarper(0.05)],
+])
+def test_head_q_on_the_reduced_vocabulary_is_the_full_rows_q(warpers):
+    """Temperature, top-k, top-p and min-p read only a row's finite scores: a head's q
+    shaped on its reduced vocabulary alone is the q of the full row (every other token
+    -inf), to float rounding. A processor that reads ids keeps the full row."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, vocab_ids = 1000, torch.randperm(1000, generator=gen)[:160].sort().values
+    logits = torch.randn(160, generator=gen) * 3
+    scorer = RowScorer(LogitsProcessorList(warpers), PROMPT, vocab, "cpu")
+    assert scorer.id_free
+    reduced = scorer.draft_distribution([7, 8], [9], logits, vocab_ids)
+    scorer.id_free = False  # the full row, as for any other processor
+    full = scorer.draft_distribution([7, 8], [9], logits, vocab_ids)
+    assert reduced.shape == full.shape == (vocab,)
+    assert torch.allclose(reduced, full, atol=1e-6) and float(reduced.sum()) == pytest.approx(1.0, abs=1e-5)
+    assert not RowScorer(LogitsProcessorList([*warpers, RepetitionPenaltyLogitsProcessor(1.3)]),
+                         PROMPT, vocab, "cpu").id_free
+
+
+def test_sample_draws_each_token_in_proportion_and_never_a_zero_weight():
+    """sampling.sample inverts the cumulative sum: frequencies follow the (unnormalised)
+    weights, and a token of weight 0 (the first, the last, between two others) never comes."""
+    weights = torch.tensor([0.0, 2.0, 0.0, 5.0, 3.0, 0.0])
+    torch.manual_seed(0)
+    draws = torch.tensor([sampling.sample(weights) for _ in range(5000)])
+    counts = torch.bincount(draws, minlength=len(weights))
+    assert counts[[0, 2, 5]].sum() == 0
+    expected = {k: float(w) / 10.0 for k, w in enumerate(weights) if w > 0}
+    assert chi_square_p_value({k: int(counts[k]) for k in expected}, expected, 5000) > 1e-3
+    assert sampling.sample(torch.tensor([0.0, 0.0, 1e-30])) == 2

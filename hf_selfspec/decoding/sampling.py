@@ -44,6 +44,10 @@ ROW_PROCESSORS = frozenset({
     # tokens (called here for drafted rows too, as HF's assisted decoding calls it)
     "PrefixConstrainedLogitsProcessor",
 })
+# Warpers whose output on a row depends only on its finite scores, not on token ids or
+# input_ids: on a head's logits over its reduced vocabulary they shape q exactly as on the
+# full row, where every other token is -inf (zero probability).
+ID_FREE_WARPERS = frozenset({"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"})
 # Processors the greedy loop applies itself (EOS masking before min_new_tokens).
 MIN_LENGTH_PROCESSORS = frozenset({"MinNewTokensLengthLogitsProcessor", "MinLengthLogitsProcessor"})
 
@@ -86,6 +90,9 @@ class RowScorer:
         self.prompt_row = [int(t) for t in prompt_row]
         self.vocab_size = vocab_size
         self.device = device
+        # a head's q can be shaped on its reduced vocabulary alone (a sixth of the full row
+        # here): only ID_FREE_WARPERS, so no processor reads token ids or input_ids
+        self.id_free = all(type(p).__name__ in ID_FREE_WARPERS for p in processors)
 
     def _ids(self, committed: Sequence[int], drafts: Sequence[int]) -> torch.Tensor:
         return torch.tensor([self.prompt_row + list(committed) + list(drafts)], device=self.device)
@@ -104,6 +111,15 @@ class RowScorer:
         (vocab_ids None: logits over the full vocabulary already),
         processed like the model's, softmaxed -> [V]; None when the processors leave it no
         token (then the head does not draft)."""
+        if vocab_ids is not None and self.id_free:
+            # q need not be the model's p, only the distribution the draft is drawn from (the
+            # acceptance test reads the same q): warped on V_k alone, placed in [V]
+            scored = self.processors(None, reduced_logits.float().reshape(1, -1).clone())
+            if not bool(torch.isfinite(scored).any()):
+                return None
+            q = torch.zeros(self.vocab_size, device=scored.device)
+            q[vocab_ids] = torch.softmax(scored[0], dim=-1)
+            return q
         if vocab_ids is None:  # logits over the whole vocabulary (a draft model)
             full = reduced_logits.float().reshape(1, -1).clone()
         else:
@@ -116,8 +132,17 @@ class RowScorer:
 
 
 def sample(probs: torch.Tensor) -> int:
-    """One token from a [V] vector of non-negative weights."""
-    return int(torch.multinomial(probs, 1))
+    """One token from a [V] vector of non-negative weights (not necessarily normalised), by
+    inverting their cumulative sum at one uniform draw: token i is drawn with probability
+    w_i / sum(w), and a zero weight spans an empty interval, so it is never drawn. One
+    float64 cumsum over V costs a fraction of torch.multinomial's set-up for a single
+    sample over a large vocabulary."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), dtype=torch.float64, device=probs.device) * cdf[-1]
+    token = int(torch.searchsorted(cdf, u, right=True))
+    if token >= len(cdf):  # u rounded up to the total: the last token of positive weight
+        token = int(torch.nonzero(probs).max())
+    return token
 
 
 def accept_drafts(p: torch.Tensor, drafts: Sequence[int], q_rows: Sequence[torch.Tensor | None]) -> list[bool]:
