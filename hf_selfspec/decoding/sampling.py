@@ -113,22 +113,23 @@ class RowScorer:
         token (then the head does not draft)."""
         if vocab_ids is not None and self.id_free:
             # q need not be the model's p, only the distribution the draft is drawn from (the
-            # acceptance test reads the same q): warped on V_k alone, placed in [V]
+            # acceptance test reads the same q): warped on V_k alone, placed in [V] below
             scored = self.processors(None, reduced_logits.float().reshape(1, -1).clone())
-            if not bool(torch.isfinite(scored).any()):
-                return None
-            q = torch.zeros(self.vocab_size, device=scored.device)
-            q[vocab_ids] = torch.softmax(scored[0], dim=-1)
-            return q
-        if vocab_ids is None:  # logits over the whole vocabulary (a draft model)
-            full = reduced_logits.float().reshape(1, -1).clone()
         else:
-            full = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
-            full[0, vocab_ids] = reduced_logits.float()
-        scored = self.processors(self._ids(committed, drafts), full)
+            if vocab_ids is None:  # logits over the whole vocabulary (a draft model)
+                full = reduced_logits.float().reshape(1, -1).clone()
+            else:
+                full = torch.full((1, self.vocab_size), float("-inf"), device=self.device)
+                full[0, vocab_ids] = reduced_logits.float()
+            scored, vocab_ids = self.processors(self._ids(committed, drafts), full), None
         if not bool(torch.isfinite(scored).any()):
             return None
-        return torch.softmax(scored[0], dim=-1)
+        probs = torch.softmax(scored[0], dim=-1)
+        if vocab_ids is None:
+            return probs
+        q = torch.zeros(self.vocab_size, device=probs.device)
+        q[vocab_ids] = probs
+        return q
 
 
 def sample(probs: torch.Tensor) -> int:

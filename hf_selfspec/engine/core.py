@@ -98,8 +98,6 @@ class Engine(KVCacheSlots, StepMetadata, LayerExecution, Prefill):
         self.embedding_device = v.device if placement is None else placement.embedding.device
         self.norm_device = v.device if placement is None else placement.final_norm.device
         self.head_device = v.device if placement is None else placement.lm_head.device
-        # whether the last layer's rows must move to reach the final norm or the LM head
-        self.logits_move = not (self.groups[-1].device == self.norm_device == self.head_device)
         if self.several_devices and self.config.executor == "cuda_graphs":
             raise ValueError("the CUDA-graph executor runs a model on one device; this one executes on "
                              f"{', '.join(str(g.device) for g in self.groups)}: use EngineConfig(executor='eager')")

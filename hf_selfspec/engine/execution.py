@@ -354,11 +354,7 @@ class LayerExecution:
 
     def _logits(self, h: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         v = self.view
-        if self.logits_move:  # the final norm or the LM head sits on another device
-            h = h.to(self.norm_device)
-        x = v.norm(self._pad(h, self.layout.rows(n)), v.final_norm)
-        if self.logits_move:
-            x = x.to(self.head_device)
+        x = v.norm(self._pad(h.to(self.norm_device), self.layout.rows(n)), v.final_norm).to(self.head_device)
         return v.scale_logits(self.layout.linear(v.head_input(x), v.lm_head)[:n]), x[:n]
 
     def argmax_only(self, h: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
